@@ -1,0 +1,43 @@
+"""aiodatadist: asyncio-native KV-cache transfer for disaggregated LLM serving (the LLM-DataDist API)."""
+
+from .cache import Cache
+from .cache_manager import CacheManager
+from .config import LLMConfig, LlmConfig
+from .datadist import LLMDataDist
+from .errors import LLMException, LLMLinkError, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
+from .types import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMClusterInfo,
+    LLMRole,
+    Placement,
+    Transport,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlocksCacheKey",
+    "Cache",
+    "CacheDesc",
+    "CacheKey",
+    "CacheKeyByIdAndIndex",
+    "CacheManager",
+    "DataType",
+    "LLMClusterInfo",
+    "LLMConfig",
+    "LLMDataDist",
+    "LLMException",
+    "LLMLinkError",
+    "LLMNotInitializedError",
+    "LLMRole",
+    "LLMStatusCode",
+    "LLMTimeoutError",
+    "LlmConfig",
+    "Placement",
+    "Transport",
+    "__version__",
+]

@@ -1,0 +1,97 @@
+"""Argument checks with the reference's exception classes and messages.
+
+Type errors raise ``TypeError``, integers out of their C range raise ``ValueError``, semantic violations raise
+``LLMException(LLM_PARAM_INVALID)``.  ``bool`` counts as ``int`` exactly as in the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn
+
+import numpy as np
+
+from .errors import LLMException, LLMStatusCode
+
+_RANGES = {
+    "uint64": (0, 2**64 - 1),
+    "int64": (-(2**63), 2**63 - 1),
+    "uint32": (0, 2**32 - 1),
+    "int32": (-(2**31), 2**31 - 1),
+    "uint16": (0, 2**16 - 1),
+    "uint8": (0, 2**8 - 1),
+}
+U64_MAX = 2**64 - 1
+
+
+def _type_names(types: Sequence[type]) -> list[str]:
+    return [t.__name__ for t in types]
+
+
+def check_isinstance(name: str, value: Any, types: type | tuple[type, ...], *, allow_none: bool = False) -> None:
+    """``TypeError`` unless ``value`` is one of ``types`` (or ``None`` when allowed)."""
+    if value is None and allow_none:
+        return
+    tup = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, tup):
+        raise TypeError(f"{name} only support {_type_names(tup)}, but got {type(value)}.")
+
+
+def check_int(name: str, value: Any, kind: str) -> int:
+    """Type-check an integer and check it fits the C type ``kind`` (``uint64``, ``int32``...)."""
+    if isinstance(value, np.integer):
+        value = int(value)
+    check_isinstance(name, value, int)
+    low, high = _RANGES[kind]
+    if not low <= value <= high:
+        raise ValueError(f"{name}'s value is out of range,{value} is not a {kind} value.")
+    return int(value)
+
+
+def check_int_list(name: str, values: Any, kind: str, *, container: tuple[type, ...] = (list, tuple)) -> list[int]:
+    """Check a list/tuple of integers of C type ``kind``; returns a plain list."""
+    check_isinstance(name, values, container)
+    out = []
+    for v in values:
+        if isinstance(v, np.integer):
+            v = int(v)
+        if not isinstance(v, int):
+            raise TypeError(f"{name} inner type only support ['int'], but got {type(v)}.")
+        out.append(check_int(name, v, kind))
+    return out
+
+
+def check_bool(name: str, value: Any) -> bool:
+    check_isinstance(name, value, bool)
+    return bool(value)
+
+
+def param_invalid(message: str) -> NoReturn:
+    raise LLMException(message, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def require(condition: bool, message: str) -> None:
+    """``LLMException(LLM_PARAM_INVALID)`` unless ``condition``."""
+    if not condition:
+        param_invalid(message)
+
+
+def check_layer_range(name: str, value: Any, *, allow_empty: bool) -> range | None:
+    """A layer range is ``None`` or a ``range`` with step 1 and ``start >= 0``."""
+    if value is None:
+        return None
+    check_isinstance(name, value, range)
+    require(value.step == 1, f"{name} step only support 1, but got {value.step}.")
+    require(value.start >= 0, f"{name} start must be >= 0, but got {value.start}.")
+    if not allow_empty:
+        require(value.start < value.stop, f"{name} must satisfy 0 <= start < stop, but got {value}.")
+    return value
+
+
+def unique(values: Iterable[int]) -> bool:
+    seen: set[int] = set()
+    for v in values:
+        if v in seen:
+            return False
+        seen.add(v)
+    return True

@@ -1,0 +1,302 @@
+"""``CacheManager``: allocate/register caches and move their bytes (local copies here; pulls and pushes
+through the linked peer, see :mod:`aiodatadist.transfer`)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._checks import check_bool, check_int, check_int_list, check_isinstance, require
+from .cache import Cache
+from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .executor import CopyExecutor, CopyJob, wait_stopped
+from .layout import (
+    CacheGeometry,
+    Spans,
+    all_tensor_indices,
+    copy_blocks_runs,
+    copy_cache_run,
+    make_plan,
+    plan_to_spans,
+    swap_blocks_runs,
+)
+from .memory import SharedSegment
+from .native import copy_local
+from .registry import CacheEntry, CacheRegistry, geometry_of
+from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
+
+if TYPE_CHECKING:
+    from .datadist import LLMDataDist
+
+__all__ = ["CacheManager"]
+
+log = logging.getLogger("aiodatadist.cache")
+STREAMING_THRESHOLD = 8 << 20
+MAX_SHAPE_RANK = 32
+
+
+def local_copier(total_bytes: int) -> functools.partial[None]:
+    """The copy function for spans mapped in this process; large transfers bypass the CPU caches."""
+    return functools.partial(copy_local, streaming=total_bytes >= STREAMING_THRESHOLD)
+
+
+def _check_desc(cache_desc: Any) -> CacheDesc:
+    check_isinstance("cache_desc", cache_desc, CacheDesc)
+    desc: CacheDesc = cache_desc
+    require(desc.num_tensors > 0, "cache_desc.num_tensors must be > 0.")
+    require(1 <= len(desc.shape) < MAX_SHAPE_RANK, f"cache_desc.shape must have 1 to {MAX_SHAPE_RANK - 1} dims.")
+    require(all(int(d) > 0 for d in desc.shape), f"cache_desc.shape {list(desc.shape)} must be all > 0.")
+    desc.data_type.np_dtype  # noqa: B018 - raises LLM_PARAM_INVALID for DT_STRING
+    if desc.placement == Placement.DEVICE:
+        raise LLMException(
+            "Placement.DEVICE caches need CUDA device support, which is not available in this build.",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+    return desc
+
+
+def _check_cache_keys(cache_keys: Any) -> list[CacheKey]:
+    check_isinstance("cache_keys", cache_keys, (list, tuple))
+    for key in cache_keys:
+        if not isinstance(key, CacheKey):
+            raise TypeError(f"cache_keys inner type only support ['CacheKey'], but got {type(key)}.")
+    return list(cache_keys)
+
+
+class CacheManager:
+    """Caches of one :class:`LLMDataDist` instance and the operations on them.
+
+    Bookkeeping methods are plain (they never block on I/O); copies and transfers are coroutines.
+    """
+
+    def __init__(self, datadist: LLMDataDist, executor: CopyExecutor) -> None:
+        self._datadist = datadist
+        self._executor = executor
+        self._registry = CacheRegistry()
+        self._jobs: set[CopyJob] = set()
+        self._closed = False
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LLMNotInitializedError()
+
+    def _entry(self, name: str, cache: Any) -> CacheEntry:
+        check_isinstance(name, cache, Cache)
+        return self._registry.entry_of(cache, self)
+
+    @property
+    def registry(self) -> CacheRegistry:
+        return self._registry
+
+    async def run_copy(self, entries: tuple[CacheEntry, ...], spans: Spans, copy: Any = None) -> None:
+        """Run spans on the executor while holding leases on ``entries``; cancellable at chunk boundaries."""
+        self._check_open()
+        with self._registry.lease(*entries):
+            job = self._executor.start(spans, copy or local_copier(spans.total_bytes))
+            self._jobs.add(job)
+            for entry in entries:
+                entry.jobs.add(job)
+            try:
+                await self._executor.wait(job)
+            finally:
+                self._jobs.discard(job)
+                for entry in entries:
+                    entry.jobs.discard(job)
+
+    def _abort_jobs(self, jobs: list[CopyJob], reason: str) -> None:
+        """Stop jobs that use caller-owned memory being released; waits at most one chunk per job."""
+        for job in jobs:
+            self._executor.cancel(job, LLMException(reason, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST))
+        for job in jobs:
+            job.stopped.wait(timeout=5.0)
+
+    # -- allocation ------------------------------------------------------------------------------------------
+    def _allocate(self, desc: CacheDesc, *, is_blocks: bool, keys: list[CacheKey],
+                  blocks_key: BlocksCacheKey | None) -> Cache:
+        geometry = geometry_of(desc, is_blocks)
+        bound = self._registry.check_keys(keys, geometry.slots) if keys else []
+        segment = SharedSegment(desc.size * desc.num_tensors, name=f"aiodatadist-{self._datadist.cluster_id}")
+        addrs = [segment.address + i * desc.size for i in range(desc.num_tensors)]
+        cache = self._registry.add(desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True,
+                                   segment=segment, keys=bound, blocks_key=blocks_key, owner=self)
+        log.debug("allocated cache %d (%d x %d bytes)", cache.cache_id, desc.num_tensors, desc.size)
+        return cache
+
+    def allocate_cache(self, cache_desc: CacheDesc,
+                       cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> Cache:
+        """Allocate a contiguous host cache in shared memory; key ``i`` binds batch slot ``i``."""
+        self._check_open()
+        desc = _check_desc(cache_desc)
+        keys = _check_cache_keys(cache_keys)
+        return self._allocate(desc, is_blocks=False, keys=keys, blocks_key=None)
+
+    def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
+        """Allocate a paged host cache (``shape[0]`` blocks) in shared memory, indexed by ``model_id``."""
+        self._check_open()
+        desc = _check_desc(cache_desc)
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
+        return self._allocate(desc, is_blocks=True, keys=[], blocks_key=blocks_cache_key)
+
+    # -- registration of caller-owned memory -----------------------------------------------------------------
+    def _check_addrs(self, desc: CacheDesc, addrs: Any) -> list[int]:
+        check_isinstance("addrs", addrs, list)
+        values = check_int_list("addrs", addrs, "uint64", container=(list,))
+        require(len(values) > 0, "addrs must not be empty.")
+        require(len(values) == desc.num_tensors,
+                f"len(addrs) {len(values)} != cache_desc.num_tensors {desc.num_tensors}.")
+        require(all(a != 0 for a in values), "addrs must not contain 0.")
+        return values
+
+    def _register(self, cache_desc: Any, addrs: Any, remote_accessible: Any, *, is_blocks: bool,
+                  keys: list[CacheKey], blocks_key: BlocksCacheKey | None) -> Cache:
+        self._check_open()
+        desc = _check_desc(cache_desc)
+        values = self._check_addrs(desc, addrs)
+        accessible = True if remote_accessible is None else check_bool("remote_accessible", remote_accessible)
+        geometry = geometry_of(desc, is_blocks)
+        bound = self._registry.check_keys(keys, geometry.slots) if keys else []
+        self._registry.check_registered_addrs(len(values))
+        return self._registry.add(desc.copy(), values, is_blocks=is_blocks, remote_accessible=accessible,
+                                  segment=None, keys=bound, blocks_key=blocks_key, owner=self)
+
+    def register_cache(self, cache_desc: CacheDesc, addrs: list[int],
+                       cache_keys: tuple[CacheKey, ...] | list[CacheKey] = (),
+                       remote_accessible: bool | None = None) -> Cache:
+        """Register caller-owned contiguous memory (one address per tensor); key ``i`` binds slot ``i``.
+
+        The memory must stay valid until ``unregister_cache``; peers may access it unless
+        ``remote_accessible=False``.
+        """
+        keys = _check_cache_keys(cache_keys)
+        return self._register(cache_desc, addrs, remote_accessible, is_blocks=False, keys=keys, blocks_key=None)
+
+    def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
+                              blocks_cache_key: BlocksCacheKey | None = None,
+                              remote_accessible: bool | None = None) -> Cache:
+        """Register caller-owned paged memory (one address per tensor, ``shape[0]`` blocks each)."""
+        check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
+        return self._register(cache_desc, addrs, remote_accessible, is_blocks=True, keys=[],
+                              blocks_key=blocks_cache_key)
+
+    # -- release ---------------------------------------------------------------------------------------------
+    def _release(self, entry: CacheEntry) -> None:
+        jobs = self._registry.release(entry)
+        if jobs:
+            self._abort_jobs(jobs, f"cache {entry.cache_id} was unregistered during the transfer")
+
+    def unregister_cache(self, cache_id: int) -> None:
+        """Forget a cache by id (unknown ids are ignored).  Transfers on caller-owned memory are aborted
+        first, so the memory may be freed as soon as this returns."""
+        self._check_open()
+        cid = check_int("cache_id", cache_id, "int64")
+        try:
+            entry = self._registry.by_id(cid)
+        except LLMException:
+            return
+        self._release(entry)
+
+    def _deallocate(self, name: str, cache: Any, *, blocks: bool) -> None:
+        self._check_open()
+        check_isinstance(name, cache, Cache)
+        try:
+            entry = self._registry.entry_of(cache, self)
+        except LLMException:
+            return
+        require(entry.is_blocks == blocks,
+                f"{'deallocate_blocks_cache' if blocks else 'deallocate_cache'} got a "
+                f"{'contiguous' if blocks else 'blocks'} cache.")
+        self._release(entry)
+
+    def deallocate_cache(self, cache: Cache) -> None:
+        """Release a contiguous cache; its memory lives on while bound keys or running transfers need it."""
+        self._deallocate("cache", cache, blocks=False)
+
+    def deallocate_blocks_cache(self, cache: Cache) -> None:
+        """Release a blocks cache; its memory lives on while running transfers need it."""
+        self._deallocate("cache", cache, blocks=True)
+
+    def remove_cache_key(self, cache_key: CacheKey) -> None:
+        """Unbind a ``CacheKey`` (unknown keys are ignored); frees a deallocated cache's last reference."""
+        self._check_open()
+        check_isinstance("cache_key", cache_key, CacheKey)
+        self._registry.remove_key(cache_key)
+
+    # -- local copies ----------------------------------------------------------------------------------------
+    async def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0, src_batch_index: int = 0,
+                         offset: int = 0, size: int = -1, req_id: int | None = None) -> None:
+        """Copy ``size`` bytes at ``offset`` of a batch slot of every tensor from ``src`` to ``dst``."""
+        self._check_open()
+        dst_entry, src_entry = self._entry("dst", dst), self._entry("src", src)
+        dst_slot = check_int("dst_batch_index", dst_batch_index, "uint32")
+        src_slot = check_int("src_batch_index", src_batch_index, "uint32")
+        off = check_int("offset", offset, "uint64")
+        nbytes = check_int("size", size, "int64")
+        if req_id is not None:
+            check_int("req_id", req_id, "uint64")
+        require(not dst_entry.is_blocks and not src_entry.is_blocks, "copy_cache needs two contiguous caches.")
+        require(dst_entry.desc == src_entry.desc and dst_entry.desc.data_type == src_entry.desc.data_type,
+                "copy_cache needs caches with the same CacheDesc.")
+        runs = copy_cache_run(dst_entry.geometry, dst_slot, src_slot, off, nbytes)
+        spans = plan_to_spans(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
+                              src_entry.addrs, dst_entry.addrs)
+        await self.run_copy((dst_entry, src_entry), spans)
+
+    async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, list[int]]) -> None:
+        """Within one blocks cache, copy each source block to each of its destination blocks."""
+        self._check_open()
+        entry = self._entry("cache", cache)
+        check_isinstance("copy_block_info", copy_block_info, dict)
+        info: dict[int, list[int]] = {}
+        for src_block, dst_blocks in copy_block_info.items():
+            key = check_int("copy_block_info key", src_block, "uint64")
+            info[key] = check_int_list("copy_block_info value", dst_blocks, "uint64")
+        require(entry.is_blocks, "copy_blocks needs a blocks cache.")
+        geometry: CacheGeometry = entry.geometry
+        runs = copy_blocks_runs(info, geometry)
+        spans = plan_to_spans(make_plan(*all_tensor_indices(geometry, geometry), runs), entry.addrs, entry.addrs)
+        await self.run_copy((entry,), spans)
+
+    async def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Mapping[int, int]) -> None:
+        """Copy block ``k`` of ``src_cache`` to block ``src_to_dst[k]`` of ``dst_cache`` (equal block sizes).
+
+        Either cache may be a ``Cache.create_cpu_cache`` handle over caller-owned host memory.
+        """
+        self._check_open()
+        src_entry = self._swap_entry("src_cache", src_cache)
+        dst_entry = self._swap_entry("dst_cache", dst_cache)
+        check_isinstance("src_to_dst", src_to_dst, dict)
+        mapping = {check_int("src_to_dst key", k, "uint64"): check_int("src_to_dst value", v, "uint64")
+                   for k, v in src_to_dst.items()}
+        require(src_entry.is_blocks and dst_entry.is_blocks, "swap_blocks needs two blocks caches.")
+        runs = swap_blocks_runs(mapping, src_entry.geometry, dst_entry.geometry)
+        plan = make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs)
+        spans = plan_to_spans(plan, src_entry.addrs, dst_entry.addrs)
+        await self.run_copy((src_entry, dst_entry), spans)
+
+    def _swap_entry(self, name: str, cache: Any) -> CacheEntry:
+        check_isinstance(name, cache, Cache)
+        if cache.cache_id == -1 and cache.tensor_addrs:  # Cache.create_cpu_cache: caller-owned, unregistered
+            return CacheEntry(-1, cache.cache_desc, np.asarray(cache.tensor_addrs, dtype=np.uint64), True, False)
+        return self._registry.entry_of(cache, self)
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Stop running copies and release every cache (``LLMDataDist.finalize``)."""
+        if self._closed:
+            return
+        for job in list(self._jobs):
+            self._executor.cancel(job, LLMException("LLMDataDist was finalized during the transfer",
+                                                    status_code=LLMStatusCode.LLM_FAILED))
+        for job in list(self._jobs):
+            await wait_stopped(job)
+        self._closed = True
+        self._registry.close_all()
+
+    def __repr__(self) -> str:
+        return f"CacheManager(cluster_id={self._datadist.cluster_id}, caches={len(self._registry.entries())})"
+

@@ -1,0 +1,275 @@
+"""``LLMConfig``: validating option builder whose ``generate_options()`` feeds ``LLMDataDist.init``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ._checks import check_bool, check_int, check_isinstance, require
+from .types import Transport
+
+__all__ = ["LLMConfig", "LlmConfig", "OptionKey"]
+
+
+class OptionKey:
+    """Option keys understood by ``LLMDataDist.init`` (reference names, plus aiodatadist's own)."""
+
+    DEVICE_ID = "ge.exec.deviceId"
+    SESSION_DEVICE_ID = "ge.session_device_id"
+    SYNC_KV_TIMEOUT = "llm.SyncKvCacheWaitTime"
+    LISTEN_IP_INFO = "llm.listenIpInfo"
+    ENABLE_CACHE_MANAGER = "llm.EnableCacheManager"
+    ENABLE_REMOTE_CACHE_ACCESSIBLE = "llm.EnableRemoteCacheAccessible"
+    ENABLE_SWITCH_ROLE = "llm.EnableSwitchRole"
+    LOCAL_COMM_RES = "llm.LocalCommRes"
+    LINK_TOTAL_TIME = "llm.LinkTotalTime"
+    LINK_RETRY_COUNT = "llm.LinkRetryCount"
+    MEM_POOL_CONFIG = "llm.MemPoolConfig"
+    HOST_MEM_POOL_CONFIG = "llm.HostMemPoolConfig"
+    TRANSPORT = "llm.Transport"
+    AUTH_KEY = "llm.AuthKey"
+
+
+def _check_pool_cfg(name: str, value: str) -> None:
+    """``{"memory_size": int > 0, "page_shift": int in [10, 31)}`` (accepted for compatibility)."""
+    try:
+        cfg = json.loads(value)
+    except ValueError:
+        cfg = None
+    require(isinstance(cfg, dict), f"{name} must be a JSON object string, but got {value!r}.")
+    assert isinstance(cfg, dict)
+    size = cfg.get("memory_size")
+    require(isinstance(size, int) and not isinstance(size, bool) and size > 0,
+            f"{name}.memory_size must be an int > 0.")
+    shift = cfg.get("page_shift", 16)
+    require(isinstance(shift, int) and not isinstance(shift, bool) and 10 <= shift < 31,
+            f"{name}.page_shift must be an int in [10, 31).")
+
+
+class LLMConfig:
+    """Options for :meth:`LLMDataDist.init`; every property validates on assignment.
+
+    ``generate_options()`` returns the option dict (the same dict object every call, as in the reference).
+    """
+
+    def __init__(self) -> None:
+        self._options: dict[str, str] = {}
+        self._device_id: int | list[int] | tuple[int, ...] | None = None
+        self._sync_kv_timeout: int | str | None = None
+        self._listen_ip_info = ""
+        self._enable_cache_manager: bool | None = None
+        self._enable_remote_cache_accessible: bool | None = None
+        self._enable_switch_role = False
+        self._local_comm_res: str | None = None
+        self._link_total_time: int | None = None
+        self._link_retry_count: int | None = None
+        self._mem_pool_cfg = ""
+        self._host_mem_pool_cfg = ""
+        self._ge_options: dict[str, str] = {}
+        self._transport: Transport | None = None
+        self._auth_key: str | None = None
+
+    # -- fields of the reference ------------------------------------------------------------------------
+    @property
+    def device_id(self) -> int | list[int] | tuple[int, ...] | None:
+        """Device ordinal (CUDA ordinal for DEVICE caches); an int >= 0 or a list of them."""
+        return self._device_id
+
+    @device_id.setter
+    def device_id(self, value: int | list[int] | tuple[int, ...]) -> None:
+        check_isinstance("device_id", value, (int, list, tuple))
+        ids = list(value) if isinstance(value, (list, tuple)) else [value]
+        require(len(ids) > 0, "device_id list must not be empty.")
+        for dev in ids:
+            check_int("device_id", dev, "int32")
+            require(dev >= 0, f"device_id must be >= 0, but got {dev}.")
+        self._device_id = value
+
+    @property
+    def sync_kv_timeout(self) -> int | str | None:
+        """Timeout in ms of pull/push calls (default 1000 when unset)."""
+        return self._sync_kv_timeout
+
+    @sync_kv_timeout.setter
+    def sync_kv_timeout(self, value: int | str) -> None:
+        check_isinstance("sync_kv_timeout", value, (int, str))
+        if isinstance(value, str):
+            require(value.isdigit(), f"sync_kv_timeout must be a positive integer, but got {value!r}.")
+            number = int(value)
+        else:
+            number = value
+        check_int("sync_kv_timeout", number, "int32")
+        require(number > 0, f"sync_kv_timeout must be > 0, but got {number}.")
+        self._sync_kv_timeout = value
+
+    @property
+    def listen_ip_info(self) -> str:
+        """``"ip:port"`` this instance listens on; setting it makes the instance a server."""
+        return self._listen_ip_info
+
+    @listen_ip_info.setter
+    def listen_ip_info(self, value: str) -> None:
+        check_isinstance("listen_ip_info", value, str)
+        self._listen_ip_info = value
+
+    @property
+    def enable_cache_manager(self) -> bool:
+        return bool(self._enable_cache_manager)
+
+    @enable_cache_manager.setter
+    def enable_cache_manager(self, value: bool) -> None:
+        self._enable_cache_manager = check_bool("enable_cache_manager", value)
+
+    @property
+    def enable_remote_cache_accessible(self) -> bool:
+        return bool(self._enable_remote_cache_accessible)
+
+    @enable_remote_cache_accessible.setter
+    def enable_remote_cache_accessible(self, value: bool) -> None:
+        self._enable_remote_cache_accessible = check_bool("enable_remote_cache_accessible", value)
+
+    @property
+    def enable_switch_role(self) -> bool:
+        return self._enable_switch_role
+
+    @enable_switch_role.setter
+    def enable_switch_role(self, value: bool) -> None:
+        self._enable_switch_role = check_bool("enable_switch_role", value)
+
+    @property
+    def local_comm_res(self) -> str:
+        """Accepted for compatibility (HCCL resources do not exist here); presence implies cache-manager mode."""
+        return self._local_comm_res or ""
+
+    @local_comm_res.setter
+    def local_comm_res(self, value: str) -> None:
+        check_isinstance("local_comm_res", value, str)
+        self._local_comm_res = value
+
+    @property
+    def link_total_time(self) -> int:
+        """Seconds a link attempt may take in total; 0 = use the ``timeout`` of ``link_clusters``."""
+        return self._link_total_time or 0
+
+    @link_total_time.setter
+    def link_total_time(self, value: int) -> None:
+        self._link_total_time = check_int("link_total_time", value, "uint32")
+
+    @property
+    def link_retry_count(self) -> int:
+        """Connection attempts per link, in [1, 100]."""
+        return 1 if self._link_retry_count is None else self._link_retry_count
+
+    @link_retry_count.setter
+    def link_retry_count(self, value: int) -> None:
+        check_int("link_retry_count", value, "uint32")
+        require(1 <= value <= 100, f"link_retry_count should be in [1, 100], but got {value}.")
+        self._link_retry_count = value
+
+    @property
+    def mem_pool_cfg(self) -> str:
+        """Deprecated in the reference; validated and accepted, not needed (caches are allocated directly)."""
+        return self._mem_pool_cfg
+
+    @mem_pool_cfg.setter
+    def mem_pool_cfg(self, value: str) -> None:
+        check_isinstance("mem_pool_cfg", value, str)
+        if value:
+            _check_pool_cfg("mem_pool_cfg", value)
+        self._mem_pool_cfg = value
+
+    @property
+    def host_mem_pool_cfg(self) -> str:
+        """Deprecated in the reference; validated and accepted, not needed (caches are allocated directly)."""
+        return self._host_mem_pool_cfg
+
+    @host_mem_pool_cfg.setter
+    def host_mem_pool_cfg(self, value: str) -> None:
+        check_isinstance("host_mem_pool_cfg", value, str)
+        if value:
+            _check_pool_cfg("host_mem_pool_cfg", value)
+        self._host_mem_pool_cfg = value
+
+    @property
+    def ge_options(self) -> dict[str, str]:
+        """Extra raw options, merged first (later keys override them)."""
+        return self._ge_options
+
+    @ge_options.setter
+    def ge_options(self, value: dict[str, str]) -> None:
+        check_isinstance("ge_options", value, dict)
+        for key, item in value.items():
+            check_isinstance("ge_options key", key, str)
+            check_isinstance("ge_options value", item, str)
+        self._ge_options = dict(value)
+
+    # -- aiodatadist additions ----------------------------------------------------------------------------
+    @property
+    def transport(self) -> Transport:
+        """Data plane for links: ``auto`` (default), ``shm`` (same host only) or ``tcp``."""
+        return self._transport or Transport.AUTO
+
+    @transport.setter
+    def transport(self, value: Transport | str) -> None:
+        check_isinstance("transport", value, (Transport, str))
+        try:
+            self._transport = Transport(value)
+        except ValueError:
+            raise ValueError(f"transport must be one of {[t.value for t in Transport]}, but got {value!r}.") from None
+
+    @property
+    def auth_key(self) -> str | None:
+        """Shared secret peers must prove before any request is served (``None`` = no authentication)."""
+        return self._auth_key
+
+    @auth_key.setter
+    def auth_key(self, value: str) -> None:
+        check_isinstance("auth_key", value, str)
+        require(len(value) > 0, "auth_key must not be empty.")
+        self._auth_key = value
+
+    @property
+    def options(self) -> dict[str, str]:
+        """The internal option dict (filled by ``generate_options``)."""
+        return self._options
+
+    def generate_options(self) -> dict[str, str]:
+        """Build the option dict for ``LLMDataDist.init``; keys are only ever added."""
+        opts = self._options
+        opts.update(self._ge_options)
+        if self._device_id is not None:
+            ids: list[Any] = (
+                list(self._device_id) if isinstance(self._device_id, (list, tuple)) else [self._device_id]
+            )
+            opts[OptionKey.DEVICE_ID] = ";".join(str(d) for d in ids)
+            opts[OptionKey.SESSION_DEVICE_ID] = str(ids[0])
+        if self._sync_kv_timeout is not None:
+            opts[OptionKey.SYNC_KV_TIMEOUT] = str(self._sync_kv_timeout)
+        if self._mem_pool_cfg:
+            opts[OptionKey.MEM_POOL_CONFIG] = self._mem_pool_cfg
+        if self._host_mem_pool_cfg:
+            opts[OptionKey.HOST_MEM_POOL_CONFIG] = self._host_mem_pool_cfg
+        if self._enable_cache_manager is not None:
+            opts[OptionKey.ENABLE_CACHE_MANAGER] = "1" if self._enable_cache_manager else "0"
+        if self._enable_remote_cache_accessible is not None:
+            opts[OptionKey.ENABLE_REMOTE_CACHE_ACCESSIBLE] = "1" if self._enable_remote_cache_accessible else "0"
+        if self._listen_ip_info:
+            opts[OptionKey.LISTEN_IP_INFO] = self._listen_ip_info
+        if self._link_total_time is not None:
+            opts[OptionKey.LINK_TOTAL_TIME] = str(self._link_total_time)
+        if self._link_retry_count is not None:
+            opts[OptionKey.LINK_RETRY_COUNT] = str(self._link_retry_count)
+        if self._local_comm_res is not None:
+            opts[OptionKey.LOCAL_COMM_RES] = self._local_comm_res
+        if self._enable_switch_role:
+            opts[OptionKey.ENABLE_SWITCH_ROLE] = "1"
+        if self._transport is not None:
+            opts[OptionKey.TRANSPORT] = self._transport.value
+        if self._auth_key is not None:
+            opts[OptionKey.AUTH_KEY] = self._auth_key
+        return opts
+
+    gen_options = generate_options
+
+
+LlmConfig = LLMConfig

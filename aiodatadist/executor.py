@@ -1,0 +1,222 @@
+"""Copy executor: runs span copies in worker threads, in bounded chunks, fairly across transfers.
+
+A transfer is a :class:`CopyJob`: its spans are cut into chunks of at most a few MiB; worker threads take chunks
+round-robin across all running jobs, so concurrent transfers share bandwidth.  Cancelling a job drops its pending
+chunks and waits for the chunks already running (at most one per worker), so when :meth:`CopyExecutor.run`
+returns or raises, no worker touches the job's memory any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import numpy.typing as npt
+
+from .layout import Spans
+
+__all__ = ["CopyExecutor", "CopyJob", "CopyFn", "shared_executor", "release_shared_executor"]
+
+UInt64Array = npt.NDArray[np.uint64]
+CopyFn = Callable[[UInt64Array, UInt64Array, UInt64Array], None]
+"""``copy(src, dst, length)`` for one chunk of spans; raises ``OSError`` on failure."""
+
+MIN_CHUNK = 512 << 10
+MAX_CHUNK = 4 << 20
+
+
+def split_spans(spans: Spans, chunk_bytes: int) -> tuple[Spans, npt.NDArray[np.int64]]:
+    """Split spans longer than ``chunk_bytes`` and group them into chunks of about ``chunk_bytes``.
+
+    Returns the (possibly longer) span list and the chunk boundaries (indices into it, first 0, last n).
+    """
+    length = spans.length
+    pieces = np.maximum((length + np.uint64(chunk_bytes - 1)) // np.uint64(chunk_bytes), np.uint64(1)).astype(np.int64)
+    if int(pieces.max(initial=1)) > 1:
+        owner = np.repeat(np.arange(len(length)), pieces)
+        first = np.concatenate(([0], np.cumsum(pieces)[:-1]))
+        k = (np.arange(len(owner)) - first[owner]).astype(np.uint64)
+        off = k * np.uint64(chunk_bytes)
+        new_len = np.minimum(length[owner] - off, np.uint64(chunk_bytes))
+        spans = Spans(spans.src[owner] + off, spans.dst[owner] + off, new_len)
+    ends = np.cumsum(spans.length, dtype=np.uint64)
+    total = int(ends[-1]) if len(ends) else 0
+    marks = np.arange(chunk_bytes, total, chunk_bytes, dtype=np.uint64)
+    cuts = np.searchsorted(ends, marks, side="left") + 1
+    bounds = np.unique(np.concatenate(([0], cuts, [len(spans)]))).astype(np.int64)
+    return spans, bounds
+
+
+class CopyJob:
+    """One transfer's spans and its progress; completion is signalled to the owning event loop."""
+
+    def __init__(self, spans: Spans, copy: CopyFn, chunk_bytes: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.spans, bounds = split_spans(spans, chunk_bytes)
+        self._pending: deque[tuple[int, int]] = deque(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+        self._copy = copy
+        self._loop = loop
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.stopped = threading.Event()
+        self.inflight = 0
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.bytes_done = 0
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._pending)
+
+    def _finish_locked(self) -> None:
+        if self._pending or self.inflight or self.stopped.is_set():
+            return
+        self.stopped.set()
+        try:
+            self._loop.call_soon_threadsafe(self._resolve)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _resolve(self) -> None:
+        if self.future.done():
+            return
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(None)
+
+
+class CopyExecutor:
+    """Worker threads that execute :class:`CopyJob` chunks round-robin."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers or max(2, min(8, os.cpu_count() or 2))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiodatadist-copy")
+        self._lock = threading.Lock()
+        self._ready: deque[CopyJob] = deque()
+
+    def chunk_bytes_for(self, total: int) -> int:
+        return int(min(MAX_CHUNK, max(MIN_CHUNK, total // max(1, self.workers))))
+
+    async def run(self, spans: Spans, copy: CopyFn, *, chunk_bytes: int | None = None) -> None:
+        """Copy ``spans`` with ``copy``; on cancellation stop early and return only once no worker runs.
+
+        After a cancellation the destination holds an unspecified mix of old and new bytes, but nothing is
+        written into it after this coroutine has returned or raised.
+        """
+        await self.wait(self.start(spans, copy, chunk_bytes=chunk_bytes))
+
+    def start(self, spans: Spans, copy: CopyFn, *, chunk_bytes: int | None = None) -> CopyJob:
+        """Queue a job (call from the event loop thread); await it with :meth:`wait`."""
+        job = CopyJob(spans, copy, chunk_bytes or self.chunk_bytes_for(spans.total_bytes),
+                      asyncio.get_running_loop())
+        if job.num_chunks == 0:
+            with self._lock:
+                job._finish_locked()
+        else:
+            self.submit(job)
+        return job
+
+    async def wait(self, job: CopyJob) -> None:
+        """Await a job; if the caller is cancelled, stop the job and wait until its workers are done."""
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            self.cancel(job)
+            await wait_stopped(job)
+            raise
+
+    def submit(self, job: CopyJob) -> None:
+        with self._lock:
+            self._ready.append(job)
+        for _ in range(job.num_chunks):
+            self._pool.submit(self._run_one)
+
+    def cancel(self, job: CopyJob, error: BaseException | None = None) -> None:
+        """Drop the job's pending chunks; running chunks finish (bounded by the chunk size).
+
+        With ``error`` the job's waiter gets that exception instead of a plain early stop.
+        """
+        with self._lock:
+            job.cancelled = True
+            if error is not None and job.error is None and not job.stopped.is_set():
+                job.error = error
+            job._pending.clear()
+            if job in self._ready:
+                self._ready.remove(job)
+            job._finish_locked()
+
+    def _run_one(self) -> None:
+        with self._lock:
+            if not self._ready:
+                return
+            job = self._ready.popleft()
+            lo, hi = job._pending.popleft()
+            if job._pending:
+                self._ready.append(job)  # round-robin: the next chunk goes to the next job
+            job.inflight += 1
+        error: BaseException | None = None
+        try:
+            s = job.spans
+            job._copy(s.src[lo:hi], s.dst[lo:hi], s.length[lo:hi])
+        except BaseException as exc:  # reported to the awaiting coroutine, never lost in the pool
+            error = exc
+        with self._lock:
+            job.inflight -= 1
+            if error is not None:
+                if job.error is None:
+                    job.error = error
+                job._pending.clear()
+                if job in self._ready:
+                    self._ready.remove(job)
+            else:
+                job.bytes_done += int(job.spans.length[lo:hi].sum())
+            job._finish_locked()
+
+    def shutdown(self) -> None:
+        """Wait for running chunks and stop the worker threads."""
+        self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+async def wait_stopped(job: CopyJob) -> None:
+    """Wait (through further cancellations) until no worker touches ``job``'s memory any more."""
+    while not job.stopped.is_set():
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            continue
+        except BaseException:
+            break
+    if not job.future.done():
+        job.future.cancel()
+    elif not job.future.cancelled():
+        job.future.exception()  # mark retrieved
+
+
+_shared: CopyExecutor | None = None
+_users = 0
+_shared_lock = threading.Lock()
+
+
+def shared_executor() -> CopyExecutor:
+    """The process-wide executor; each call must be paired with :func:`release_shared_executor`."""
+    global _shared, _users
+    with _shared_lock:
+        if _shared is None:
+            _shared = CopyExecutor()
+        _users += 1
+        return _shared
+
+
+def release_shared_executor() -> None:
+    """Drop one user; the last one joins the worker threads."""
+    global _shared, _users
+    with _shared_lock:
+        _users -= 1
+        if _users > 0 or _shared is None:
+            return
+        executor, _shared = _shared, None
+    executor.shutdown()

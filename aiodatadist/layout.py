@@ -1,0 +1,342 @@
+"""Pure layout math: cache geometry, layer ranges and block lists -> validated, coalesced copy plans.
+
+Nothing here does I/O.  Every rule of the reference's layer-range and block semantics (§8.4, §9.1) lives here;
+violations raise ``LLMException(LLM_PARAM_INVALID)``.  Plans are numpy arrays so that no caller needs a Python
+loop per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ._checks import require
+
+__all__ = [
+    "CacheGeometry",
+    "Runs",
+    "CopyPlan",
+    "Spans",
+    "pull_tensor_indices",
+    "push_tensor_indices",
+    "all_tensor_indices",
+    "b2b_runs",
+    "c2b_runs",
+    "slot_run",
+    "copy_cache_run",
+    "copy_blocks_runs",
+    "swap_blocks_runs",
+    "make_plan",
+    "plan_to_spans",
+    "coalesce",
+]
+
+Int64Array = npt.NDArray[np.int64]
+UInt64Array = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGeometry:
+    """Byte geometry of a cache: ``slots`` = ``shape[0]`` (batch size or number of blocks)."""
+
+    num_tensors: int
+    tensor_size: int
+    slots: int
+    is_blocks: bool
+
+    @property
+    def stride(self) -> int:
+        """Bytes of one batch slot (contiguous cache) or one block (blocks cache)."""
+        return self.tensor_size // self.slots if self.slots else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """Byte runs inside one tensor: ``src_offset[i]`` -> ``dst_offset[i]``, ``length[i]`` bytes."""
+
+    src_offset: Int64Array
+    dst_offset: Int64Array
+    length: Int64Array
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """Runs applied to every tensor pair: tensor ``src_tensor[k]`` -> ``dst_tensor[k]``."""
+
+    src_tensor: Int64Array
+    dst_tensor: Int64Array
+    runs: Runs
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.runs.length.sum()) * len(self.src_tensor)
+
+    @property
+    def num_spans(self) -> int:
+        return len(self.runs.length) * len(self.src_tensor)
+
+
+@dataclass(frozen=True, slots=True)
+class Spans:
+    """Absolute copy spans: ``length[i]`` bytes from address ``src[i]`` to address ``dst[i]``."""
+
+    src: UInt64Array
+    dst: UInt64Array
+    length: UInt64Array
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+
+def _i64(values: Sequence[int] | npt.ArrayLike) -> Int64Array:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def coalesce(src: npt.NDArray[np.integer], dst: npt.NDArray[np.integer], length: npt.NDArray[np.integer]) -> tuple[
+    npt.NDArray[np.integer], npt.NDArray[np.integer], npt.NDArray[np.integer]
+]:
+    """Merge consecutive entries that continue each other on both sides (vectorised)."""
+    if len(length) <= 1:
+        return src, dst, length
+    cont = (src[:-1] + length[:-1] == src[1:]) & (dst[:-1] + length[:-1] == dst[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return src[starts], dst[starts], np.add.reduceat(length, starts)
+
+
+def _runs(src_offset: Int64Array, dst_offset: Int64Array, length: Int64Array) -> Runs:
+    s, d, n = coalesce(src_offset, dst_offset, length)
+    return Runs(s.astype(np.int64), d.astype(np.int64), n.astype(np.int64))
+
+
+# -- layer ranges -> tensor indices ----------------------------------------------------------------------------
+
+def _layer_tensors(layer_range: range | None, n: int) -> range | None:
+    if layer_range is None or len(layer_range) == 0:
+        return None
+    return range(layer_range.start * n, layer_range.stop * n)
+
+
+def all_tensor_indices(src: CacheGeometry, dst: CacheGeometry) -> tuple[Int64Array, Int64Array]:
+    """Every tensor to the same index; both caches must have the same tensor count."""
+    require(
+        src.num_tensors == dst.num_tensors,
+        f"num_tensors mismatch: source has {src.num_tensors}, destination has {dst.num_tensors}.",
+    )
+    idx = np.arange(dst.num_tensors, dtype=np.int64)
+    return idx, idx
+
+
+def pull_tensor_indices(
+    src: CacheGeometry,
+    dst: CacheGeometry,
+    src_layer_range: range | None,
+    dst_layer_range: range | None,
+    tensor_num_per_layer: int,
+) -> tuple[Int64Array, Int64Array]:
+    """Tensor windows of a pull (the destination is the local cache).
+
+    An unset or empty range means "all"; with only ``src_layer_range`` it must cover the whole destination,
+    with only ``dst_layer_range`` the source tensors are taken from the start.
+    """
+    n = tensor_num_per_layer
+    require(n > 0, f"tensor_num_per_layer must be > 0, but got {n}.")
+    s = _layer_tensors(src_layer_range, n)
+    d = _layer_tensors(dst_layer_range, n)
+    if s is None and d is None:
+        return all_tensor_indices(src, dst)
+    require(
+        n <= dst.num_tensors and dst.num_tensors % n == 0,
+        f"tensor_num_per_layer {n} must divide the cache's tensor count {dst.num_tensors}.",
+    )
+    if s is not None:
+        require(s.stop <= src.num_tensors, f"src_layer_range {src_layer_range} exceeds the source's layers "
+                f"({src.num_tensors // n}).")
+    if d is not None:
+        require(d.stop <= dst.num_tensors, f"dst_layer_range {dst_layer_range} exceeds the destination's layers "
+                f"({dst.num_tensors // n}).")
+    if s is not None and d is not None:
+        require(len(s) == len(d), f"src_layer_range {src_layer_range} and dst_layer_range {dst_layer_range} "
+                "have different lengths.")
+    elif s is not None:
+        require(len(s) == dst.num_tensors, f"src_layer_range {src_layer_range} selects {len(s)} tensors, "
+                f"the destination has {dst.num_tensors}.")
+        d = range(0, dst.num_tensors)
+    else:
+        assert d is not None
+        require(len(d) <= src.num_tensors, f"dst_layer_range {dst_layer_range} needs {len(d)} source tensors, "
+                f"the source has {src.num_tensors}.")
+        s = range(0, len(d))
+    return np.arange(s.start, s.stop, dtype=np.int64), np.arange(d.start, d.stop, dtype=np.int64)
+
+
+def push_tensor_indices(
+    src: CacheGeometry,
+    dst: CacheGeometry,
+    src_layer_range: range | None,
+    dst_layer_range: range | None,
+    tensor_num_per_layer: int,
+) -> tuple[Int64Array, Int64Array]:
+    """Tensor windows of a push (the source is the local cache); unset ranges = all layers of the source."""
+    n = tensor_num_per_layer
+    require(n > 0, f"tensor_num_per_layer must be > 0, but got {n}.")
+    require(
+        src.num_tensors % n == 0,
+        f"tensor_num_per_layer {n} must divide the source cache's tensor count {src.num_tensors}.",
+    )
+    for name, value in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
+        require(value is None or value.start < value.stop, f"{name} must satisfy 0 <= start < stop, but got {value}.")
+    layers = src.num_tensors // n
+    s_layers = src_layer_range if src_layer_range is not None else range(0, layers)
+    d_layers = dst_layer_range if dst_layer_range is not None else range(0, layers)
+    require(len(s_layers) == len(d_layers), f"src_layer_range {s_layers} and dst_layer_range {d_layers} "
+            "have different lengths.")
+    require(s_layers.stop <= layers, f"src_layer_range {s_layers} exceeds the source's {layers} layers.")
+    require(d_layers.stop <= dst.num_tensors // n,
+            f"dst_layer_range {d_layers} exceeds the destination's {dst.num_tensors // n} layers.")
+    return (
+        np.arange(s_layers.start * n, s_layers.stop * n, dtype=np.int64),
+        np.arange(d_layers.start * n, d_layers.stop * n, dtype=np.int64),
+    )
+
+
+# -- block lists and slots -> byte runs -----------------------------------------------------------------------
+
+def _check_blocks(name: str, blocks: Int64Array, geometry: CacheGeometry) -> None:
+    if len(blocks):
+        require(int(blocks.min()) >= 0, f"{name} has a negative block index.")
+        require(int(blocks.max()) < geometry.slots,
+                f"{name} has block index {int(blocks.max())} >= num_blocks {geometry.slots}.")
+
+
+def _check_unique(name: str, values: Int64Array) -> None:
+    require(len(np.unique(values)) == len(values), f"{name} contains duplicate block indices.")
+
+
+def b2b_runs(
+    src_blocks: Sequence[int] | npt.ArrayLike,
+    dst_blocks: Sequence[int] | npt.ArrayLike,
+    src: CacheGeometry,
+    dst: CacheGeometry,
+) -> Runs:
+    """Block ``src_blocks[i]`` -> block ``dst_blocks[i]``; both caches are blocks caches of equal block size."""
+    s, d = _i64(src_blocks), _i64(dst_blocks)
+    require(len(s) > 0, "src_blocks must not be empty.")
+    require(len(d) > 0, "dst_blocks must not be empty.")
+    require(len(s) == len(d), f"number of src_blocks ({len(s)}) mismatches number of dst_blocks ({len(d)}).")
+    require(src.stride == dst.stride, f"block size mismatch: source {src.stride} bytes, destination {dst.stride}.")
+    _check_blocks("src_blocks", s, src)
+    _check_blocks("dst_blocks", d, dst)
+    _check_unique("dst_blocks", d)
+    stride = dst.stride
+    return _runs(s * stride, d * stride, np.full(len(s), stride, dtype=np.int64))
+
+
+def c2b_runs(
+    src_slot: int, src: CacheGeometry, dst_blocks: Sequence[int] | npt.ArrayLike, dst: CacheGeometry
+) -> Runs:
+    """Cut the source slot into chunks of the destination block size; chunk ``i`` lands in ``dst_blocks[i]``.
+
+    ``dst_blocks`` may be shorter than the number of chunks (only a prefix of the slot is moved), never longer.
+    """
+    d = _i64(dst_blocks)
+    require(len(d) > 0, "dst_blocks must not be empty.")
+    require(0 <= src_slot < src.slots, f"batch_index {src_slot} out of range [0, {src.slots}).")
+    _check_blocks("dst_blocks", d, dst)
+    _check_unique("dst_blocks", d)
+    block, slot = dst.stride, src.stride
+    require(block > 0, "destination block size is 0.")
+    chunks = -(-slot // block)
+    require(len(d) <= chunks, f"{len(d)} dst_blocks given, but the source slot of {slot} bytes fills only "
+            f"{chunks} blocks of {block} bytes.")
+    start = np.arange(len(d), dtype=np.int64) * block
+    length = np.minimum(start + block, slot) - start
+    return _runs(src_slot * slot + start, d * block, length)
+
+
+def slot_run(
+    src_slot: int, src: CacheGeometry, dst_slot: int, dst: CacheGeometry, size: int = -1
+) -> Runs:
+    """One batch slot to another (``pull_cache``/``push_cache``); ``size`` -1 = the destination slot."""
+    require(0 <= src_slot < src.slots, f"source batch_index {src_slot} out of range [0, {src.slots}).")
+    require(0 <= dst_slot < dst.slots, f"destination batch_index {dst_slot} out of range [0, {dst.slots}).")
+    require(size == -1 or size > 0, f"size should be -1 or > 0, but got {size}.")
+    nbytes = dst.stride if size == -1 else size
+    require(nbytes <= dst.stride, f"size {nbytes} exceeds the destination slot of {dst.stride} bytes.")
+    require(nbytes <= src.stride, f"size {nbytes} exceeds the source slot of {src.stride} bytes.")
+    return _runs(_i64([src_slot * src.stride]), _i64([dst_slot * dst.stride]), _i64([nbytes]))
+
+
+def copy_cache_run(
+    geometry: CacheGeometry, dst_slot: int, src_slot: int, offset: int = 0, size: int = -1
+) -> Runs:
+    """``copy_cache``: ``size`` bytes at ``offset`` within a slot, between slots of two same-shaped caches."""
+    stride = geometry.stride
+    require(0 <= src_slot < geometry.slots, f"src_batch_index {src_slot} out of range [0, {geometry.slots}).")
+    require(0 <= dst_slot < geometry.slots, f"dst_batch_index {dst_slot} out of range [0, {geometry.slots}).")
+    require(0 <= offset < stride, f"offset {offset} out of range [0, {stride}).")
+    require(size == -1 or size > 0, f"size should be -1 or > 0, but got {size}.")
+    nbytes = stride - offset if size == -1 else size
+    require(offset + nbytes <= stride, f"offset {offset} + size {nbytes} exceeds the slot of {stride} bytes.")
+    return _runs(_i64([src_slot * stride + offset]), _i64([dst_slot * stride + offset]), _i64([nbytes]))
+
+
+def copy_blocks_runs(copy_block_info: Mapping[int, Sequence[int]], geometry: CacheGeometry) -> Runs:
+    """``copy_blocks``: each source block to each of its destination blocks, within one blocks cache.
+
+    Destinations must be unique and must not be sources of the same call (the result would depend on order).
+    """
+    require(len(copy_block_info) > 0, "copy_block_info must not be empty.")
+    src_list = list(copy_block_info.keys())
+    counts = [len(v) for v in copy_block_info.values()]
+    require(all(c > 0 for c in counts), "every source block needs at least one destination block.")
+    s = np.repeat(_i64(src_list), counts)
+    d = _i64([b for v in copy_block_info.values() for b in v])
+    _check_blocks("source blocks", s, geometry)
+    _check_blocks("destination blocks", d, geometry)
+    _check_unique("destination blocks", d)
+    require(not np.isin(d, s).any(), "a destination block is also a source block of the same copy.")
+    order = np.argsort(d, kind="stable")
+    stride = geometry.stride
+    return _runs(s[order] * stride, d[order] * stride, np.full(len(d), stride, dtype=np.int64))
+
+
+def swap_blocks_runs(src_to_dst: Mapping[int, int], src: CacheGeometry, dst: CacheGeometry) -> Runs:
+    """``swap_blocks``: block ``k`` of ``src`` -> block ``src_to_dst[k]`` of ``dst`` (equal block sizes)."""
+    require(len(src_to_dst) > 0, "src_to_dst must not be empty.")
+    require(src.stride == dst.stride, f"block size mismatch: source {src.stride} bytes, destination {dst.stride}.")
+    require(src.num_tensors == dst.num_tensors,
+            f"num_tensors mismatch: source {src.num_tensors}, destination {dst.num_tensors}.")
+    s = _i64(list(src_to_dst.keys()))
+    d = _i64(list(src_to_dst.values()))
+    _check_blocks("source blocks", s, src)
+    _check_blocks("destination blocks", d, dst)
+    _check_unique("destination blocks", d)
+    order = np.argsort(s, kind="stable")
+    stride = src.stride
+    return _runs(s[order] * stride, d[order] * stride, np.full(len(s), stride, dtype=np.int64))
+
+
+# -- plans -> absolute spans ----------------------------------------------------------------------------------
+
+def make_plan(src_tensors: Int64Array, dst_tensors: Int64Array, runs: Runs) -> CopyPlan:
+    require(len(src_tensors) == len(dst_tensors), "tensor index lists differ in length.")
+    return CopyPlan(_i64(src_tensors), _i64(dst_tensors), runs)
+
+
+def plan_to_spans(plan: CopyPlan, src_addrs: npt.ArrayLike, dst_addrs: npt.ArrayLike) -> Spans:
+    """Absolute address spans of a plan, tensor-major, merged where memory is contiguous on both sides."""
+    sa = np.asarray(src_addrs, dtype=np.uint64)
+    da = np.asarray(dst_addrs, dtype=np.uint64)
+    r = len(plan.runs.length)
+    src = (np.repeat(sa[plan.src_tensor], r) + np.tile(plan.runs.src_offset.astype(np.uint64), len(plan.src_tensor)))
+    dst = (np.repeat(da[plan.dst_tensor], r) + np.tile(plan.runs.dst_offset.astype(np.uint64), len(plan.dst_tensor)))
+    length = np.tile(plan.runs.length.astype(np.uint64), len(plan.src_tensor))
+    s, d, n = coalesce(src, dst, length)
+    return Spans(s.astype(np.uint64), d.astype(np.uint64), n.astype(np.uint64))

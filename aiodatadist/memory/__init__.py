@@ -1,0 +1,5 @@
+"""Host memory for caches: anonymous shared-memory segments that peers on the same host can map."""
+
+from .segment import SegmentIdentity, SharedSegment, map_peer_segment
+
+__all__ = ["SharedSegment", "SegmentIdentity", "map_peer_segment"]

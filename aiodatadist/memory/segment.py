@@ -1,0 +1,107 @@
+"""Anonymous shared memory (``memfd``) for host caches.
+
+A segment has no name anywhere in the file system, so nothing is left behind when its owner exits, even by
+SIGKILL: the kernel frees it with the last descriptor and mapping.  A peer process on the same host maps it
+through ``/proc/<pid>/fd/<fd>`` and checks the inode it got against the identity the owner announced, so a
+recycled descriptor number can never alias another file.  Size seals make the mapping safe from truncation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import LLMException, LLMStatusCode
+
+__all__ = ["SharedSegment", "SegmentIdentity", "map_peer_segment", "PAGE"]
+
+PAGE = mmap.PAGESIZE
+_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004) | getattr(
+    fcntl, "F_SEAL_SEAL", 0x0001
+)
+_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentIdentity:
+    """What a peer needs to map a segment and verify it: owner pid, fd number, inode, device, size."""
+
+    pid: int
+    fd: int
+    inode: int
+    device: int
+    size: int
+
+
+class SharedSegment:
+    """A pre-faulted, zero-filled, sealed ``memfd`` mapping owned by this process."""
+
+    def __init__(self, size: int, name: str = "aiodatadist") -> None:
+        if size <= 0:
+            raise ValueError("segment size must be > 0")
+        self.size = (size + PAGE - 1) // PAGE * PAGE
+        flags = getattr(os, "MFD_CLOEXEC", 1) | getattr(os, "MFD_ALLOW_SEALING", 2)
+        try:
+            fd = os.memfd_create(name, flags)
+        except (AttributeError, OSError) as exc:
+            raise LLMException(f"cannot create shared memory: {exc}", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
+        try:
+            os.ftruncate(fd, self.size)
+            try:
+                fcntl.fcntl(fd, _ADD_SEALS, _SEALS)
+            except OSError:
+                pass  # sealing is a safety net, not a requirement
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError as exc:
+            os.close(fd)
+            raise LLMException(
+                f"cannot allocate {self.size} bytes of shared memory: {exc}",
+                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
+            ) from exc
+        self._fd: int | None = fd
+        st = os.fstat(fd)
+        self.identity = SegmentIdentity(os.getpid(), fd, st.st_ino, st.st_dev, self.size)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def array(self) -> np.ndarray:
+        """A uint8 view of the whole segment; the mapping stays alive while any view does."""
+        return np.frombuffer(self._map, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Release the descriptor and unmap; views still held by the user keep the pages until they die."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        os.close(fd)
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # numpy views exist: CPython unmaps when the last one is released
+
+
+def map_peer_segment(identity: SegmentIdentity) -> mmap.mmap:
+    """Map a segment owned by another process on this host, verifying it is the announced one."""
+    path = f"/proc/{identity.pid}/fd/{identity.fd}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot open peer segment {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if (st.st_ino, st.st_dev) != (identity.inode, identity.device) or st.st_size < identity.size:
+            raise OSError(0, f"peer segment {path} is not the announced one (released or recycled)")
+        return mmap.mmap(fd, identity.size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)

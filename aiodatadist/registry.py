@@ -1,0 +1,242 @@
+"""Cache registry of one instance: ids, key indexes, lifetimes and leases.
+
+Lifetime rules: an allocated cache is referenced by its id and by each bound ``CacheKey``; its memory is freed
+once it was deallocated, every key was released, and no transfer holds a lease on it.  A released cache vanishes
+from lookups at once.  Caller-owned (registered) memory cannot wait for leases, so releasing it aborts the
+transfers that use it, bounded by one copy chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._checks import require
+from .cache import Cache
+from .errors import LLMException, LLMStatusCode
+from .layout import CacheGeometry
+from .memory import SharedSegment
+from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
+
+if TYPE_CHECKING:
+    from .executor import CopyJob
+
+__all__ = ["CacheEntry", "CacheRegistry", "MAX_REGISTERED_ADDRS", "geometry_of"]
+
+MAX_REGISTERED_ADDRS = 240
+IndexKey = tuple[str, int, int]
+
+
+def geometry_of(desc: CacheDesc, is_blocks: bool) -> CacheGeometry:
+    return CacheGeometry(desc.num_tensors, desc.size, int(desc.shape[0]), is_blocks)
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """Everything the manager knows about one cache."""
+
+    cache_id: int
+    desc: CacheDesc
+    addrs: npt.NDArray[np.uint64]
+    is_blocks: bool
+    remote_accessible: bool
+    segment: SharedSegment | None = None
+    handle: Cache | None = None
+    keys: set[IndexKey] = field(default_factory=set)
+    released: bool = False
+    leases: int = 0
+    jobs: set[CopyJob] = field(default_factory=set)
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        return geometry_of(self.desc, self.is_blocks)
+
+    @property
+    def owned(self) -> bool:
+        """True when aiodatadist allocated the memory (False for caller-registered memory)."""
+        return self.segment is not None
+
+    @property
+    def placement(self) -> Placement:
+        return self.desc.placement
+
+    def describe(self) -> dict[str, Any]:
+        return {"cache_id": self.cache_id, "num_tensors": self.desc.num_tensors, "blocks": self.is_blocks}
+
+
+def not_exist(message: str) -> LLMException:
+    return LLMException(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+
+
+class CacheRegistry:
+    """Indexes: by id (from 1), by ``CacheKey`` (req/prefix id + model id) and blocks caches by ``model_id``."""
+
+    def __init__(self) -> None:
+        self._next_id = 1
+        self._by_id: dict[int, CacheEntry] = {}
+        self._by_key: dict[IndexKey, tuple[CacheEntry, int]] = {}
+        self._by_model: dict[int, CacheEntry] = {}
+        self._registered_addrs = 0
+
+    # -- adding ----------------------------------------------------------------------------------------------
+    def check_keys(self, keys: list[CacheKey], slots: int) -> list[tuple[IndexKey, int]]:
+        """Validate ``CacheKey`` bindings (slot i <- keys[i]) before anything is created."""
+        require(len(keys) <= slots, f"{len(keys)} cache_keys exceed the batch size {slots}.")
+        bound: list[tuple[IndexKey, int]] = []
+        for slot, key in enumerate(keys):
+            if key.is_placeholder:
+                continue
+            index = key.index_key()
+            require(index not in self._by_key, f"cache key {key} is already bound to a cache.")
+            require(all(index != b for b, _ in bound), f"cache key {key} appears twice.")
+            bound.append((index, slot))
+        return bound
+
+    def check_registered_addrs(self, count: int) -> None:
+        require(
+            self._registered_addrs + count <= MAX_REGISTERED_ADDRS,
+            f"registering {count} more addresses exceeds the limit of {MAX_REGISTERED_ADDRS} "
+            f"({self._registered_addrs} registered).",
+        )
+
+    def add(
+        self,
+        desc: CacheDesc,
+        addrs: list[int],
+        *,
+        is_blocks: bool,
+        remote_accessible: bool,
+        segment: SharedSegment | None,
+        keys: list[tuple[IndexKey, int]] = (),  # type: ignore[assignment]
+        blocks_key: BlocksCacheKey | None = None,
+        owner: object = None,
+    ) -> Cache:
+        cache_id = self._next_id
+        self._next_id += 1
+        entry = CacheEntry(cache_id, desc, np.asarray(addrs, dtype=np.uint64), is_blocks, remote_accessible, segment)
+        entry.handle = Cache(cache_id, desc, addrs, is_blocks, entry=entry, owner=owner)
+        self._by_id[cache_id] = entry
+        for index, slot in keys:
+            self._by_key[index] = (entry, slot)
+            entry.keys.add(index)
+        if blocks_key is not None:
+            self._by_model[blocks_key.model_id] = entry  # last wins, as in the reference
+        if segment is None:
+            self._registered_addrs += len(addrs)
+        return entry.handle
+
+    # -- lookups ---------------------------------------------------------------------------------------------
+    def by_id(self, cache_id: int) -> CacheEntry:
+        entry = self._by_id.get(cache_id)
+        if entry is None:
+            raise not_exist(f"cache {cache_id} does not exist.")
+        return entry
+
+    def entry_of(self, cache: Cache, owner: object) -> CacheEntry:
+        """The live entry behind a handle of this instance."""
+        entry = self._by_id.get(cache.cache_id)
+        if entry is None or entry.handle is not cache or cache._owner is not owner:
+            raise not_exist(f"cache {cache.cache_id} is not a live cache of this instance.")
+        return entry
+
+    def resolve(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> tuple[CacheEntry, int]:
+        """Owner-side resolution of a key to (entry, batch slot) at transfer time."""
+        if isinstance(key, CacheKeyByIdAndIndex):
+            return self.by_id(key.cache_id), key.batch_index
+        if isinstance(key, BlocksCacheKey):
+            entry = self._by_model.get(key.model_id)
+            if entry is None:
+                raise not_exist(f"no blocks cache with model_id {key.model_id}.")
+            return entry, 0
+        found = self._by_key.get(key.index_key())
+        if found is None:
+            raise not_exist(f"cache key {key} does not exist.")
+        return found
+
+    def resolve_wire(self, kind: str, a: int, b: int, c: int) -> tuple[CacheEntry, int]:
+        """Resolve a key sent by a peer: ``("id", cache_id, batch, _)``, ``("blocks", model, _, _)``,
+        ``("req"|"prefix", id, model_id, _)``."""
+        if kind == "id":
+            return self.by_id(a), b
+        if kind == "blocks":
+            entry = self._by_model.get(a)
+            if entry is None:
+                raise not_exist(f"no blocks cache with model_id {a}.")
+            return entry, 0
+        if kind in ("req", "prefix"):
+            found = self._by_key.get((kind, a, b))
+            if found is None:
+                raise not_exist(f"no cache bound to {kind}_id {a}, model_id {b}.")
+            return found
+        raise LLMException(f"unknown key kind {kind!r}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+    def entries(self) -> list[CacheEntry]:
+        return list(self._by_id.values())
+
+    # -- releasing -------------------------------------------------------------------------------------------
+    def release(self, entry: CacheEntry) -> list[CopyJob]:
+        """Remove the id (and, for registered memory, every key); returns jobs that must be aborted."""
+        if self._by_id.get(entry.cache_id) is entry:
+            del self._by_id[entry.cache_id]
+        for model, cached in list(self._by_model.items()):
+            if cached is entry:
+                del self._by_model[model]
+        if entry.handle is not None:
+            entry.handle._invalidate()
+        if not entry.owned:
+            for index in list(entry.keys):
+                self._by_key.pop(index, None)
+            entry.keys.clear()
+            self._registered_addrs -= len(entry.addrs)
+            entry.released = True
+            return list(entry.jobs)
+        entry.released = True
+        self._maybe_free(entry)
+        return []
+
+    def remove_key(self, key: CacheKey) -> None:
+        found = self._by_key.pop(key.index_key(), None)
+        if found is None:
+            return
+        entry, _ = found
+        entry.keys.discard(key.index_key())
+        self._maybe_free(entry)
+
+    def release_key_after_pull(self, index: IndexKey, entry: CacheEntry) -> None:
+        found = self._by_key.get(index)
+        if found is not None and found[0] is entry:
+            del self._by_key[index]
+            entry.keys.discard(index)
+            self._maybe_free(entry)
+
+    def _maybe_free(self, entry: CacheEntry) -> None:
+        if entry.released and not entry.keys and entry.leases == 0 and entry.segment is not None:
+            entry.segment.close()
+
+    @contextmanager
+    def lease(self, *entries: CacheEntry) -> Iterator[None]:
+        """Keep the entries' memory alive for the duration of a transfer."""
+        for entry in entries:
+            entry.leases += 1
+        try:
+            yield
+        finally:
+            for entry in entries:
+                entry.leases -= 1
+                self._maybe_free(entry)
+
+    def close_all(self) -> list[CopyJob]:
+        """Release everything (``finalize``); returns jobs still running on registered memory."""
+        jobs: list[CopyJob] = []
+        for entry in list(self._by_id.values()):
+            jobs.extend(self.release(entry))
+        for entry, _ in list(self._by_key.values()):
+            entry.keys.clear()
+            self._maybe_free(entry)
+        self._by_key.clear()
+        return jobs
