@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._checks import check_bool, check_int, check_int_list, check_isinstance, require
+from ._checks import (
+    check_bool,
+    check_int,
+    check_int_list,
+    check_isinstance,
+    require,
+)
 from .cache import Cache
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
 from .executor import CopyExecutor, CopyJob, wait_stopped
@@ -27,6 +33,7 @@ from .layout import (
 from .memory import SharedSegment
 from .native import copy_local
 from .registry import CacheEntry, CacheRegistry, geometry_of
+from .transfer_api import TransferMixin
 from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
 
 if TYPE_CHECKING:
@@ -67,7 +74,9 @@ def _check_cache_keys(cache_keys: Any) -> list[CacheKey]:
     return list(cache_keys)
 
 
-class CacheManager:
+# -- pulls and pushes (requester side); the heavy lifting is in transfer.py ----------------------------------------
+
+class CacheManager(TransferMixin):
     """Caches of one :class:`LLMDataDist` instance and the operations on them.
 
     Bookkeeping methods are plain (they never block on I/O); copies and transfers are coroutines.
@@ -93,20 +102,36 @@ class CacheManager:
     def registry(self) -> CacheRegistry:
         return self._registry
 
+    @property
+    def executor(self) -> CopyExecutor:
+        return self._executor
+
+    def start_job(self, spans: Spans, copy: Any, entries: tuple[CacheEntry, ...]) -> CopyJob:
+        """Queue a copy of ``spans`` touching ``entries`` (callers hold leases on them)."""
+        self._check_open()
+        job = self._executor.start(spans, copy or local_copier(spans.total_bytes))
+        self._jobs.add(job)
+        for entry in entries:
+            entry.jobs.add(job)
+        return job
+
+    async def wait_job(self, job: CopyJob, entries: tuple[CacheEntry, ...]) -> None:
+        """Await a job; cancelling the caller stops it and returns only once its workers are done."""
+        try:
+            await self._executor.wait(job)
+        finally:
+            self._jobs.discard(job)
+            for entry in entries:
+                entry.jobs.discard(job)
+
+    async def wait_stopped(self, job: CopyJob) -> None:
+        await wait_stopped(job)
+
     async def run_copy(self, entries: tuple[CacheEntry, ...], spans: Spans, copy: Any = None) -> None:
         """Run spans on the executor while holding leases on ``entries``; cancellable at chunk boundaries."""
         self._check_open()
         with self._registry.lease(*entries):
-            job = self._executor.start(spans, copy or local_copier(spans.total_bytes))
-            self._jobs.add(job)
-            for entry in entries:
-                entry.jobs.add(job)
-            try:
-                await self._executor.wait(job)
-            finally:
-                self._jobs.discard(job)
-                for entry in entries:
-                    entry.jobs.discard(job)
+            await self.wait_job(self.start_job(spans, copy, entries), entries)
 
     def _abort_jobs(self, jobs: list[CopyJob], reason: str) -> None:
         """Stop jobs that use caller-owned memory being released; waits at most one chunk per job."""
@@ -299,4 +324,5 @@ class CacheManager:
 
     def __repr__(self) -> str:
         return f"CacheManager(cluster_id={self._datadist.cluster_id}, caches={len(self._registry.entries())})"
+
 

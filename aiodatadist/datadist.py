@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from types import TracebackType
-from typing import Any
 
-from ._checks import check_int, check_isinstance
+from ._checks import check_bool, check_int, check_isinstance, require
 from .cache_manager import CacheManager
-from .errors import LLMNotInitializedError
+from .config import OptionKey
+from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
 from .executor import release_shared_executor, shared_executor
-from .options import Settings, parse_options
-from .types import LLMRole
+from .links import LinkManager
+from .options import Settings, parse_listen_ip_info, parse_options
+from .transfer import TransferService
+from .types import LLMClusterInfo, LLMRole
 
 __all__ = ["LLMDataDist"]
 
@@ -31,6 +34,8 @@ class LLMDataDist:
         self._cluster_id = check_int("cluster_id", cluster_id, "uint64")
         self._settings: Settings | None = None
         self._cache_manager: CacheManager | None = None
+        self._links: LinkManager | None = None
+        self._transfers = TransferService(self)
 
     # -- properties ------------------------------------------------------------------------------------------
     @property
@@ -60,31 +65,133 @@ class LLMDataDist:
 
     # -- lifetime --------------------------------------------------------------------------------------------
     async def init(self, options: dict[str, str]) -> None:
-        """Initialize from an option dict (see :meth:`LLMConfig.generate_options`); a second call is a no-op."""
+        """Initialize from an option dict (see :meth:`LLMConfig.generate_options`); a second call is a no-op.
+
+        With ``llm.listenIpInfo`` the instance listens there (it is a server).
+        """
         if self._settings is not None:
             return
         settings = parse_options(options)
+        self._settings = settings
         executor = shared_executor()
+        links: LinkManager | None = None
         try:
             self._cache_manager = CacheManager(self, executor)
+            links = LinkManager(self)
+            links.on_request = self._transfers.handle
+            links.on_link_closed = self._transfers.on_link_closed
+            if settings.listen is not None:
+                links.listen(*settings.listen)
         except BaseException:
+            self._settings = None
+            self._cache_manager = None
+            if links is not None:
+                await links.close()
             release_shared_executor()
             raise
-        self._settings = settings
+        self._links = links
         log.debug("cluster %d initialized as %s", self._cluster_id, self._role)
 
     async def finalize(self) -> None:
-        """Stop transfers, release every cache and the worker threads; a no-op when not initialized."""
+        """Unlink every peer (they are told, so their transfers fail fast), stop running transfers, release
+        every cache, the sockets and the worker threads.  A no-op when not initialized."""
         if self._settings is None:
             return
-        manager, self._cache_manager = self._cache_manager, None
-        self._settings = None
+        links, self._links = self._links, None
         try:
-            if manager is not None:
-                await manager.close()
+            if links is not None:
+                await links.close()
         finally:
-            release_shared_executor()
+            manager, self._cache_manager = self._cache_manager, None
+            self._settings = None
+            try:
+                if manager is not None:
+                    await manager.close()
+            finally:
+                release_shared_executor()
         log.debug("cluster %d finalized", self._cluster_id)
+
+    def _links_or_raise(self) -> LinkManager:
+        if self._links is None:
+            raise LLMNotInitializedError()
+        return self._links
+
+    # -- links -----------------------------------------------------------------------------------------------
+    def _check_clusters(self, clusters: object, timeout: object) -> tuple[list[LLMClusterInfo], int]:
+        check_isinstance("clusters", clusters, (list, tuple))
+        assert isinstance(clusters, (list, tuple))
+        for cluster in clusters:
+            check_isinstance("clusters inner", cluster, LLMClusterInfo)
+        timeout_ms = check_int("timeout", timeout, "int32")
+        require(timeout_ms > 0, f"timeout must be > 0, but got {timeout_ms}.")
+        has_comm_res = OptionKey.LOCAL_COMM_RES in self.settings.raw
+        for cluster in clusters:
+            if cluster.remote_cluster_id is None:
+                raise TypeError("remote_cluster_id only support ['int'], but got <class 'NoneType'>.")
+            require(len(cluster.remote_ip_info_list) > 0,
+                    "remote_ip_info_list is empty. Call append_remote_ip_info with the server's ip and port.")
+            require(has_comm_res or len(cluster.local_ip_info_list) > 0,
+                    "local_ip_info_list is empty. Call append_local_ip_info to set the local ip info "
+                    "(or set LLMConfig.local_comm_res).")
+        return list(clusters), timeout_ms
+
+    async def link_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
+                            timeout: int = 3000) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link to servers; returns ``(overall, [code per cluster])`` and never raises on link failure.
+
+        Per cluster: ``LLM_SUCCESS``, ``LLM_ALREADY_LINK``, ``LLM_LINK_FAILED`` (unreachable or no answer
+        within ``timeout`` ms) or ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` (more than 512 links).
+        """
+        links = self._links_or_raise()
+        items, timeout_ms = self._check_clusters(clusters, timeout)
+        codes = list(await asyncio.gather(*(links.link_one(c, timeout_ms) for c in items)))
+        return _overall(codes), codes
+
+    async def unlink_clusters(self, clusters: list[LLMClusterInfo] | tuple[LLMClusterInfo, ...],
+                              timeout: int = 3000, force: bool = False) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Unlink clusters; the peer is told and its transfers on the link fail fast.
+
+        Without ``force`` the peer must acknowledge within ``timeout`` ms (else
+        ``LLM_NOTIFY_PROMPT_UNLINK_FAILED``, the local end is torn down anyway); unknown clusters give
+        ``LLM_UNLINK_FAILED``.  With ``force`` only the local end is torn down without waiting.
+        """
+        links = self._links_or_raise()
+        check_bool("force", force)
+        check_isinstance("clusters", clusters, (list, tuple))
+        for cluster in clusters:
+            check_isinstance("clusters inner", cluster, LLMClusterInfo)
+            if cluster.remote_cluster_id is None:
+                raise TypeError("remote_cluster_id only support ['int'], but got <class 'NoneType'>.")
+        timeout_ms = check_int("timeout", timeout, "int32")
+        require(timeout_ms > 0, f"timeout must be > 0, but got {timeout_ms}.")
+        codes = list(await asyncio.gather(
+            *(links.unlink_one(c.remote_cluster_id or 0, timeout_ms, force) for c in clusters)))
+        return _overall(codes), codes
+
+    async def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
+        """Change the role label; ``llm.listenIpInfo`` in ``switch_options`` (re)starts listening there,
+        its absence stops a server listening.  Raises ``LLM_EXIST_LINK`` while links exist."""
+        links = self._links_or_raise()
+        check_isinstance("role", role, LLMRole)
+        check_isinstance("switch_options", switch_options, dict, allow_none=True)
+        options = switch_options or {}
+        for key, value in options.items():
+            check_isinstance("switch_options key", key, str)
+            check_isinstance("switch_options value", value, str)
+        listen = options.get(OptionKey.LISTEN_IP_INFO)
+        address = parse_listen_ip_info(listen) if listen else None
+        if links.links:
+            raise LLMException(f"cluster {self._cluster_id} still has {len(links.links)} link(s); unlink them "
+                               "before switch_role", status_code=LLMStatusCode.LLM_EXIST_LINK)
+        if address is not None:
+            links.listen(*address)
+        else:
+            links.stop_listening()
+        self._role = role
+
+    def links(self) -> list[dict[str, object]]:
+        """The current links: remote cluster, side, endpoint, data plane and what this side can do."""
+        return self._links_or_raise().describe()
 
     async def __aenter__(self) -> LLMDataDist:
         return self
@@ -97,5 +204,8 @@ class LLMDataDist:
         state = "initialized" if self.is_initialized else "not initialized"
         return f"LLMDataDist(role={self._role}, cluster_id={self._cluster_id}, {state})"
 
-    def _describe(self) -> dict[str, Any]:
-        return {"cluster_id": self._cluster_id, "role": str(self._role)}
+
+
+def _overall(codes: list[LLMStatusCode]) -> LLMStatusCode:
+    """SUCCESS only if every cluster succeeded, else the first failure."""
+    return next((c for c in codes if c != LLMStatusCode.LLM_SUCCESS), LLMStatusCode.LLM_SUCCESS)

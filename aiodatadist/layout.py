@@ -32,6 +32,8 @@ __all__ = [
     "make_plan",
     "plan_to_spans",
     "coalesce",
+    "TransferParams",
+    "transfer_plan",
 ]
 
 Int64Array = npt.NDArray[np.int64]
@@ -340,3 +342,47 @@ def plan_to_spans(plan: CopyPlan, src_addrs: npt.ArrayLike, dst_addrs: npt.Array
     length = np.tile(plan.runs.length.astype(np.uint64), len(plan.src_tensor))
     s, d, n = coalesce(src, dst, length)
     return Spans(s.astype(np.uint64), d.astype(np.uint64), n.astype(np.uint64))
+
+
+# -- transfers between two caches -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class TransferParams:
+    """What a pull/push asks for, as both sides see it (``local_slot`` is the requester's batch slot)."""
+
+    op: str  # "pull" (owner is the source) or "push" (owner is the destination)
+    api: str  # "cache" (pull_cache/push_cache) or "blocks" (pull_blocks/push_blocks)
+    src_blocks: tuple[int, ...] = ()
+    dst_blocks: tuple[int, ...] = ()
+    src_layer_range: range | None = None
+    dst_layer_range: range | None = None
+    tensor_num_per_layer: int = 2
+    size: int = -1
+    local_slot: int = 0
+
+
+def transfer_plan(params: TransferParams, requester: CacheGeometry, owner: CacheGeometry, owner_slot: int) -> CopyPlan:
+    """The validated plan of a pull or push; requester and owner compute the same plan independently."""
+    require(params.op in ("pull", "push") and params.api in ("cache", "blocks"), "unknown transfer kind.")
+    if params.op == "pull":
+        src, dst, src_slot, dst_slot = owner, requester, owner_slot, params.local_slot
+        tensors = pull_tensor_indices(src, dst, params.src_layer_range, params.dst_layer_range,
+                                      params.tensor_num_per_layer)
+    else:
+        src, dst, src_slot, dst_slot = requester, owner, params.local_slot, owner_slot
+        tensors = push_tensor_indices(src, dst, params.src_layer_range, params.dst_layer_range,
+                                      params.tensor_num_per_layer)
+    if params.api == "cache":
+        require(not src.is_blocks, "the source is a blocks cache: use pull_blocks/push_blocks (B2C is not supported).")
+        require(not dst.is_blocks, "the destination is a blocks cache: use pull_blocks/push_blocks.")
+        runs = slot_run(src_slot, src, dst_slot, dst, params.size)
+    else:
+        require(dst.is_blocks, "Pulling from discrete memory to continuous memory is not supported "
+                "(the destination must be a blocks cache).")
+        if src.is_blocks:
+            require(src_slot == 0, "a blocks cache is addressed with batch_index 0.")
+            runs = b2b_runs(params.src_blocks, params.dst_blocks, src, dst)
+        else:
+            require(len(params.src_blocks) == 0, "src_blocks must be empty when the source is a contiguous cache.")
+            runs = c2b_runs(src_slot, src, params.dst_blocks, dst)
+    return make_plan(tensors[0], tensors[1], runs)

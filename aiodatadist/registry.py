@@ -158,9 +158,9 @@ class CacheRegistry:
             raise not_exist(f"cache key {key} does not exist.")
         return found
 
-    def resolve_wire(self, kind: str, a: int, b: int, c: int) -> tuple[CacheEntry, int]:
-        """Resolve a key sent by a peer: ``("id", cache_id, batch, _)``, ``("blocks", model, _, _)``,
-        ``("req"|"prefix", id, model_id, _)``."""
+    def resolve_wire(self, kind: str, a: int, b: int) -> tuple[CacheEntry, int]:
+        """Resolve a key sent by a peer: ``("id", cache_id, batch)``, ``("blocks", model_id, _)``,
+        ``("req"|"prefix", id, model_id)``."""
         if kind == "id":
             return self.by_id(a), b
         if kind == "blocks":
@@ -217,6 +217,14 @@ class CacheRegistry:
     def _maybe_free(self, entry: CacheEntry) -> None:
         if entry.released and not entry.keys and entry.leases == 0 and entry.segment is not None:
             entry.segment.close()
+
+    def acquire(self, entry: CacheEntry) -> None:
+        """Take a lease that outlives a call (owner side of a peer's transfer); see :meth:`release_lease`."""
+        entry.leases += 1
+
+    def release_lease(self, entry: CacheEntry) -> None:
+        entry.leases -= 1
+        self._maybe_free(entry)
 
     @contextmanager
     def lease(self, *entries: CacheEntry) -> Iterator[None]:

@@ -1,0 +1,209 @@
+"""A scriptable LLMDataDist in its own process, driven by JSON lines on stdin (see ``testing.PeerProcess``).
+
+Each command runs in its own task, so a long transfer does not block the next command.  Replies are JSON
+lines ``{"id", "result"}`` or ``{"id", "error", "message", "status_code"}`` on stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    Placement,
+)
+from .testing import cluster_info, fill_pattern
+
+
+def make_key(spec: dict[str, Any]) -> CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey:
+    kind = spec["type"]
+    if kind == "blocks":
+        return BlocksCacheKey(spec["cluster_id"], spec.get("model_id", 0))
+    if kind == "id":
+        return CacheKeyByIdAndIndex(spec["cluster_id"], spec["cache_id"], spec.get("batch_index", 0))
+    return CacheKey(spec["cluster_id"], spec["req_id"], spec.get("model_id", 0), spec.get("prefix_id", 2**64 - 1))
+
+
+def _range(value: list[int] | None) -> range | None:
+    return None if value is None else range(value[0], value[1])
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.dd: LLMDataDist | None = None
+        self.caches: dict[int, Cache] = {}
+        self.buffers: dict[int, list[np.ndarray]] = {}
+        self.done = asyncio.Event()
+
+    @property
+    def cm(self) -> Any:
+        assert self.dd is not None
+        return self.dd.cache_manager
+
+    def _desc(self, a: dict[str, Any]) -> CacheDesc:
+        return CacheDesc(a["num_tensors"], tuple(a["shape"]), DataType[a.get("dtype", "DT_UINT8")], Placement.HOST)
+
+    async def cmd_init(self, a: dict[str, Any]) -> Any:
+        self.dd = LLMDataDist(LLMRole[a.get("role", "PROMPT")], a["cluster_id"])
+        await self.dd.init(a.get("options", {}))
+        return {"pid": os.getpid()}
+
+    async def cmd_link(self, a: dict[str, Any]) -> Any:
+        assert self.dd is not None
+        code, codes = await self.dd.link_clusters([cluster_info(a["cluster_id"], a["port"])], a.get("timeout", 3000))
+        return [int(code), [int(c) for c in codes]]
+
+    async def cmd_unlink(self, a: dict[str, Any]) -> Any:
+        assert self.dd is not None
+        code, codes = await self.dd.unlink_clusters([cluster_info(a["cluster_id"], a.get("port", 1))],
+                                                    a.get("timeout", 3000), a.get("force", False))
+        return [int(code), [int(c) for c in codes]]
+
+    async def cmd_links(self, a: dict[str, Any]) -> Any:
+        assert self.dd is not None
+        return self.dd.links()
+
+    async def cmd_allocate(self, a: dict[str, Any]) -> Any:
+        desc = self._desc(a)
+        if a.get("blocks"):
+            bk = a.get("blocks_key")
+            cache = self.cm.allocate_blocks_cache(desc, BlocksCacheKey(*bk) if bk else None)
+        else:
+            cache = self.cm.allocate_cache(desc, [CacheKey(*k) for k in a.get("keys", [])])
+        self.caches[cache.cache_id] = cache
+        return {"cache_id": cache.cache_id}
+
+    async def cmd_register(self, a: dict[str, Any]) -> Any:
+        desc = self._desc(a)
+        arrays = [np.zeros(desc.size, dtype=np.uint8) for _ in range(desc.num_tensors)]
+        addrs = [int(x.ctypes.data) for x in arrays]
+        if a.get("blocks"):
+            bk = a.get("blocks_key")
+            cache = self.cm.register_blocks_cache(desc, addrs, BlocksCacheKey(*bk) if bk else None,
+                                                  a.get("remote_accessible"))
+        else:
+            cache = self.cm.register_cache(desc, addrs, [CacheKey(*k) for k in a.get("keys", [])],
+                                           a.get("remote_accessible"))
+        self.caches[cache.cache_id] = cache
+        self.buffers[cache.cache_id] = arrays
+        return {"cache_id": cache.cache_id}
+
+    async def cmd_fill(self, a: dict[str, Any]) -> Any:
+        fill_pattern(self.caches[a["cache_id"]], a["seed"])
+        return None
+
+    async def cmd_poison(self, a: dict[str, Any]) -> Any:
+        for t in self.caches[a["cache_id"]].tensors:
+            t.view(np.uint8)[...] = a.get("value", 0)
+        return None
+
+    async def cmd_digest(self, a: dict[str, Any]) -> Any:
+        return [hashlib.sha256(t.view(np.uint8).tobytes()).hexdigest() for t in self.caches[a["cache_id"]].tensors]
+
+    async def cmd_read(self, a: dict[str, Any]) -> Any:
+        t = self.caches[a["cache_id"]].tensors[a["tensor"]].view(np.uint8).reshape(-1)
+        return t[a["offset"]: a["offset"] + a["nbytes"]].tobytes().hex()
+
+    async def cmd_release(self, a: dict[str, Any]) -> Any:
+        cache = self.caches.pop(a["cache_id"])
+        if a.get("how") == "unregister":
+            self.cm.unregister_cache(cache.cache_id)
+        elif cache.is_blocks_cache:
+            self.cm.deallocate_blocks_cache(cache)
+        else:
+            self.cm.deallocate_cache(cache)
+        return None
+
+    async def cmd_remove_key(self, a: dict[str, Any]) -> Any:
+        self.cm.remove_cache_key(CacheKey(*a["key"]))
+        return None
+
+    async def cmd_transfer(self, a: dict[str, Any]) -> Any:
+        cache = self.caches[a["cache_id"]]
+        key = make_key(a["key"])
+        kw: dict[str, Any] = {}
+        for name in ("src_layer_range", "dst_layer_range"):
+            if a.get(name) is not None:
+                kw[name] = _range(a[name])
+        if "tensor_num_per_layer" in a:
+            kw["tensor_num_per_layer"] = a["tensor_num_per_layer"]
+        op = a["op"]
+        if op == "pull_cache":
+            await self.cm.pull_cache(key, cache, a.get("batch_index", 0), a.get("size", -1), **kw)
+        elif op == "pull_blocks":
+            await self.cm.pull_blocks(key, cache, a.get("src_blocks", []), a["dst_blocks"], **kw)
+        elif op == "push_cache":
+            await self.cm.push_cache(key, cache, a.get("batch_index", 0), **kw)
+        elif op == "push_blocks":
+            await self.cm.push_blocks(key, cache, a.get("src_blocks", []), a["dst_blocks"], **kw)
+        else:
+            raise ValueError(f"unknown op {op}")
+        return None
+
+    async def cmd_sleep(self, a: dict[str, Any]) -> Any:
+        await asyncio.sleep(a["seconds"])
+        return None
+
+    async def cmd_finalize(self, a: dict[str, Any]) -> Any:
+        if self.dd is not None:
+            await self.dd.finalize()
+        return None
+
+    async def cmd_exit(self, a: dict[str, Any]) -> Any:
+        await self.cmd_finalize(a)
+        self.done.set()
+        return None
+
+
+async def _main() -> None:
+    agent = Agent()
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 24)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    out = sys.stdout
+    tasks: set[asyncio.Task[None]] = set()
+
+    def send(obj: dict[str, Any]) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    async def run(msg: dict[str, Any]) -> None:
+        try:
+            result = await getattr(agent, "cmd_" + msg["cmd"])(msg.get("args", {}))
+            send({"id": msg["id"], "result": result})
+        except LLMException as exc:
+            send({"id": msg["id"], "error": type(exc).__name__, "message": str(exc),
+                  "status_code": int(exc.status_code)})
+        except Exception as exc:
+            send({"id": msg["id"], "error": type(exc).__name__, "message": str(exc)})
+
+    async def read_commands() -> None:
+        while line := await reader.readline():
+            task = asyncio.ensure_future(run(json.loads(line)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        agent.done.set()
+
+    reading = asyncio.ensure_future(read_commands())
+    await agent.done.wait()
+    reading.cancel()
+    await agent.cmd_finalize({})
+
+
+if __name__ == "__main__":
+    asyncio.run(_main())

@@ -1,0 +1,297 @@
+"""Links between clusters: handshake, the link table, unlinking, and dispatch of a link's requests."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import zmq
+import zmq.asyncio
+
+from .control import Channel, Server, TaskSet, connect_dealer, new_context, read_dealer
+from .errors import LLMException, LLMLinkError, LLMStatusCode
+from .executor import CopyJob
+from .peer import HostProbe, PeerCapabilities, PeerMemory, probe_peer
+from .protocol import PROTOCOL_VERSION, Kind, ProtocolError, int_field
+from .protocol import field as msg_field
+from .registry import CacheEntry
+from .types import LLMClusterInfo, Transport, ip_int_to_str
+
+if TYPE_CHECKING:
+    from .datadist import LLMDataDist
+
+__all__ = ["Link", "LinkManager", "MAX_LINKS"]
+
+log = logging.getLogger("aiodatadist.link")
+MAX_LINKS = 512
+S = LLMStatusCode
+
+
+@dataclass(eq=False)
+class Lease:
+    """Owner side of a running transfer: keeps the cache alive until the requester ends it."""
+
+    entry: CacheEntry
+    release_key: tuple[str, int, int] | None
+
+
+@dataclass(eq=False)
+class Link:
+    """One link to a remote cluster (client or server side)."""
+
+    remote_cluster_id: int
+    channel: Channel
+    caps: PeerCapabilities
+    is_client: bool
+    endpoint: str
+    remote_role: int = 0
+    plane: str = "shm"
+    sock: zmq.asyncio.Socket | None = None
+    reader: asyncio.Task[Any] | None = None
+    routing_id: bytes | None = None
+    memory: PeerMemory = field(init=False)
+    leases: dict[int, Lease] = field(default_factory=dict)
+    jobs: set[CopyJob] = field(default_factory=set)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.memory = PeerMemory(self.caps)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "remote_cluster_id": self.remote_cluster_id,
+            "side": "client" if self.is_client else "server",
+            "endpoint": self.endpoint,
+            "plane": self.plane,
+            "peer": self.caps.describe(),
+        }
+
+
+def _plane_for(caps: PeerCapabilities, transport: Transport) -> str:
+    if transport == Transport.TCP or not caps.same_host:
+        return "tcp"
+    return "shm"
+
+
+class LinkManager:
+    """The links of one :class:`LLMDataDist`, its server socket and its control-plane tasks."""
+
+    def __init__(self, datadist: LLMDataDist) -> None:
+        self._dd = datadist
+        self._ctx = new_context()
+        self._tasks = TaskSet()
+        self._probe = HostProbe()
+        self._server: Server | None = None
+        self._server_task: asyncio.Task[Any] | None = None
+        self.links: dict[int, Link] = {}
+        self._linking: set[int] = set()
+        # Hooks set by the transfer layer (owner side of a transfer).
+        self.on_request: Any = None
+        self.on_link_closed: Any = None
+
+    # -- server ----------------------------------------------------------------------------------------------
+    @property
+    def listening(self) -> str | None:
+        return self._server.endpoint if self._server is not None else None
+
+    def listen(self, ip: str, port: int) -> None:
+        endpoint = f"tcp://{ip}:{port}"
+        try:
+            server = Server(self._ctx, endpoint, self._on_hello)
+        except zmq.ZMQError as exc:
+            raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from exc
+        self.stop_listening()
+        self._server = server
+        self._server_task = self._tasks.spawn(server.serve(self._tasks), name=f"server-{endpoint}")
+        log.info("cluster %d listening on %s", self._dd.cluster_id, endpoint)
+
+    def stop_listening(self) -> None:
+        if self._server is not None:
+            if self._server_task is not None:
+                self._server_task.cancel()
+            self._server.close()
+            self._server = None
+            self._server_task = None
+
+    def _hello_body(self, remote_cluster_id: int) -> dict[str, Any]:
+        return {
+            "v": PROTOCOL_VERSION,
+            "cluster": self._dd.cluster_id,
+            "to": remote_cluster_id,
+            "role": int(self._dd.role),
+            "host": self._probe.to_wire(),
+            "transport": self._dd.settings.transport.value,
+        }
+
+    async def _on_hello(self, routing_id: bytes, message: dict[str, Any]) -> None:
+        assert self._server is not None
+        server = self._server
+        req_id = message["i"]
+        try:
+            version = int_field(message, "v")
+            cluster = int_field(message, "cluster", 0)
+            target = int_field(message, "to", 0)
+            role = int_field(message, "role", 0, 3)
+            transport = msg_field(message, "transport", str)
+        except ProtocolError as exc:
+            await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": int(S.LLM_LINK_FAILED),
+                                                "msg": f"malformed hello: {exc}"})
+            return
+        code, msg = self._admit(version, cluster, target)
+        caps = probe_peer(message.get("host")) if code == 0 else PeerCapabilities(False, False, False, 0)
+        if code == 0:
+            wanted = {self._dd.settings.transport, Transport(transport) if transport in Transport._value2member_map_
+                      else Transport.AUTO}
+            if Transport.SHM in wanted and not caps.same_host:
+                code, msg = int(S.LLM_LINK_FAILED), "transport shm forced, but the peer is not on this host"
+        if code:
+            await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": code, "msg": msg})
+            return
+        forced_tcp = Transport.TCP in (self._dd.settings.transport, Transport(transport))
+        channel = Channel(server.sender(routing_id), self._handle, f"{self._dd.cluster_id}<-{cluster}")
+        link = Link(cluster, channel, caps, is_client=False, endpoint=server.endpoint, remote_role=role,
+                    plane=_plane_for(caps, Transport.TCP if forced_tcp else Transport.AUTO), routing_id=routing_id)
+        channel.context = link
+        self.links[cluster] = link
+        server.channels[routing_id] = channel
+        await channel.reply(req_id, {"cluster": self._dd.cluster_id, "role": int(self._dd.role),
+                                     "host": self._probe.to_wire()})
+        log.info("cluster %d accepted link from %d (%s)", self._dd.cluster_id, cluster, link.plane)
+
+    def _admit(self, version: int, cluster: int, target: int) -> tuple[int, str]:
+        if version != PROTOCOL_VERSION:
+            return int(S.LLM_LINK_FAILED), f"protocol version {version} is not supported ({PROTOCOL_VERSION})"
+        if target != self._dd.cluster_id:
+            return int(S.LLM_LINK_FAILED), f"this is cluster {self._dd.cluster_id}, not {target}"
+        if cluster == self._dd.cluster_id:
+            return int(S.LLM_PARAM_INVALID), "a cluster cannot link to itself"
+        if cluster in self.links or cluster in self._linking:
+            return int(S.LLM_ALREADY_LINK), f"cluster {cluster} is already linked"
+        if len(self.links) + len(self._linking) >= MAX_LINKS:
+            return int(S.LLM_CLUSTER_NUM_EXCEED_LIMIT), f"at most {MAX_LINKS} links"
+        return 0, ""
+
+    # -- client ----------------------------------------------------------------------------------------------
+    async def link_one(self, cluster: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
+        remote_id = cluster.remote_cluster_id
+        assert remote_id is not None
+        if remote_id in self.links or remote_id in self._linking:
+            return S.LLM_ALREADY_LINK
+        if remote_id == self._dd.cluster_id:
+            return S.LLM_PARAM_INVALID
+        if len(self.links) + len(self._linking) >= MAX_LINKS:
+            return S.LLM_CLUSTER_NUM_EXCEED_LIMIT
+        ip, port = cluster.remote_ip_info_list[0]
+        endpoint = f"tcp://{ip_int_to_str(ip)}:{port}"
+        self._linking.add(remote_id)
+        sock = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15))
+        channel = Channel(sock.send, self._handle, f"{self._dd.cluster_id}->{remote_id}")
+        reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}")
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                reply = await channel.request(Kind.HELLO, self._hello_body(remote_id))
+            caps = probe_peer(reply.get("host"))
+            int_field(reply, "cluster", 0)
+        except (LLMException, TimeoutError, ProtocolError) as exc:
+            reader.cancel()
+            sock.close(linger=0)
+            code = exc.status_code if isinstance(exc, LLMException) else S.LLM_LINK_FAILED
+            log.info("link %d -> %d (%s) failed: %s", self._dd.cluster_id, remote_id, endpoint,
+                     exc or "no answer in time")
+            return code
+        finally:
+            self._linking.discard(remote_id)
+        transport = self._dd.settings.transport
+        if transport == Transport.SHM and not caps.same_host:
+            reader.cancel()
+            sock.close(linger=0)
+            return S.LLM_LINK_FAILED
+        link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint,
+                    remote_role=int(reply.get("role", 0)) if isinstance(reply.get("role"), int) else 0,
+                    plane=_plane_for(caps, transport), sock=sock, reader=reader)
+        channel.context = link
+        self.links[remote_id] = link
+        log.info("cluster %d linked to %d at %s (%s)", self._dd.cluster_id, remote_id, endpoint, link.plane)
+        return S.LLM_SUCCESS
+
+    # -- unlinking -------------------------------------------------------------------------------------------
+    async def unlink_one(self, remote_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
+        link = self.links.get(remote_id)
+        if link is None:
+            return S.LLM_SUCCESS if force else S.LLM_UNLINK_FAILED
+        code = S.LLM_SUCCESS
+        if force:
+            self._spawn_notify(link, Kind.BYE, {})
+        else:
+            try:
+                async with asyncio.timeout(timeout_ms / 1000):
+                    await link.channel.request(Kind.BYE, {})
+            except (LLMException, TimeoutError):
+                code = S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+        await self.drop(link, LLMLinkError(f"cluster {remote_id} was unlinked"))
+        return code
+
+    def _spawn_notify(self, link: Link, kind: str, body: dict[str, Any]) -> None:
+        async def send() -> None:
+            try:
+                await link.channel.notify(kind, body)
+            except LLMException:
+                pass
+        self._tasks.spawn(send(), name=f"notify-{kind}")
+
+    async def drop(self, link: Link, error: LLMException) -> None:
+        """Tear a link down locally: fail its requests, stop its copies, release its leases."""
+        if link.closed:
+            return
+        link.closed = True
+        if self.links.get(link.remote_cluster_id) is link:
+            del self.links[link.remote_cluster_id]
+        link.channel.close(error)
+        if self.on_link_closed is not None:
+            await self.on_link_closed(link, error)
+        link.memory.close()
+        if link.routing_id is not None and self._server is not None:
+            self._server.channels.pop(link.routing_id, None)
+        if link.reader is not None:
+            link.reader.cancel()
+        if link.sock is not None:
+            link.sock.close(linger=100)
+        log.info("cluster %d dropped link to %d: %s", self._dd.cluster_id, link.remote_cluster_id, error)
+
+    # -- requests from peers ---------------------------------------------------------------------------------
+    async def _handle(self, channel: Channel, message: dict[str, Any]) -> dict[str, Any] | None:
+        link: Link = channel.context
+        kind = message["k"]
+        if kind == Kind.PING:
+            return {}
+        if kind == Kind.BYE:
+            await channel.reply(message["i"], {})
+            await self.drop(link, LLMLinkError(f"cluster {link.remote_cluster_id} unlinked"))
+            return None
+        if kind == Kind.HELLO:
+            raise LLMException("already linked", status_code=S.LLM_ALREADY_LINK)
+        assert self.on_request is not None
+        result: dict[str, Any] | None = await self.on_request(link, message)
+        return result
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Unlink everything (peers are told), stop listening and free the sockets and context."""
+        for link in list(self.links.values()):
+            try:
+                await link.channel.notify(Kind.BYE, {})
+            except LLMException:
+                pass
+            await self.drop(link, LLMLinkError(f"cluster {self._dd.cluster_id} was finalized"))
+        self.stop_listening()
+        await self._tasks.close()
+        # Closed sockets linger briefly so that the BYEs reach the peers; term() waits for that, off the loop.
+        await asyncio.to_thread(self._ctx.term)
+        self._probe.close()
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [link.describe() for link in self.links.values()]
+

@@ -1,0 +1,175 @@
+"""Same-host peers: proving that a peer shares this host, and reaching its memory.
+
+At link time each side announces a probe: a one-page shared-memory segment holding a random nonce.  The other
+side tries both same-host mechanisms on it: mapping the segment through ``/proc/<pid>/fd`` and reading it with
+``process_vm_readv``.  Reading the right nonce proves the peer is on this host (not just a matching hostname)
+and tells which mechanism the OS allows.  :class:`PeerMemory` then turns copy spans that address the peer's
+memory into native copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .executor import CopyFn
+from .memory import SegmentIdentity, SharedSegment, map_peer_segment
+from .native import copy_local, process_vm_read, process_vm_write
+
+__all__ = ["HostProbe", "PeerCapabilities", "PeerMemory", "allowed_mechanisms"]
+
+log = logging.getLogger("aiodatadist.peer")
+UInt64Array = npt.NDArray[np.uint64]
+NONCE_BYTES = 32
+
+
+def allowed_mechanisms() -> frozenset[str]:
+    """Same-host mechanisms this process may use: ``map`` and ``pvm`` unless restricted by the
+    ``AIODATADIST_SAME_HOST`` environment variable (comma-separated; for diagnosing OS restrictions)."""
+    value = os.environ.get("AIODATADIST_SAME_HOST")
+    if value is None:
+        return frozenset({"map", "pvm"})
+    return frozenset(v.strip() for v in value.split(",") if v.strip()) & {"map", "pvm"}
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+class HostProbe:
+    """This process's probe segment and nonce, announced in the handshake."""
+
+    def __init__(self) -> None:
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.segment = SharedSegment(mmap.PAGESIZE, name="aiodatadist-probe")
+        self.segment.array()[:NONCE_BYTES] = np.frombuffer(self.nonce, dtype=np.uint8)
+
+    def to_wire(self) -> dict[str, Any]:
+        ident = self.segment.identity
+        return {
+            "boot": _boot_id(),
+            "pid": os.getpid(),
+            "probe": [ident.pid, ident.fd, ident.inode, ident.device, ident.size, self.segment.address],
+            "nonce": self.nonce,
+        }
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCapabilities:
+    """What this side can do with a peer's memory."""
+
+    same_host: bool
+    can_map: bool
+    can_pvm: bool
+    pid: int
+
+    def describe(self) -> str:
+        if not self.same_host:
+            return "other host"
+        mechanisms = [m for m, ok in (("map", self.can_map), ("pvm", self.can_pvm)) if ok]
+        return "same host (" + ("+".join(mechanisms) or "no mechanism") + ")"
+
+
+def probe_peer(info: Any) -> PeerCapabilities:
+    """Test both mechanisms on a peer's announced probe; never raises for a hostile or foreign probe."""
+    try:
+        boot, pid, probe, nonce = info["boot"], info["pid"], info["probe"], info["nonce"]
+        ok_types = (isinstance(boot, str) and isinstance(pid, int) and isinstance(nonce, bytes)
+                    and isinstance(probe, list) and len(probe) == 6 and all(isinstance(v, int) for v in probe))
+    except (KeyError, TypeError):
+        ok_types = False
+    if not ok_types or boot != _boot_id() or len(nonce) != NONCE_BYTES:
+        return PeerCapabilities(False, False, False, 0)
+    allowed = allowed_mechanisms()
+    identity = SegmentIdentity(*probe[:5])
+    can_map = can_pvm = False
+    if "map" in allowed:
+        try:
+            mapping = map_peer_segment(identity)
+            try:
+                can_map = mapping[:NONCE_BYTES] == nonce
+            finally:
+                mapping.close()
+        except (OSError, ValueError) as exc:
+            log.debug("cannot map peer %d's memory: %s", pid, exc)
+    if "pvm" in allowed:
+        buf = ctypes.create_string_buffer(NONCE_BYTES)
+        try:
+            process_vm_read(pid, np.array([probe[5]], dtype=np.uint64),
+                            np.array([ctypes.addressof(buf)], dtype=np.uint64),
+                            np.array([NONCE_BYTES], dtype=np.uint64))
+            can_pvm = buf.raw == nonce
+        except OSError as exc:
+            log.debug("process_vm_readv on peer %d refused: %s", pid, exc)
+    return PeerCapabilities(can_map or can_pvm, can_map, can_pvm, pid)
+
+
+class PeerMemory:
+    """Copy functions that reach a same-host peer's memory; peer segments are mapped once and cached."""
+
+    def __init__(self, caps: PeerCapabilities) -> None:
+        self.caps = caps
+        self._mappings: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
+
+    def _local_base(self, identity: SegmentIdentity) -> int:
+        key = (identity.inode, identity.device)
+        found = self._mappings.get(key)
+        if found is None:
+            mapping = map_peer_segment(identity)
+            found = (mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
+            self._mappings[key] = found
+        return found[1]
+
+    def can_reach(self, segment: tuple[SegmentIdentity, int] | None) -> bool:
+        return (segment is not None and self.caps.can_map) or self.caps.can_pvm
+
+    def copier(self, *, remote_is_src: bool, segment: tuple[SegmentIdentity, int] | None,
+               streaming: bool) -> CopyFn:
+        """A copy function for spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
+        if segment is not None and self.caps.can_map:
+            identity, remote_base = segment
+            delta = np.uint64((self._local_base(identity) - remote_base) % 2**64)
+            return functools.partial(_mapped_copy, delta, remote_is_src, streaming)
+        if self.caps.can_pvm:
+            pid = self.caps.pid
+            return functools.partial(_pvm_copy, pid, remote_is_src)
+        raise OSError(0, "no same-host mechanism reaches the peer's memory")
+
+    def close(self) -> None:
+        for mapping, _ in self._mappings.values():
+            try:
+                mapping.close()
+            except BufferError:
+                pass
+        self._mappings.clear()
+
+
+def _mapped_copy(delta: np.uint64, remote_is_src: bool, streaming: bool,
+                 src: UInt64Array, dst: UInt64Array, length: UInt64Array) -> None:
+    if remote_is_src:
+        copy_local(src + delta, dst, length, streaming)
+    else:
+        copy_local(src, dst + delta, length, streaming)
+
+
+def _pvm_copy(pid: int, remote_is_src: bool, src: UInt64Array, dst: UInt64Array, length: UInt64Array) -> None:
+    if remote_is_src:
+        process_vm_read(pid, src, dst, length)
+    else:
+        process_vm_write(pid, src, dst, length)

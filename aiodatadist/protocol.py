@@ -1,0 +1,174 @@
+"""Sans-IO control protocol: message kinds, msgpack codec and field validation.
+
+A message is one msgpack map.  Requests carry ``"i"`` (request id, unique per sender and link); responses carry
+``"r"`` (the id they answer) plus ``"code"`` (an :class:`LLMStatusCode` value, 0 = success) and ``"msg"``.
+Bulk bytes never travel in these messages.  Every decoded field is validated; malformed input raises
+:class:`ProtocolError`, which the control plane answers with an error or by dropping the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .layout import CacheGeometry
+from .memory import SegmentIdentity
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_MESSAGE_BYTES",
+    "MAX_LIST_ITEMS",
+    "Kind",
+    "ProtocolError",
+    "encode",
+    "decode",
+    "field",
+    "int_field",
+    "opt_int_list",
+    "geometry_to_wire",
+    "geometry_from_wire",
+    "segment_to_wire",
+    "segment_from_wire",
+    "range_to_wire",
+    "range_from_wire",
+    "WireKey",
+]
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_LIST_ITEMS = 1 << 22
+_U64 = 2**64 - 1
+
+
+class Kind:
+    """Message kinds."""
+
+    HELLO = "hello"          # client -> server: handshake
+    BYE = "bye"              # either side: the link is being torn down
+    BEGIN = "begin"          # requester -> owner: resolve a key for a transfer, take a lease
+    END = "end"              # requester -> owner: transfer finished (ok or not), drop the lease
+    PING = "ping"            # either side: liveness check
+    REPLY = "reply"          # response to any request
+
+    REQUESTS = frozenset({HELLO, BYE, BEGIN, END, PING})
+    ALL = REQUESTS | {REPLY}
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """Decode and check the envelope (kind, ids); fields are checked by their consumers."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        message = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES, max_str_len=1 << 20,
+            max_array_len=MAX_LIST_ITEMS, max_map_len=1 << 10, max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated classes for garbage
+        raise ProtocolError(f"undecodable message: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("message is not a map")
+    kind = message.get("k")
+    if kind not in Kind.ALL:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    id_name = "r" if kind == Kind.REPLY else "i"
+    int_field(message, id_name, 0, _U64)
+    return message
+
+
+def field(message: dict[str, Any], name: str, types: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    value = message.get(name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ProtocolError(f"field {name!r} has the wrong type")
+    if not isinstance(value, types):
+        raise ProtocolError(f"field {name!r} has the wrong type")
+    return value
+
+
+def int_field(message: dict[str, Any], name: str, low: int = -(2**63), high: int = _U64) -> int:
+    value = field(message, name, int)
+    if not low <= value <= high:
+        raise ProtocolError(f"field {name!r} out of range")
+    return int(value)
+
+
+def opt_int_list(message: dict[str, Any], name: str, low: int = 0, high: int = _U64) -> list[int]:
+    values = field(message, name, list, optional=True) or []
+    if len(values) > MAX_LIST_ITEMS:
+        raise ProtocolError(f"field {name!r} has too many items")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise ProtocolError(f"field {name!r} has an invalid item")
+    return values
+
+
+def geometry_to_wire(g: CacheGeometry) -> list[Any]:
+    return [g.num_tensors, g.tensor_size, g.slots, g.is_blocks]
+
+
+def geometry_from_wire(value: Any) -> CacheGeometry:
+    if not (isinstance(value, list) and len(value) == 4 and isinstance(value[3], bool)
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in value[:3])):
+        raise ProtocolError("invalid cache geometry")
+    num_tensors, tensor_size, slots, is_blocks = value
+    if num_tensors <= 0 or slots <= 0 or tensor_size <= 0 or tensor_size % slots:
+        raise ProtocolError("invalid cache geometry")
+    return CacheGeometry(num_tensors, tensor_size, slots, is_blocks)
+
+
+def segment_to_wire(s: SegmentIdentity | None, base: int) -> list[int] | None:
+    return None if s is None else [s.pid, s.fd, s.inode, s.device, s.size, base]
+
+
+def segment_from_wire(value: Any) -> tuple[SegmentIdentity, int] | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 6
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _U64 for v in value)):
+        raise ProtocolError("invalid segment identity")
+    pid, fd, inode, device, size, base = value
+    return SegmentIdentity(pid, fd, inode, device, size), base
+
+
+def range_to_wire(r: range | None) -> list[int] | None:
+    return None if r is None else [r.start, r.stop]
+
+
+def range_from_wire(value: Any) -> range | None:
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in value)):
+        raise ProtocolError("invalid layer range")
+    return range(value[0], value[1])
+
+
+@dataclass(frozen=True, slots=True)
+class WireKey:
+    """A cache key as the owner indexes it: ``kind`` is ``id``, ``blocks``, ``req`` or ``prefix``."""
+
+    kind: str
+    a: int
+    b: int
+
+    def to_wire(self) -> list[Any]:
+        return [self.kind, self.a, self.b]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> WireKey:
+        if not (isinstance(value, list) and len(value) == 3 and value[0] in ("id", "blocks", "req", "prefix")
+                and all(isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v <= _U64
+                        for v in value[1:])):
+            raise ProtocolError("invalid cache key")
+        return cls(value[0], value[1], value[2])

@@ -1,0 +1,220 @@
+"""Pulls and pushes between linked clusters (same host: direct copies between the two processes' memories).
+
+The requester sends ``BEGIN`` with what it wants; the owner resolves the key at that moment, validates the
+whole transfer against both caches' geometry, takes a lease on its cache and answers with the cache's
+addresses.  The requester computes the same plan, copies the bytes itself (mapping the owner's shared-memory
+segment, or with ``process_vm_readv``/``writev``) and ends with ``END``, which drops the lease and, for a
+successful pull by ``CacheKey``, releases that key on the owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._checks import require
+from .cache_manager import STREAMING_THRESHOLD
+from .errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
+from .layout import Spans, TransferParams, plan_to_spans, transfer_plan
+from .protocol import (
+    Kind,
+    ProtocolError,
+    WireKey,
+    field,
+    geometry_from_wire,
+    geometry_to_wire,
+    int_field,
+    opt_int_list,
+    range_from_wire,
+    range_to_wire,
+    segment_from_wire,
+    segment_to_wire,
+)
+from .registry import CacheEntry
+from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+
+if TYPE_CHECKING:
+    from .datadist import LLMDataDist
+    from .links import Link
+
+__all__ = ["TransferService", "wire_key"]
+
+log = logging.getLogger("aiodatadist.transfer")
+S = LLMStatusCode
+
+
+def wire_key(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> WireKey:
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return WireKey("id", key.cache_id, key.batch_index)
+    if isinstance(key, BlocksCacheKey):
+        return WireKey("blocks", key.model_id, 0)
+    kind, ident, model = key.index_key()
+    return WireKey(kind, ident, model)
+
+
+def params_to_wire(p: TransferParams) -> dict[str, Any]:
+    return {
+        "op": p.op, "api": p.api, "sb": list(p.src_blocks), "db": list(p.dst_blocks),
+        "sr": range_to_wire(p.src_layer_range), "dr": range_to_wire(p.dst_layer_range),
+        "n": p.tensor_num_per_layer, "size": p.size, "slot": p.local_slot,
+    }
+
+
+def params_from_wire(m: dict[str, Any]) -> TransferParams:
+    op, api = field(m, "op", str), field(m, "api", str)
+    if op not in ("pull", "push") or api not in ("cache", "blocks"):
+        raise ProtocolError("unknown transfer kind")
+    return TransferParams(
+        op=op, api=api,
+        src_blocks=tuple(opt_int_list(m, "sb", 0, 2**63 - 1)), dst_blocks=tuple(opt_int_list(m, "db", 0, 2**63 - 1)),
+        src_layer_range=range_from_wire(m.get("sr")), dst_layer_range=range_from_wire(m.get("dr")),
+        tensor_num_per_layer=int_field(m, "n", 1, 2**32 - 1), size=int_field(m, "size", -1, 2**63 - 1),
+        local_slot=int_field(m, "slot", 0, 2**32 - 1),
+    )
+
+
+def _addrs_inside(addrs: np.ndarray, tensor_size: int, segment: tuple[Any, int] | None) -> bool:
+    if segment is None:
+        return True
+    identity, base = segment
+    return bool(((addrs >= base) & (addrs + np.uint64(tensor_size) <= base + identity.size)).all())
+
+
+class TransferService:
+    """Requester and owner sides of pull/push for one :class:`LLMDataDist`."""
+
+    def __init__(self, datadist: LLMDataDist) -> None:
+        self._dd = datadist
+        self._tids = itertools.count(1)
+
+    # -- requester side --------------------------------------------------------------------------------------
+    async def run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
+                  params: TransferParams) -> None:
+        """One pull or push, bounded by ``sync_kv_timeout``; raises ``LLMTimeoutError`` on expiry."""
+        timeout_ms = self._dd.settings.sync_kv_timeout_ms
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                await self._run(key, local, params)
+        except TimeoutError as exc:
+            if isinstance(exc, LLMException):
+                raise
+            raise LLMTimeoutError(
+                f"{params.op}_{params.api} from cluster {key.cluster_id} exceeded sync_kv_timeout={timeout_ms} ms"
+            ) from None
+
+    async def _run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
+                   params: TransferParams) -> None:
+        links = self._dd._links_or_raise()
+        require(key.cluster_id != self._dd.cluster_id, "data can not be pulled from own cluster.")
+        link = links.links.get(key.cluster_id)
+        if link is None:
+            raise LLMException(f"cluster {key.cluster_id} is not linked", status_code=S.LLM_NOT_YET_LINK)
+        if link.plane != "shm":
+            raise LLMException(
+                f"the link to cluster {key.cluster_id} needs the TCP data plane ({link.caps.describe()}), "
+                "which this version does not provide yet", status_code=S.LLM_FEATURE_NOT_ENABLED)
+        manager = self._dd.cache_manager
+        tid = next(self._tids)
+        wkey = wire_key(key)
+        ok = False
+        with manager.registry.lease(local):
+            try:
+                reply = await link.channel.request(Kind.BEGIN, {
+                    "tid": tid, "key": wkey.to_wire(), "peer": geometry_to_wire(local.geometry),
+                    **params_to_wire(params),
+                })
+                spans, segment = self._plan_from_reply(reply, local, params)
+                copy = link.memory.copier(remote_is_src=params.op == "pull", segment=segment,
+                                          streaming=spans.total_bytes >= STREAMING_THRESHOLD)
+                job = manager.start_job(spans, copy, (local,))
+                link.jobs.add(job)
+                try:
+                    await manager.wait_job(job, (local,))
+                finally:
+                    link.jobs.discard(job)
+                ok = True
+            except OSError as exc:
+                raise LLMLinkError(f"copy with cluster {key.cluster_id} failed: {exc}") from exc
+            finally:
+                # Always end the transfer on the owner (it may have taken a lease even if we never saw the
+                # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
+                if ok and params.op == "pull" and wkey.kind in ("req", "prefix"):
+                    await link.channel.request(Kind.END, {"tid": tid, "ok": True})
+                else:
+                    links._spawn_notify(link, Kind.END, {"tid": tid, "ok": ok})
+
+    def _plan_from_reply(self, reply: dict[str, Any], local: CacheEntry,
+                         params: TransferParams) -> tuple[Spans, Any]:
+        try:
+            owner_geometry = geometry_from_wire(reply.get("geometry"))
+            owner_slot = int_field(reply, "slot", 0, 2**32 - 1)
+            addrs = np.asarray(opt_int_list(reply, "addrs"), dtype=np.uint64)
+            segment = segment_from_wire(reply.get("segment"))
+        except ProtocolError as exc:
+            raise LLMLinkError(f"malformed reply from the owner: {exc}") from None
+        if len(addrs) != owner_geometry.num_tensors or not _addrs_inside(addrs, owner_geometry.tensor_size, segment):
+            raise LLMLinkError("the owner announced addresses outside its cache")
+        plan = transfer_plan(params, local.geometry, owner_geometry, owner_slot)
+        if params.op == "pull":
+            return plan_to_spans(plan, addrs, local.addrs), segment
+        return plan_to_spans(plan, local.addrs, addrs), segment
+
+    # -- owner side ------------------------------------------------------------------------------------------
+    async def handle(self, link: Link, message: dict[str, Any]) -> dict[str, Any] | None:
+        kind = message["k"]
+        if kind == Kind.BEGIN:
+            return self._begin(link, message)
+        if kind == Kind.END:
+            self._end(link, message)
+            return {}
+        raise ProtocolError(f"unexpected request {kind!r}")
+
+    def _begin(self, link: Link, message: dict[str, Any]) -> dict[str, Any]:
+        tid = int_field(message, "tid", 0)
+        key = WireKey.from_wire(message.get("key"))
+        params = params_from_wire(message)
+        peer_geometry = geometry_from_wire(message.get("peer"))
+        require(tid not in link.leases, f"transfer {tid} is already running.")
+        registry = self._dd.cache_manager.registry
+        entry, slot = registry.resolve_wire(key.kind, key.a, key.b)
+        require(entry.remote_accessible, f"cache {entry.cache_id} is not remote accessible.")
+        if params.op == "push":
+            require(key.kind in ("id", "blocks"), "push addresses the destination by cache id or BlocksCacheKey.")
+        transfer_plan(params, peer_geometry, entry.geometry, slot)  # validates the owner's side too
+        release_key = (key.kind, key.a, key.b) if params.op == "pull" and key.kind in ("req", "prefix") else None
+        registry.acquire(entry)
+        from .links import Lease
+
+        link.leases[tid] = Lease(entry, release_key)  # type: ignore[arg-type]
+        return {
+            "geometry": geometry_to_wire(entry.geometry), "slot": slot, "addrs": entry.addrs.tolist(),
+            "segment": segment_to_wire(entry.segment.identity if entry.segment else None,
+                                       entry.segment.address if entry.segment else 0),
+        }
+
+    def _end(self, link: Link, message: dict[str, Any]) -> None:
+        tid = int_field(message, "tid", 0)
+        ok = field(message, "ok", bool)
+        lease = link.leases.pop(tid, None)
+        if lease is None:
+            return
+        registry = self._dd.cache_manager.registry
+        if ok and lease.release_key is not None:
+            registry.release_key_after_pull(lease.release_key, lease.entry)
+        registry.release_lease(lease.entry)
+
+    async def on_link_closed(self, link: Link, error: LLMException) -> None:
+        """Stop the requester-side copies on this link and drop the owner-side leases."""
+        manager = self._dd._cache_manager
+        if manager is not None:
+            for job in list(link.jobs):
+                manager.executor.cancel(job, error)
+            for job in list(link.jobs):
+                await manager.wait_stopped(job)
+            for lease in link.leases.values():
+                manager.registry.release_lease(lease.entry)
+        link.leases.clear()

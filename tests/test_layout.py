@@ -1,0 +1,764 @@
+"""Property-based tests of ``aiodatadist.layout`` (and ``executor.split_spans``) against slow reference models.
+
+Every reference below is written directly from the spec (``llm_datadist_api.md`` §8.2-§8.5, §9.1) with plain
+Python loops over layers, tensors, blocks and bytes.  The code under test is vectorised numpy; the two must agree
+on (a) which inputs are rejected with ``LLMException(LLM_PARAM_INVALID)`` and (b) for accepted inputs, exactly
+which destination byte receives which source byte.  Copy spans are executed byte by byte on a simulated address
+space (every tensor has a fake base address) filled with random non-zero bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from aiodatadist.errors import LLMException, LLMStatusCode
+from aiodatadist.executor import split_spans
+from aiodatadist.layout import (
+    CacheGeometry,
+    Runs,
+    Spans,
+    all_tensor_indices,
+    b2b_runs,
+    c2b_runs,
+    coalesce,
+    copy_blocks_runs,
+    copy_cache_run,
+    make_plan,
+    plan_to_spans,
+    pull_tensor_indices,
+    push_tensor_indices,
+    slot_run,
+    swap_blocks_runs,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+#: Block / slot indices far outside any cache.  The public API type-checks them as uint32/uint64 before they
+#: reach the layout module, so the layout functions must reject them with LLM_PARAM_INVALID too.
+HUGE = [2**31, 2**32, 2**63 - 1]  # >= 2**63: see test_huge_block_index_is_param_invalid
+
+
+class Invalid(Exception):
+    """Raised by a reference model: the spec says the input must be rejected with LLM_PARAM_INVALID."""
+
+
+def invalid_unless(condition: bool) -> None:
+    if not condition:
+        raise Invalid
+
+
+def compare(reference, implementation):
+    """Run both; return ``(expected, actual)`` or ``None`` after checking that both reject the input."""
+    try:
+        expected = reference()
+    except Invalid:
+        with pytest.raises(LLMException) as info:
+            implementation()
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        return None
+    return expected, implementation()
+
+
+# -- strategies ------------------------------------------------------------------------------------------------
+
+def geometry(num_tensors: int, slots: int, stride: int, is_blocks: bool = True) -> CacheGeometry:
+    return CacheGeometry(num_tensors=num_tensors, tensor_size=slots * stride, slots=slots, is_blocks=is_blocks)
+
+
+@st.composite
+def geometries(draw, *, num_tensors=None, slots=None, stride=None, is_blocks=True):
+    nt = draw(st.integers(1, 5)) if num_tensors is None else num_tensors
+    sl = draw(st.integers(1, 6)) if slots is None else slots
+    sd = draw(st.integers(1, 8)) if stride is None else stride
+    return geometry(nt, sl, sd, is_blocks)
+
+
+@st.composite
+def stride_pairs(draw):
+    """Two strides, equal most of the time."""
+    a = draw(st.integers(1, 8))
+    b = draw(st.one_of(st.just(a), st.just(a), st.just(a), st.integers(1, 8)))
+    return a, b
+
+
+def index_or_wild(upper: int):
+    """An index in [0, upper) most of the time, sometimes just outside or far outside."""
+    return st.one_of(
+        st.integers(0, max(upper - 1, 0)),
+        st.integers(0, max(upper - 1, 0)),
+        st.integers(-2, upper + 2),
+        st.sampled_from(HUGE),
+    )
+
+
+@st.composite
+def address_lists(draw, num_tensors: int, tensor_size: int):
+    """Fake base addresses of the tensors of one cache, in several memory layouts."""
+    kind = draw(st.sampled_from(["spaced", "contiguous", "reversed", "shuffled", "shuffled_contiguous", "high"]))
+    base = draw(st.sampled_from([2**20, 2**40]))
+    if kind == "spaced":
+        return [(t + 1) * 2**20 for t in range(num_tensors)]
+    if kind == "contiguous":
+        return [base + t * tensor_size for t in range(num_tensors)]
+    if kind == "reversed":
+        return [base + (num_tensors - 1 - t) * tensor_size for t in range(num_tensors)]
+    perm = draw(st.permutations(range(num_tensors)))
+    if kind == "shuffled":
+        return [(p + 1) * 2**20 for p in perm]
+    if kind == "shuffled_contiguous":
+        return [base + p * tensor_size for p in perm]
+    # top of the 64-bit address space: int64 arithmetic would overflow
+    return [2**64 - (num_tensors - t) * 2**20 for t in range(num_tensors)]
+
+
+@st.composite
+def tensor_pairs(draw, src_nt: int, dst_nt: int):
+    """Tensor index lists of a plan: a window of each cache (as a layer range gives), or a permutation."""
+    k = draw(st.integers(1, min(src_nt, dst_nt)))
+    s0 = draw(st.integers(0, src_nt - k))
+    if draw(st.booleans()):
+        d0 = draw(st.integers(0, dst_nt - k))
+        return list(range(s0, s0 + k)), list(range(d0, d0 + k))
+    dst = draw(st.permutations(range(dst_nt)))[:k]
+    return list(range(s0, s0 + k)), list(dst)
+
+
+layer_ranges = st.one_of(st.none(), st.builds(range, st.integers(0, 7), st.integers(0, 7)))
+
+
+# -- simulated memory ------------------------------------------------------------------------------------------
+
+class Memory:
+    """Tensors (numpy uint8 arrays) at fake base addresses; byte access by absolute address."""
+
+    def __init__(self, addrs: list[int], arrays: list[np.ndarray]) -> None:
+        order = sorted(range(len(addrs)), key=lambda t: addrs[t])
+        self.bases = [addrs[t] for t in order]
+        self.tensors = order
+        self.arrays = arrays
+
+    def locate(self, addr: int) -> tuple[int, int]:
+        """(tensor, offset) of an absolute address; fails on an address outside every tensor."""
+        i = bisect.bisect_right(self.bases, addr) - 1
+        assert i >= 0, f"address {addr:#x} is below every tensor"
+        t = self.tensors[i]
+        off = addr - self.bases[i]
+        assert off < len(self.arrays[t]), f"address {addr:#x} is outside every tensor"
+        return t, off
+
+    def read(self, addr: int) -> int:
+        t, off = self.locate(addr)
+        return int(self.arrays[t][off])
+
+    def write(self, addr: int, value: int) -> None:
+        t, off = self.locate(addr)
+        self.arrays[t][off] = value
+
+
+def random_tensors(rng: np.random.Generator, num_tensors: int, size: int) -> list[np.ndarray]:
+    return [rng.integers(1, 256, size=size, dtype=np.uint8) for _ in range(num_tensors)]
+
+
+def reference_mapping(pairs, ref_runs) -> dict[tuple[int, int], tuple[int, int]]:
+    """(dst tensor, dst byte) -> (src tensor, src byte) for every byte the reference copies."""
+    mapping: dict[tuple[int, int], tuple[int, int]] = {}
+    for s_t, d_t in pairs:
+        for s_off, d_off, n in ref_runs:
+            for i in range(n):
+                key = (d_t, d_off + i)
+                assert key not in mapping, "reference writes a byte twice: the rules let through an ambiguous copy"
+                mapping[key] = (s_t, s_off + i)
+    return mapping
+
+
+def check_no_continuation(spans: Spans) -> None:
+    s, d, n = spans.src.tolist(), spans.dst.tolist(), spans.length.tolist()
+    for i in range(len(n) - 1):
+        assert not (s[i] + n[i] == s[i + 1] and d[i] + n[i] == d[i + 1]), f"spans {i} and {i + 1} are not merged"
+
+
+def check_plan(data, runs: Runs, src_g: CacheGeometry, dst_g: CacheGeometry, pairs, ref_runs,
+               *, same_memory: bool = False) -> tuple[Spans, list[int], list[int]]:
+    """Build the plan's spans and check them against the reference runs (applied to every tensor pair)."""
+    assert runs.src_offset.dtype == runs.dst_offset.dtype == runs.length.dtype == np.int64
+    src_t = np.asarray([p[0] for p in pairs], dtype=np.int64)
+    dst_t = np.asarray([p[1] for p in pairs], dtype=np.int64)
+    plan = make_plan(src_t, dst_t, runs)
+    src_addrs = data.draw(address_lists(src_g.num_tensors, src_g.tensor_size), label="src_addrs")
+    dst_addrs = src_addrs if same_memory else data.draw(address_lists(dst_g.num_tensors, dst_g.tensor_size),
+                                                        label="dst_addrs")
+    spans = plan_to_spans(plan, src_addrs, dst_addrs)
+    assert spans.src.dtype == spans.dst.dtype == spans.length.dtype == np.uint64
+    assert len(spans.src) == len(spans.dst) == len(spans.length) == len(spans)
+    assert all(n > 0 for n in spans.length.tolist())
+    check_no_continuation(spans)
+
+    ref_map = reference_mapping(pairs, ref_runs)
+    assert spans.total_bytes == plan.total_bytes == len(ref_map)
+    assert plan.num_spans >= len(spans)
+
+    # exact byte mapping
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    src_arrays = random_tensors(rng, src_g.num_tensors, src_g.tensor_size)
+    dst_arrays = src_arrays if same_memory else random_tensors(rng, dst_g.num_tensors, dst_g.tensor_size)
+    src_mem, dst_mem = Memory(src_addrs, src_arrays), Memory(dst_addrs, dst_arrays)
+    got_map: dict[tuple[int, int], tuple[int, int]] = {}
+    for s, d, n in zip(spans.src.tolist(), spans.dst.tolist(), spans.length.tolist()):
+        for i in range(n):
+            key = dst_mem.locate(d + i)
+            assert key not in got_map, f"destination byte {key} written twice"
+            got_map[key] = src_mem.locate(s + i)
+    assert got_map == ref_map
+
+    # byte-level execution on random non-zero data
+    expected_dst = [a.copy() for a in (src_arrays if same_memory else dst_arrays)]
+    expected_src = expected_dst if same_memory else src_arrays
+    for s_t, d_t in pairs:
+        for s_off, d_off, n in ref_runs:
+            for i in range(n):
+                expected_dst[d_t][d_off + i] = expected_src[s_t][s_off + i]
+    before_src = [a.copy() for a in src_arrays]
+    for s, d, n in zip(spans.src.tolist(), spans.dst.tolist(), spans.length.tolist()):
+        for i in range(n):
+            dst_mem.write(d + i, src_mem.read(s + i))
+    for got, want in zip(dst_arrays, expected_dst):
+        assert np.array_equal(got, want)
+    if not same_memory:
+        for got, want in zip(src_arrays, before_src):
+            assert np.array_equal(got, want), "the source was modified"
+    return spans, src_addrs, dst_addrs
+
+
+# -- layer ranges -> tensor indices (§8.4, §8.3) ---------------------------------------------------------------
+
+def ref_pull_indices(src_nt: int, dst_nt: int, src_range, dst_range, n: int):
+    """§8.4 pull path (local = destination cache)."""
+    invalid_unless(n > 0)
+
+    def tensors(layer_range):
+        if layer_range is None:
+            return None
+        out = [layer * n + j for layer in layer_range for j in range(n)]
+        return out or None  # an empty range gives no indices -> "all"
+
+    s, d = tensors(src_range), tensors(dst_range)
+    if s is None and d is None:
+        # every tensor to the same index (implementation rule: both caches have the same tensor count)
+        invalid_unless(src_nt == dst_nt)
+        return list(range(dst_nt)), list(range(dst_nt))
+    invalid_unless(dst_nt % n == 0)
+    for i in s or []:
+        invalid_unless(0 <= i < src_nt)
+    for i in d or []:
+        invalid_unless(0 <= i < dst_nt)
+    if s is not None and d is not None:
+        invalid_unless(len(s) == len(d))
+    elif s is not None:
+        invalid_unless(len(s) == dst_nt)
+        d = list(range(dst_nt))
+    else:
+        invalid_unless(len(d) <= src_nt)
+        s = list(range(len(d)))  # source tensors taken from the start
+    return s, d
+
+
+def ref_push_indices(src_nt: int, dst_nt: int, src_range, dst_range, n: int):
+    """§8.3 push path (local = source cache): one transfer per layer pair."""
+    invalid_unless(n > 0)
+    invalid_unless(src_nt % n == 0)
+    for r in (src_range, dst_range):
+        invalid_unless(r is None or r.start < r.stop)
+    layers = src_nt // n
+    s_layers = list(src_range) if src_range is not None else list(range(layers))
+    d_layers = list(dst_range) if dst_range is not None else list(range(layers))
+    invalid_unless(len(s_layers) == len(d_layers))
+    s, d = [], []
+    for s_layer, d_layer in zip(s_layers, d_layers):
+        invalid_unless(s_layer < src_nt // n)
+        invalid_unless(d_layer < dst_nt // n)
+        s.extend(s_layer * n + j for j in range(n))
+        d.extend(d_layer * n + j for j in range(n))
+    return s, d
+
+
+def check_indices(result):
+    if result is None:
+        return
+    (want_s, want_d), (got_s, got_d) = result
+    assert got_s.dtype == got_d.dtype == np.int64
+    assert got_s.tolist() == want_s
+    assert got_d.tolist() == want_d
+
+
+@SETTINGS
+@given(st.integers(1, 8), st.integers(1, 8), layer_ranges, layer_ranges, st.integers(0, 5))
+@example(4, 4, None, None, 2)
+@example(4, 4, range(0, 0), range(3, 1), 2)
+@example(8, 4, range(2, 4), None, 2)
+@example(4, 8, None, range(2, 4), 2)
+@example(4, 6, None, range(0, 2), 3)
+@example(6, 4, range(0, 1), range(0, 1), 3)
+def test_pull_tensor_indices(src_nt, dst_nt, src_range, dst_range, n):
+    src, dst = geometry(src_nt, 2, 4), geometry(dst_nt, 2, 4)
+    check_indices(compare(lambda: ref_pull_indices(src_nt, dst_nt, src_range, dst_range, n),
+                          lambda: pull_tensor_indices(src, dst, src_range, dst_range, n)))
+
+
+@SETTINGS
+@given(st.integers(1, 8), st.integers(1, 8), layer_ranges, layer_ranges, st.integers(0, 5))
+@example(4, 4, None, None, 2)
+@example(4, 8, None, range(2, 4), 2)
+@example(4, 8, range(0, 0), None, 2)
+@example(4, 6, range(1, 2), range(1, 2), 2)
+@example(4, 5, range(1, 2), range(1, 2), 2)
+@example(5, 4, None, None, 2)
+def test_push_tensor_indices(src_nt, dst_nt, src_range, dst_range, n):
+    src, dst = geometry(src_nt, 2, 4), geometry(dst_nt, 2, 4)
+    check_indices(compare(lambda: ref_push_indices(src_nt, dst_nt, src_range, dst_range, n),
+                          lambda: push_tensor_indices(src, dst, src_range, dst_range, n)))
+
+
+@SETTINGS
+@given(st.integers(1, 8), st.integers(1, 8))
+def test_all_tensor_indices(src_nt, dst_nt):
+    def ref():
+        invalid_unless(src_nt == dst_nt)
+        return list(range(src_nt)), list(range(dst_nt))
+
+    check_indices(compare(ref, lambda: all_tensor_indices(geometry(src_nt, 2, 4), geometry(dst_nt, 3, 4))))
+
+
+# -- block lists and slots -> byte runs (§8.2, §8.5, §9.1) -----------------------------------------------------
+
+def ref_b2b(src_blocks, dst_blocks, src: CacheGeometry, dst: CacheGeometry):
+    """Block src_blocks[i] -> block dst_blocks[i] of every selected tensor."""
+    invalid_unless(len(src_blocks) > 0 and len(dst_blocks) > 0)
+    invalid_unless(len(src_blocks) == len(dst_blocks))
+    invalid_unless(src.stride == dst.stride)
+    for b in src_blocks:
+        invalid_unless(0 <= b < src.slots)
+    for b in dst_blocks:
+        invalid_unless(0 <= b < dst.slots)
+    invalid_unless(len(set(dst_blocks)) == len(dst_blocks))
+    size = dst.stride
+    return [(s * size, d * size, size) for s, d in zip(src_blocks, dst_blocks)]
+
+
+def consecutive_runs(src_blocks, dst_blocks) -> int:
+    """§8.2: runs where both indices increase by 1 are coalesced into single transfers."""
+    return 1 + sum(1 for i in range(len(src_blocks) - 1)
+                   if not (src_blocks[i + 1] == src_blocks[i] + 1 and dst_blocks[i + 1] == dst_blocks[i] + 1))
+
+
+@st.composite
+def b2b_inputs(draw):
+    s_stride, d_stride = draw(stride_pairs())
+    src = draw(geometries(stride=s_stride))
+    dst = draw(geometries(stride=d_stride))
+    mode = draw(st.sampled_from(["valid", "valid", "consecutive", "wild"]))
+    if mode == "wild":
+        src_blocks = draw(st.lists(index_or_wild(src.slots), max_size=7))
+        dst_blocks = draw(st.lists(index_or_wild(dst.slots), max_size=7))
+    elif mode == "consecutive":
+        k = draw(st.integers(1, min(src.slots, dst.slots)))
+        a, b = draw(st.integers(0, src.slots - k)), draw(st.integers(0, dst.slots - k))
+        src_blocks, dst_blocks = list(range(a, a + k)), list(range(b, b + k))
+    else:
+        k = draw(st.integers(1, min(src.slots, dst.slots)))
+        src_blocks = draw(st.lists(st.integers(0, src.slots - 1), min_size=k, max_size=k))
+        dst_blocks = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
+    return src, dst, src_blocks, dst_blocks
+
+
+@SETTINGS
+@given(b2b_inputs(), st.data())
+def test_b2b_runs(inputs, data):
+    src, dst, src_blocks, dst_blocks = inputs
+    result = compare(lambda: ref_b2b(src_blocks, dst_blocks, src, dst),
+                     lambda: b2b_runs(src_blocks, dst_blocks, src, dst))
+    if result is None:
+        return
+    ref_runs, runs = result
+    assert len(runs.length) == consecutive_runs(src_blocks, dst_blocks)
+    pairs = list(zip(*data.draw(tensor_pairs(src.num_tensors, dst.num_tensors), label="tensors")))
+    check_plan(data, runs, src, dst, pairs, ref_runs)
+
+
+def ref_c2b(src_slot, src: CacheGeometry, dst_blocks, dst: CacheGeometry):
+    """The source slot cut into chunks of the destination block size; chunk i -> dst_blocks[i]."""
+    invalid_unless(len(dst_blocks) > 0)
+    invalid_unless(0 <= src_slot < src.slots)
+    for b in dst_blocks:
+        invalid_unless(0 <= b < dst.slots)
+    invalid_unless(len(set(dst_blocks)) == len(dst_blocks))
+    block, slot = dst.stride, src.stride
+    chunks = []
+    pos = 0
+    while pos < slot:
+        chunks.append((src_slot * slot + pos, min(block, slot - pos)))
+        pos += block
+    invalid_unless(len(dst_blocks) <= len(chunks))
+    return [(s_off, b * block, n) for (s_off, n), b in zip(chunks, dst_blocks)]
+
+
+@st.composite
+def c2b_inputs(draw):
+    src = draw(geometries(stride=draw(st.integers(1, 20)), is_blocks=False))
+    dst = draw(geometries(slots=draw(st.integers(1, 8))))
+    chunks = -(-src.stride // dst.stride)
+    mode = draw(st.sampled_from(["valid", "valid", "consecutive", "wild"]))
+    if mode == "wild":
+        slot = draw(index_or_wild(src.slots))
+        dst_blocks = draw(st.lists(index_or_wild(dst.slots), max_size=chunks + 2))
+    else:
+        slot = draw(st.integers(0, src.slots - 1))
+        k = draw(st.integers(1, min(chunks, dst.slots)))
+        if mode == "consecutive":
+            b = draw(st.integers(0, dst.slots - k))
+            dst_blocks = list(range(b, b + k))
+        else:
+            dst_blocks = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
+    return src, dst, slot, dst_blocks
+
+
+@SETTINGS
+@given(c2b_inputs(), st.data())
+def test_c2b_runs(inputs, data):
+    src, dst, slot, dst_blocks = inputs
+    result = compare(lambda: ref_c2b(slot, src, dst_blocks, dst), lambda: c2b_runs(slot, src, dst_blocks, dst))
+    if result is None:
+        return
+    ref_runs, runs = result
+    # chunk i and i+1 are contiguous in the slot; they merge exactly when the destination blocks are consecutive
+    assert len(runs.length) == 1 + sum(1 for i in range(len(dst_blocks) - 1) if dst_blocks[i + 1] != dst_blocks[i] + 1)
+    pairs = list(zip(*data.draw(tensor_pairs(src.num_tensors, dst.num_tensors), label="tensors")))
+    check_plan(data, runs, src, dst, pairs, ref_runs)
+
+
+def ref_slot(src_slot, src: CacheGeometry, dst_slot, dst: CacheGeometry, size):
+    """pull_cache/push_cache: ``size`` bytes (-1 = the destination slot) from one slot to another."""
+    invalid_unless(0 <= src_slot < src.slots)
+    invalid_unless(0 <= dst_slot < dst.slots)
+    invalid_unless(size == -1 or size > 0)
+    nbytes = dst.stride if size == -1 else size
+    invalid_unless(nbytes <= dst.stride and nbytes <= src.stride)
+    return [(src_slot * src.stride, dst_slot * dst.stride, nbytes)]
+
+
+sizes = st.one_of(st.just(-1), st.just(-1), st.integers(-3, 12), st.sampled_from([2**31, 2**63 - 1]))
+
+
+@SETTINGS
+@given(st.data())
+def test_slot_run(data):
+    s_stride, d_stride = data.draw(stride_pairs(), label="strides")
+    src = data.draw(geometries(stride=s_stride, is_blocks=False), label="src")
+    dst = data.draw(geometries(stride=d_stride, is_blocks=False), label="dst")
+    src_slot = data.draw(index_or_wild(src.slots), label="src_slot")
+    dst_slot = data.draw(index_or_wild(dst.slots), label="dst_slot")
+    size = data.draw(sizes, label="size")
+    result = compare(lambda: ref_slot(src_slot, src, dst_slot, dst, size),
+                     lambda: slot_run(src_slot, src, dst_slot, dst, size))
+    if result is None:
+        return
+    ref_runs, runs = result
+    assert len(runs.length) == 1
+    pairs = list(zip(*data.draw(tensor_pairs(src.num_tensors, dst.num_tensors), label="tensors")))
+    check_plan(data, runs, src, dst, pairs, ref_runs)
+
+
+def ref_copy_cache(g: CacheGeometry, dst_slot, src_slot, offset, size):
+    """§8.5 copy_cache: ``size`` bytes (-1 = rest of the slot) at ``offset`` of a slot, per tensor."""
+    invalid_unless(0 <= src_slot < g.slots)
+    invalid_unless(0 <= dst_slot < g.slots)
+    invalid_unless(0 <= offset < g.stride)
+    invalid_unless(size == -1 or size > 0)
+    nbytes = g.stride - offset if size == -1 else size
+    invalid_unless(offset + nbytes <= g.stride)
+    return [(src_slot * g.stride + offset, dst_slot * g.stride + offset, nbytes)]
+
+
+@SETTINGS
+@given(st.data())
+def test_copy_cache_run(data):
+    g = data.draw(geometries(stride=data.draw(st.integers(1, 12)), is_blocks=False), label="geometry")
+    src_slot = data.draw(index_or_wild(g.slots), label="src_slot")
+    dst_slot = data.draw(index_or_wild(g.slots), label="dst_slot")
+    offset = data.draw(st.one_of(st.just(0), index_or_wild(g.stride + 1)), label="offset")
+    size = data.draw(sizes, label="size")
+    result = compare(lambda: ref_copy_cache(g, dst_slot, src_slot, offset, size),
+                     lambda: copy_cache_run(g, dst_slot, src_slot, offset, size))
+    if result is None:
+        return
+    ref_runs, runs = result
+    pairs = [(t, t) for t in range(g.num_tensors)]
+    check_plan(data, runs, g, g, pairs, ref_runs)
+
+
+def ref_copy_blocks(info: dict, g: CacheGeometry):
+    """§8.5 copy_blocks: each source block to each of its destination blocks, inside one cache.
+
+    Rules beyond the spec's wording (documented by the implementation): at least one destination per source,
+    destinations unique and never a source of the same call (otherwise the result depends on copy order).
+    """
+    invalid_unless(len(info) > 0)
+    runs = []
+    for s, dsts in info.items():
+        invalid_unless(len(dsts) > 0)
+        invalid_unless(0 <= s < g.slots)
+        for d in dsts:
+            invalid_unless(0 <= d < g.slots)
+            runs.append((s * g.stride, d * g.stride, g.stride))
+    all_dst = [d for dsts in info.values() for d in dsts]
+    invalid_unless(len(set(all_dst)) == len(all_dst))
+    invalid_unless(not set(all_dst) & set(info))
+    return runs
+
+
+@st.composite
+def copy_blocks_inputs(draw):
+    g = draw(geometries(slots=draw(st.integers(1, 8))))
+    if draw(st.booleans()):
+        # valid: split a permutation of blocks into sources and destinations
+        perm = draw(st.permutations(range(g.slots)))
+        n_src = draw(st.integers(1, max(1, g.slots - 1)))
+        sources, dests = perm[:n_src], perm[n_src:]
+        info: dict[int, list[int]] = {s: [] for s in sources}
+        for d in dests:
+            info[draw(st.sampled_from(sources))].append(d)
+        if draw(st.booleans()):
+            info = {s: v for s, v in info.items() if v}
+        return g, info
+    info = draw(st.dictionaries(index_or_wild(g.slots), st.lists(index_or_wild(g.slots), max_size=3), max_size=4))
+    return g, info
+
+
+@SETTINGS
+@given(copy_blocks_inputs(), st.data())
+def test_copy_blocks_runs(inputs, data):
+    g, info = inputs
+    result = compare(lambda: ref_copy_blocks(info, g), lambda: copy_blocks_runs(info, g))
+    if result is None:
+        return
+    ref_runs, runs = result
+    pairs = [(t, t) for t in range(g.num_tensors)]
+    check_plan(data, runs, g, g, pairs, ref_runs, same_memory=True)
+
+
+def ref_swap_blocks(mapping: dict, src: CacheGeometry, dst: CacheGeometry):
+    """§8.5 swap_blocks: block k of src -> block mapping[k] of dst; equal block size and num_tensors."""
+    invalid_unless(len(mapping) > 0)
+    invalid_unless(src.stride == dst.stride)
+    invalid_unless(src.num_tensors == dst.num_tensors)
+    for s, d in mapping.items():
+        invalid_unless(0 <= s < src.slots)
+        invalid_unless(0 <= d < dst.slots)
+    invalid_unless(len(set(mapping.values())) == len(mapping))
+    return [(s * src.stride, d * dst.stride, src.stride) for s, d in mapping.items()]
+
+
+@st.composite
+def swap_inputs(draw):
+    s_stride, d_stride = draw(stride_pairs())
+    src = draw(geometries(stride=s_stride))
+    nt = draw(st.one_of(st.just(src.num_tensors), st.just(src.num_tensors), st.integers(1, 5)))
+    dst = draw(geometries(num_tensors=nt, stride=d_stride))
+    if draw(st.booleans()):
+        k = draw(st.integers(1, min(src.slots, dst.slots)))
+        keys = draw(st.lists(st.integers(0, src.slots - 1), min_size=k, max_size=k, unique=True))
+        values = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
+        return src, dst, dict(zip(keys, values))
+    return src, dst, draw(st.dictionaries(index_or_wild(src.slots), index_or_wild(dst.slots), max_size=5))
+
+
+@SETTINGS
+@given(swap_inputs(), st.data())
+def test_swap_blocks_runs(inputs, data):
+    src, dst, mapping = inputs
+    result = compare(lambda: ref_swap_blocks(mapping, src, dst), lambda: swap_blocks_runs(mapping, src, dst))
+    if result is None:
+        return
+    ref_runs, runs = result
+    pairs = [(t, t) for t in range(src.num_tensors)]
+    check_plan(data, runs, src, dst, pairs, ref_runs)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda g: b2b_runs([2**63], [0], g, g), id="b2b-src"),
+        pytest.param(lambda g: b2b_runs([0], [2**64 - 1], g, g), id="b2b-dst"),
+        pytest.param(lambda g: c2b_runs(0, g, [2**63], g), id="c2b-dst"),
+        pytest.param(lambda g: copy_blocks_runs({2**63: [0]}, g), id="copy_blocks-src"),
+        pytest.param(lambda g: copy_blocks_runs({0: [2**64 - 1]}, g), id="copy_blocks-dst"),
+        pytest.param(lambda g: swap_blocks_runs({2**63: 0}, g, g), id="swap-src"),
+        pytest.param(lambda g: swap_blocks_runs({0: 2**64 - 1}, g, g), id="swap-dst"),
+    ],
+)
+@pytest.mark.xfail(strict=True, raises=OverflowError,
+                   reason="BUG: block indices >= 2**63 (valid uint64 at the API, e.g. copy_blocks/swap_blocks) "
+                          "raise OverflowError in layout._i64 instead of LLMException(LLM_PARAM_INVALID)")
+def test_huge_block_index_is_param_invalid(call):
+    g = geometry(2, 4, 8)
+    with pytest.raises(LLMException) as info:
+        call(g)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_make_plan_rejects_length_mismatch():
+    runs = b2b_runs([0], [0], geometry(2, 2, 4), geometry(2, 2, 4))
+    with pytest.raises(LLMException) as info:
+        make_plan(np.arange(2), np.arange(1), runs)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+# -- coalescing ------------------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(st.data())
+def test_consecutive_blocks_give_minimal_spans(data):
+    """Consecutive block lists give one run; spans merge across tensor pairs exactly where memory continues."""
+    stride = data.draw(st.integers(1, 8), label="stride")
+    src = data.draw(geometries(stride=stride), label="src")
+    dst = data.draw(geometries(stride=stride), label="dst")
+    k = data.draw(st.integers(1, min(src.slots, dst.slots)), label="k")
+    a = data.draw(st.integers(0, src.slots - k), label="a")
+    b = data.draw(st.integers(0, dst.slots - k), label="b")
+    kind = data.draw(st.sampled_from(["b2b", "swap"]) if src.num_tensors == dst.num_tensors else st.just("b2b"))
+    if kind == "b2b":
+        runs = b2b_runs(list(range(a, a + k)), list(range(b, b + k)), src, dst)
+        pairs = list(zip(*data.draw(tensor_pairs(src.num_tensors, dst.num_tensors), label="tensors")))
+    else:
+        runs = swap_blocks_runs({a + i: b + i for i in range(k)}, src, dst)
+        pairs = [(t, t) for t in range(src.num_tensors)]
+    assert runs.length.tolist() == [k * stride]
+    n = k * stride
+    spans, src_addrs, dst_addrs = check_plan(data, runs, src, dst, pairs, [(a * stride, b * stride, n)])
+    # one run per tensor pair, in plan order; pairs i and i+1 can only merge where memory continues on both sides
+    run_src = [src_addrs[s_t] + a * stride for s_t, _ in pairs]
+    run_dst = [dst_addrs[d_t] + b * stride for _, d_t in pairs]
+    breaks = sum(1 for i in range(len(pairs) - 1)
+                 if not (run_src[i] + n == run_src[i + 1] and run_dst[i] + n == run_dst[i + 1]))
+    assert len(spans) == 1 + breaks
+
+
+@SETTINGS
+@given(st.integers(1, 5), st.integers(1, 6), st.integers(1, 8), st.sampled_from([2**20, 2**40, 2**63]))
+def test_whole_cache_copy_is_one_span_when_contiguous(nt, slots, stride, base):
+    g = geometry(nt, slots, stride)
+    runs = b2b_runs(list(range(slots)), list(range(slots)), g, g)
+    plan = make_plan(*all_tensor_indices(g, g), runs)
+    contiguous = [base + t * g.tensor_size for t in range(nt)]
+    other = [base + 2**30 + t * g.tensor_size for t in range(nt)]
+    spans = plan_to_spans(plan, contiguous, other)
+    assert (spans.src.tolist(), spans.dst.tolist(), spans.length.tolist()) == ([base], [base + 2**30],
+                                                                               [nt * g.tensor_size])
+    spaced = [(t + 1) * 2**20 for t in range(nt)]
+    spans = plan_to_spans(plan, spaced, spaced)
+    assert spans.src.tolist() == spaced and spans.length.tolist() == [g.tensor_size] * nt
+
+
+@st.composite
+def raw_spans(draw, max_len=40):
+    n = draw(st.integers(0, 10))
+    src, dst, length = [], [], []
+    s, d = draw(st.integers(0, 2**40)), draw(st.integers(0, 2**40))
+    for _ in range(n):
+        ln = draw(st.integers(1, max_len))
+        if draw(st.booleans()):  # jump elsewhere on one or both sides
+            s += draw(st.integers(-100, 100)) if s > 100 else draw(st.integers(0, 100))
+        if draw(st.booleans()):
+            d += draw(st.integers(-100, 100)) if d > 100 else draw(st.integers(0, 100))
+        src.append(s)
+        dst.append(d)
+        length.append(ln)
+        s, d = s + ln, d + ln
+    return src, dst, length
+
+
+@SETTINGS
+@given(raw_spans())
+def test_coalesce_matches_greedy_merge(spans):
+    src, dst, length = spans
+    want: list[list[int]] = []
+    for s, d, n in zip(src, dst, length):
+        if want and want[-1][0] + want[-1][2] == s and want[-1][1] + want[-1][2] == d:
+            want[-1][2] += n
+        else:
+            want.append([s, d, n])
+    got = coalesce(np.asarray(src, dtype=np.uint64), np.asarray(dst, dtype=np.uint64),
+                   np.asarray(length, dtype=np.uint64))
+    assert [list(x) for x in zip(*(a.tolist() for a in got))] == want
+
+
+# -- executor.split_spans --------------------------------------------------------------------------------------
+
+def expand(spans: Spans) -> list[tuple[int, int]]:
+    out = []
+    for s, d, n in zip(spans.src.tolist(), spans.dst.tolist(), spans.length.tolist()):
+        out.extend((s + i, d + i) for i in range(n))
+    return out
+
+
+@SETTINGS
+@given(raw_spans(max_len=60), st.integers(1, 64))
+@example(([], [], []), 8)
+@example(([0, 100], [0, 100], [8, 8]), 8)
+@example(([0], [0], [1]), 1)
+def test_split_spans(spans, chunk):
+    src, dst, length = spans
+    original = Spans(np.asarray(src, dtype=np.uint64), np.asarray(dst, dtype=np.uint64),
+                     np.asarray(length, dtype=np.uint64))
+    pieces, bounds = split_spans(original, chunk)
+    n = len(pieces)
+    assert pieces.src.dtype == pieces.dst.dtype == pieces.length.dtype == np.uint64
+    # same bytes, same order: the split is a refinement of the original span list
+    assert expand(pieces) == expand(original)
+    assert pieces.total_bytes == original.total_bytes
+    lengths = pieces.length.tolist()
+    assert all(0 < x <= chunk for x in lengths)
+    assert n == sum(-(-x // chunk) for x in length)
+    # boundaries: start at 0, end at n, strictly increasing (so every span is in exactly one chunk)
+    b = bounds.tolist()
+    assert b[0] == 0 and b[-1] == n
+    assert all(x < y for x, y in zip(b, b[1:]))
+    total = sum(length)
+    if n == 0:
+        assert b == [0]
+    assert len(b) - 1 <= -(-total // chunk)
+    max_piece = max(lengths, default=0)
+    ends = np.cumsum([0] + lengths).tolist()
+    for lo, hi in zip(b, b[1:]):
+        size = ends[hi] - ends[lo]
+        assert size < chunk + max_piece, (lo, hi, size)
+        if hi < n:
+            # an inner boundary follows the piece that reaches a multiple of chunk_bytes
+            assert ends[hi] // chunk > ends[hi - 1] // chunk, (lo, hi)
+    # every multiple of chunk_bytes inside the data is closed by a boundary right after the piece that reaches it
+    for mark in range(chunk, total, chunk):
+        first = next(i for i in range(n) if ends[i + 1] >= mark)
+        assert first + 1 in b
+
+
+@SETTINGS
+@given(b2b_inputs(), st.integers(1, 32), st.data())
+def test_split_spans_of_real_plan(inputs, chunk, data):
+    src, dst, src_blocks, dst_blocks = inputs
+    try:
+        runs = b2b_runs(src_blocks, dst_blocks, src, dst)
+    except LLMException:
+        return
+    pairs = data.draw(tensor_pairs(src.num_tensors, dst.num_tensors), label="tensors")
+    plan = make_plan(np.asarray(pairs[0]), np.asarray(pairs[1]), runs)
+    spans = plan_to_spans(plan, data.draw(address_lists(src.num_tensors, src.tensor_size)),
+                          data.draw(address_lists(dst.num_tensors, dst.tensor_size)))
+    pieces, bounds = split_spans(spans, chunk)
+    assert expand(pieces) == expand(spans)
+    assert all(0 < x <= chunk for x in pieces.length.tolist())
+    b = bounds.tolist()
+    assert b[0] == 0 and b[-1] == len(pieces) and all(x < y for x, y in zip(b, b[1:]))
