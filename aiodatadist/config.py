@@ -28,6 +28,16 @@ class OptionKey:
     HOST_MEM_POOL_CONFIG = "llm.HostMemPoolConfig"
     TRANSPORT = "llm.Transport"
     AUTH_KEY = "llm.AuthKey"
+    # Accepted for compatibility; they configure Ascend/HCCL resources that do not exist here.
+    RDMA_TRAFFIC_CLASS = "llm.RdmaTrafficClass"
+    RDMA_SERVICE_LEVEL = "llm.RdmaServiceLevel"
+    TRANSFER_BACKEND = "llm.TransferBackend"
+    GLOBAL_RESOURCE_CONFIG = "llm.GlobalResourceConfig"
+    BUF_POOL_CONFIG = "llm.BufPoolCfg"
+    MEMORY_UTILIZATION = "llm.MemoryUtilization"
+    DEPLOY_RES_PATH = "llm.deployResPath"
+    CLUSTER_INFO = "llm.ClusterInfo"
+    OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
 
 
 def _check_pool_cfg(name: str, value: str) -> None:
@@ -52,6 +62,13 @@ class LLMConfig:
     ``generate_options()`` returns the option dict (the same dict object every call, as in the reference).
     """
 
+    __slots__ = (
+        "_options", "_device_id", "_sync_kv_timeout", "_listen_ip_info", "_enable_cache_manager",
+        "_enable_remote_cache_accessible", "_enable_switch_role", "_local_comm_res", "_link_total_time",
+        "_link_retry_count", "_mem_pool_cfg", "_host_mem_pool_cfg", "_ge_options", "_transport", "_auth_key",
+        "_compat", "_mem_utilization",
+    )
+
     def __init__(self) -> None:
         self._options: dict[str, str] = {}
         self._device_id: int | list[int] | tuple[int, ...] | None = None
@@ -68,6 +85,8 @@ class LLMConfig:
         self._ge_options: dict[str, str] = {}
         self._transport: Transport | None = None
         self._auth_key: str | None = None
+        self._compat: dict[str, str] = {}
+        self._mem_utilization = 0.95
 
     # -- fields of the reference ------------------------------------------------------------------------
     @property
@@ -94,7 +113,8 @@ class LLMConfig:
     def sync_kv_timeout(self, value: int | str) -> None:
         check_isinstance("sync_kv_timeout", value, (int, str))
         if isinstance(value, str):
-            require(value.isdigit(), f"sync_kv_timeout must be a positive integer, but got {value!r}.")
+            require(value.isascii() and value.isdigit(),
+                    f"sync_kv_timeout must be a positive integer, but got {value!r}.")
             number = int(value)
         else:
             number = value
@@ -203,6 +223,94 @@ class LLMConfig:
             check_isinstance("ge_options value", item, str)
         self._ge_options = dict(value)
 
+    # -- accepted for compatibility (Ascend/HCCL settings with no meaning here; emitted, otherwise ignored) ----
+    def _set_compat(self, key: str, value: str) -> None:
+        self._compat[key] = value
+
+    @property
+    def rdma_traffic_class(self) -> int | None:
+        value = self._compat.get(OptionKey.RDMA_TRAFFIC_CLASS)
+        return None if value is None else int(value)
+
+    @rdma_traffic_class.setter
+    def rdma_traffic_class(self, value: int) -> None:
+        self._set_compat(OptionKey.RDMA_TRAFFIC_CLASS, str(check_int("rdma_traffic_class", value, "uint32")))
+
+    @property
+    def rdma_service_level(self) -> int | None:
+        value = self._compat.get(OptionKey.RDMA_SERVICE_LEVEL)
+        return None if value is None else int(value)
+
+    @rdma_service_level.setter
+    def rdma_service_level(self, value: int) -> None:
+        self._set_compat(OptionKey.RDMA_SERVICE_LEVEL, str(check_int("rdma_service_level", value, "uint32")))
+
+    @property
+    def transfer_backend(self) -> str:
+        return self._compat.get(OptionKey.TRANSFER_BACKEND, "")
+
+    @transfer_backend.setter
+    def transfer_backend(self, value: str) -> None:
+        check_isinstance("transfer_backend", value, str)
+        self._set_compat(OptionKey.TRANSFER_BACKEND, value)
+
+    @property
+    def global_resource_config(self) -> str:
+        return self._compat.get(OptionKey.GLOBAL_RESOURCE_CONFIG, "")
+
+    @global_resource_config.setter
+    def global_resource_config(self, value: str) -> None:
+        check_isinstance("global_resource_config", value, str)
+        self._set_compat(OptionKey.GLOBAL_RESOURCE_CONFIG, value)
+
+    @property
+    def buf_pool_cfg(self) -> str:
+        return self._compat.get(OptionKey.BUF_POOL_CONFIG, "")
+
+    @buf_pool_cfg.setter
+    def buf_pool_cfg(self, value: str) -> None:
+        check_isinstance("buf_pool_cfg", value, str)
+        if value:
+            self._set_compat(OptionKey.BUF_POOL_CONFIG, value)
+
+    @property
+    def deploy_res_path(self) -> str:
+        return self._compat.get(OptionKey.DEPLOY_RES_PATH, "")
+
+    @deploy_res_path.setter
+    def deploy_res_path(self, value: str) -> None:
+        check_isinstance("deploy_res_path", value, str)
+        if value:
+            self._set_compat(OptionKey.DEPLOY_RES_PATH, value)
+
+    @property
+    def cluster_info(self) -> str:
+        return self._compat.get(OptionKey.CLUSTER_INFO, "")
+
+    @cluster_info.setter
+    def cluster_info(self, value: str) -> None:
+        check_isinstance("cluster_info", value, str)
+        self._set_compat(OptionKey.CLUSTER_INFO, value)
+
+    @property
+    def output_max_size(self) -> int | None:
+        value = self._compat.get(OptionKey.OUTPUT_MAX_SIZE)
+        return None if value is None else int(value)
+
+    @output_max_size.setter
+    def output_max_size(self, value: int) -> None:
+        self._set_compat(OptionKey.OUTPUT_MAX_SIZE, str(check_int("output_max_size", value, "int64")))
+
+    @property
+    def mem_utilization(self) -> float:
+        return self._mem_utilization
+
+    @mem_utilization.setter
+    def mem_utilization(self, value: float) -> None:
+        check_isinstance("mem_utilization", value, (float, int))
+        require(0 <= value <= 1, f"mem_utilization should be in [0, 1], but got {value}.")
+        self._mem_utilization = float(value)
+
     # -- aiodatadist additions ----------------------------------------------------------------------------
     @property
     def transport(self) -> Transport:
@@ -241,8 +349,8 @@ class LLMConfig:
             ids: list[Any] = (
                 list(self._device_id) if isinstance(self._device_id, (list, tuple)) else [self._device_id]
             )
-            opts[OptionKey.DEVICE_ID] = ";".join(str(d) for d in ids)
-            opts[OptionKey.SESSION_DEVICE_ID] = str(ids[0])
+            opts[OptionKey.DEVICE_ID] = ";".join(str(int(d)) for d in ids)
+            opts[OptionKey.SESSION_DEVICE_ID] = str(int(ids[0]))
         if self._sync_kv_timeout is not None:
             opts[OptionKey.SYNC_KV_TIMEOUT] = str(self._sync_kv_timeout)
         if self._mem_pool_cfg:
@@ -267,6 +375,8 @@ class LLMConfig:
             opts[OptionKey.TRANSPORT] = self._transport.value
         if self._auth_key is not None:
             opts[OptionKey.AUTH_KEY] = self._auth_key
+        opts.update(self._compat)
+        opts[OptionKey.MEMORY_UTILIZATION] = str(self._mem_utilization)
         return opts
 
     gen_options = generate_options

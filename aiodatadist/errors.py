@@ -89,6 +89,10 @@ class LLMException(RuntimeError):
         """The :class:`LLMStatusCode` of the failure."""
         return self._status_code
 
+    def __str__(self) -> str:
+        # Same text for every subclass (OSError-based ones would otherwise print "[Errno a] b").
+        return str(self.args[0]) if len(self.args) == 1 else str(self.args) if self.args else ""
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (type(self), self.args, int(self._status_code)))
 

@@ -9,6 +9,7 @@ memory into native copies.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 import logging
@@ -126,25 +127,30 @@ class PeerMemory:
     def __init__(self, caps: PeerCapabilities) -> None:
         self.caps = caps
         self._mappings: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
+        self._mapping_lock = asyncio.Lock()
 
-    def _local_base(self, identity: SegmentIdentity) -> int:
+    async def _local_base(self, identity: SegmentIdentity) -> int:
         key = (identity.inode, identity.device)
         found = self._mappings.get(key)
         if found is None:
-            mapping = map_peer_segment(identity)
-            found = (mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
-            self._mappings[key] = found
+            async with self._mapping_lock:  # concurrent first transfers map the segment once
+                found = self._mappings.get(key)
+                if found is None:
+                    # Pre-faulting the page tables takes a while for big caches: off the event loop.
+                    mapping = await asyncio.to_thread(map_peer_segment, identity, populate=True)
+                    found = (mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
+                    self._mappings[key] = found
         return found[1]
 
     def can_reach(self, segment: tuple[SegmentIdentity, int] | None) -> bool:
         return (segment is not None and self.caps.can_map) or self.caps.can_pvm
 
-    def copier(self, *, remote_is_src: bool, segment: tuple[SegmentIdentity, int] | None,
-               streaming: bool) -> CopyFn:
+    async def copier(self, *, remote_is_src: bool, segment: tuple[SegmentIdentity, int] | None,
+                     streaming: bool) -> CopyFn:
         """A copy function for spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
         if segment is not None and self.caps.can_map:
             identity, remote_base = segment
-            delta = np.uint64((self._local_base(identity) - remote_base) % 2**64)
+            delta = np.uint64((await self._local_base(identity) - remote_base) % 2**64)
             return functools.partial(_mapped_copy, delta, remote_is_src, streaming)
         if self.caps.can_pvm:
             pid = self.caps.pid

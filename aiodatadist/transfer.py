@@ -128,7 +128,7 @@ class TransferService:
                     **params_to_wire(params),
                 })
                 spans, segment = self._plan_from_reply(reply, local, params)
-                copy = link.memory.copier(remote_is_src=params.op == "pull", segment=segment,
+                copy = await link.memory.copier(remote_is_src=params.op == "pull", segment=segment,
                                           streaming=spans.total_bytes >= STREAMING_THRESHOLD)
                 job = manager.start_job(spans, copy, (local,))
                 link.jobs.add(job)

@@ -148,7 +148,13 @@ def test_default_transport_is_auto_string() -> None:
 ACCEPTED: list[tuple[str, Any, Any, dict[str, str], list[str]]] = [
     ("device_id", 0, SENTINEL, {"ge.exec.deviceId": "0", "ge.session_device_id": "0"}, []),
     ("device_id", 7, SENTINEL, {"ge.exec.deviceId": "7", "ge.session_device_id": "7"}, []),
-    ("device_id", 2**31 - 1, SENTINEL, {"ge.exec.deviceId": "2147483647", "ge.session_device_id": "2147483647"}, []),
+    (
+        "device_id",
+        2**31 - 1,
+        SENTINEL,
+        {"ge.exec.deviceId": "2147483647", "ge.session_device_id": "2147483647"},
+        [],
+    ),
     ("device_id", [0], SENTINEL, {"ge.exec.deviceId": "0", "ge.session_device_id": "0"}, []),
     ("device_id", [1, 2], SENTINEL, {"ge.exec.deviceId": "1;2", "ge.session_device_id": "1"}, []),
     ("device_id", (3, 4, 5), SENTINEL, {"ge.exec.deviceId": "3;4;5", "ge.session_device_id": "3"}, []),
@@ -175,18 +181,44 @@ ACCEPTED: list[tuple[str, Any, Any, dict[str, str], list[str]]] = [
     ("link_retry_count", 80, SENTINEL, {"llm.LinkRetryCount": "80"}, []),
     ("link_retry_count", 100, SENTINEL, {"llm.LinkRetryCount": "100"}, []),
     ("mem_pool_cfg", '{"memory_size": 1024}', SENTINEL, {"llm.MemPoolConfig": '{"memory_size": 1024}'}, []),
-    ("mem_pool_cfg", '{"memory_size": 1, "page_shift": 10}', SENTINEL,
-     {"llm.MemPoolConfig": '{"memory_size": 1, "page_shift": 10}'}, []),
-    ("mem_pool_cfg", '{"memory_size": 102400, "page_shift": 30}', SENTINEL,
-     {"llm.MemPoolConfig": '{"memory_size": 102400, "page_shift": 30}'}, []),
+    (
+        "mem_pool_cfg",
+        '{"memory_size": 1, "page_shift": 10}',
+        SENTINEL,
+        {"llm.MemPoolConfig": '{"memory_size": 1, "page_shift": 10}'},
+        [],
+    ),
+    (
+        "mem_pool_cfg",
+        '{"memory_size": 102400, "page_shift": 30}',
+        SENTINEL,
+        {"llm.MemPoolConfig": '{"memory_size": 102400, "page_shift": 30}'},
+        [],
+    ),
     ("mem_pool_cfg", "", SENTINEL, {}, ["llm.MemPoolConfig"]),
-    ("host_mem_pool_cfg", '{"memory_size": 4096}', SENTINEL, {"llm.HostMemPoolConfig": '{"memory_size": 4096}'}, []),
-    ("host_mem_pool_cfg", '{"memory_size": 1, "page_shift": 20}', SENTINEL,
-     {"llm.HostMemPoolConfig": '{"memory_size": 1, "page_shift": 20}'}, []),
+    (
+        "host_mem_pool_cfg",
+        '{"memory_size": 4096}',
+        SENTINEL,
+        {"llm.HostMemPoolConfig": '{"memory_size": 4096}'},
+        [],
+    ),
+    (
+        "host_mem_pool_cfg",
+        '{"memory_size": 1, "page_shift": 20}',
+        SENTINEL,
+        {"llm.HostMemPoolConfig": '{"memory_size": 1, "page_shift": 20}'},
+        [],
+    ),
     ("host_mem_pool_cfg", "", SENTINEL, {}, ["llm.HostMemPoolConfig"]),
     ("ge_options", {}, SENTINEL, {}, []),
-    ("ge_options", {"ge.flowGraphMemMaxSize": "1024", "x": "y"}, SENTINEL,
-     {"ge.flowGraphMemMaxSize": "1024", "x": "y"}, []),
+    (
+        "ge_options",
+        {"ge.flowGraphMemMaxSize": "1024", "x": "y"},
+        SENTINEL,
+        {"ge.flowGraphMemMaxSize": "1024", "x": "y"},
+        [],
+    ),
     ("transport", Transport.SHM, Transport.SHM, {"llm.Transport": "shm"}, []),
     ("transport", Transport.TCP, Transport.TCP, {"llm.Transport": "tcp"}, []),
     ("transport", Transport.AUTO, Transport.AUTO, {"llm.Transport": "auto"}, []),
@@ -270,16 +302,26 @@ def test_ge_options_merged_first_and_overridden() -> None:
     assert opts["llm.listenIpInfo"] == "1.2.3.4:26000"
     # Not overridden because sync_kv_timeout was never set.
     assert opts["llm.SyncKvCacheWaitTime"] == "7"
-    assert list(opts)[0] == "custom.first"
+    assert next(iter(opts)) == "custom.first"
 
 
 def test_ge_options_overridden_by_every_field() -> None:
     cfg = fully_configured()
     cfg.ge_options = {k: "ge-value" for k in SPEC_KEY_ORDER}
     opts = cfg.generate_options()
-    for key in ("ge.exec.deviceId", "llm.SyncKvCacheWaitTime", "llm.EnableCacheManager", "llm.listenIpInfo",
-                "llm.LinkTotalTime", "llm.LinkRetryCount", "llm.LocalCommRes", "llm.EnableSwitchRole",
-                "llm.MemPoolConfig", "llm.HostMemPoolConfig", "llm.EnableRemoteCacheAccessible"):
+    for key in (
+        "ge.exec.deviceId",
+        "llm.SyncKvCacheWaitTime",
+        "llm.EnableCacheManager",
+        "llm.listenIpInfo",
+        "llm.LinkTotalTime",
+        "llm.LinkRetryCount",
+        "llm.LocalCommRes",
+        "llm.EnableSwitchRole",
+        "llm.MemPoolConfig",
+        "llm.HostMemPoolConfig",
+        "llm.EnableRemoteCacheAccessible",
+    ):
         assert opts[key] != "ge-value", key
 
 
@@ -422,7 +464,7 @@ def test_refused(prop: str, value: Any, exc: type[Exception]) -> None:
     with pytest.raises(exc) as info:
         setattr(cfg, prop, value)
     if exc is LLMException:
-        assert info.value.status_code is PARAM_INVALID  # type: ignore[attr-defined]
+        assert info.value.status_code is PARAM_INVALID
     else:
         assert not isinstance(info.value, LLMException)
     assert getattr(cfg, prop) == before
@@ -461,14 +503,14 @@ POOL_BAD = [
 POOL_BAD.remove("")
 
 
-@pytest.mark.parametrize("prop", ["mem_pool_cfg", "host_mem_pool_cfg"])
 @pytest.mark.parametrize("value", POOL_BAD)
-def test_pool_cfg_json_refused(prop: str, value: str) -> None:
+def test_pool_cfg_json_refused(value: str) -> None:
     cfg = LLMConfig()
-    with pytest.raises(LLMException) as info:
-        setattr(cfg, prop, value)
-    assert info.value.status_code is PARAM_INVALID
-    assert getattr(cfg, prop) == ""
+    for prop in ("mem_pool_cfg", "host_mem_pool_cfg"):
+        with pytest.raises(LLMException) as info:
+            setattr(cfg, prop, value)
+        assert info.value.status_code is PARAM_INVALID
+        assert getattr(cfg, prop) == ""
 
 
 @pytest.mark.parametrize("prop", ["mem_pool_cfg", "host_mem_pool_cfg"])
@@ -481,103 +523,87 @@ def test_pool_cfg_page_shift_accepted(prop: str, page_shift: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Fields of the reference that aiodatadist does not have (spec §4.1 field table)
+# Compatibility fields of the reference (spec §4.1 field table): accepted, emitted, otherwise unused
 # --------------------------------------------------------------------------------------------------------------
 
-MISSING_REASON = (
-    "spec llm_datadist_api.md §4.1 (and aiodatadist.md 'Public names': the reference's fields, properties and "
-    "defaults) lists LLMConfig.{}; aiodatadist.LLMConfig has no such property"
-)
-
-
-@pytest.mark.xfail(reason=MISSING_REASON.format("rdma_traffic_class"), strict=True)
 def test_rdma_traffic_class() -> None:
     cfg = LLMConfig()
-    assert cfg.rdma_traffic_class is None  # type: ignore[attr-defined]
-    cfg.rdma_traffic_class = 132  # type: ignore[attr-defined]
+    assert cfg.rdma_traffic_class is None
+    cfg.rdma_traffic_class = 132
     assert cfg.generate_options()["llm.RdmaTrafficClass"] == "132"
     with pytest.raises(ValueError):
-        cfg.rdma_traffic_class = 2**32  # type: ignore[attr-defined]
+        cfg.rdma_traffic_class = 2**32
     with pytest.raises(TypeError):
-        cfg.rdma_traffic_class = "132"  # type: ignore[attr-defined]
+        cfg.rdma_traffic_class = "132"
 
 
-@pytest.mark.xfail(reason=MISSING_REASON.format("rdma_service_level"), strict=True)
 def test_rdma_service_level() -> None:
     cfg = LLMConfig()
-    assert cfg.rdma_service_level is None  # type: ignore[attr-defined]
-    cfg.rdma_service_level = 4  # type: ignore[attr-defined]
+    assert cfg.rdma_service_level is None
+    cfg.rdma_service_level = 4
     assert cfg.generate_options()["llm.RdmaServiceLevel"] == "4"
     with pytest.raises(ValueError):
-        cfg.rdma_service_level = -1  # type: ignore[attr-defined]
+        cfg.rdma_service_level = -1
 
 
-@pytest.mark.xfail(reason=MISSING_REASON.format("transfer_backend"), strict=True)
 def test_transfer_backend() -> None:
     cfg = LLMConfig()
-    assert cfg.transfer_backend == ""  # type: ignore[attr-defined]
+    assert cfg.transfer_backend == ""
     assert "llm.TransferBackend" not in cfg.generate_options()
-    cfg.transfer_backend = "hixl"  # type: ignore[attr-defined]
+    cfg.transfer_backend = "hixl"
     assert cfg.generate_options()["llm.TransferBackend"] == "hixl"
     with pytest.raises(TypeError):
-        cfg.transfer_backend = 1  # type: ignore[attr-defined]
+        cfg.transfer_backend = 1
 
 
-@pytest.mark.xfail(reason=MISSING_REASON.format("global_resource_config"), strict=True)
 def test_global_resource_config() -> None:
     cfg = LLMConfig()
-    assert cfg.global_resource_config == ""  # type: ignore[attr-defined]
+    assert cfg.global_resource_config == ""
     value = '{"comm_resource_config.listen_port": 26666}'
-    cfg.global_resource_config = value  # type: ignore[attr-defined]
+    cfg.global_resource_config = value
     assert cfg.generate_options()["llm.GlobalResourceConfig"] == value
     with pytest.raises(TypeError):
-        cfg.global_resource_config = {}  # type: ignore[attr-defined]
+        cfg.global_resource_config = {}
 
 
-@pytest.mark.xfail(reason=MISSING_REASON.format("buf_pool_cfg"), strict=True)
 def test_buf_pool_cfg() -> None:
     cfg = LLMConfig()
-    assert cfg.buf_pool_cfg == ""  # type: ignore[attr-defined]
+    assert cfg.buf_pool_cfg == ""
     assert "llm.BufPoolCfg" not in cfg.generate_options()
     value = '{"buf_cfg": [{"total_size": 2097152, "blk_size": 256, "max_buf_size": 8192}]}'
-    cfg.buf_pool_cfg = value  # type: ignore[attr-defined]
+    cfg.buf_pool_cfg = value
     assert cfg.generate_options()["llm.BufPoolCfg"] == value
     with pytest.raises(TypeError):
-        cfg.buf_pool_cfg = 1  # type: ignore[attr-defined]
+        cfg.buf_pool_cfg = 1
 
 
-@pytest.mark.xfail(reason=MISSING_REASON.format("mem_utilization") + " (nor always-emitted llm.MemoryUtilization)",
-                   strict=True)
 def test_mem_utilization() -> None:
     cfg = LLMConfig()
-    assert cfg.mem_utilization == 0.95  # type: ignore[attr-defined]
+    assert cfg.mem_utilization == 0.95
     assert cfg.generate_options()["llm.MemoryUtilization"] == "0.95"
-    cfg.mem_utilization = 0.5  # type: ignore[attr-defined]
+    cfg.mem_utilization = 0.5
     assert cfg.generate_options()["llm.MemoryUtilization"] == "0.5"
 
 
-@pytest.mark.xfail(reason=MISSING_REASON.format("deploy_res_path"), strict=True)
 def test_deploy_res_path() -> None:
     cfg = LLMConfig()
-    assert cfg.deploy_res_path == ""  # type: ignore[attr-defined]
+    assert cfg.deploy_res_path == ""
     assert "llm.deployResPath" not in cfg.generate_options()
-    cfg.deploy_res_path = "/tmp/res"  # type: ignore[attr-defined]
+    cfg.deploy_res_path = "/tmp/res"
     assert cfg.generate_options()["llm.deployResPath"] == "/tmp/res"
 
 
-@pytest.mark.xfail(reason=MISSING_REASON.format("cluster_info"), strict=True)
 def test_cluster_info_field() -> None:
     cfg = LLMConfig()
-    assert cfg.cluster_info == ""  # type: ignore[attr-defined]
-    cfg.cluster_info = json.dumps({"cluster_id": 1})  # type: ignore[attr-defined]
+    assert cfg.cluster_info == ""
+    cfg.cluster_info = json.dumps({"cluster_id": 1})
     assert "llm.ClusterInfo" in cfg.generate_options()
 
 
-@pytest.mark.xfail(reason=MISSING_REASON.format("output_max_size"), strict=True)
 def test_output_max_size() -> None:
     cfg = LLMConfig()
-    assert cfg.output_max_size is None  # type: ignore[attr-defined]
-    cfg.output_max_size = 1024  # type: ignore[attr-defined]
+    assert cfg.output_max_size is None
+    cfg.output_max_size = 1024
     assert cfg.generate_options()["llm.OutputMaxSize"] == "1024"
 
 
@@ -630,8 +656,18 @@ def test_parse_options_defaults_match_config_getters() -> None:
 
 
 @pytest.mark.parametrize(
-    "listen", ["1.2.3.4", "a:b:c", "1.2.3.4:", "1.2.3.4:abc", "1.2.3.4:70000", "[::1]:26000", "::1:80",
-               "1.2.3.4:-1", "1.2.3.4:26000;5.6.7.8:26000"],
+    "listen",
+    [
+        "1.2.3.4",
+        "a:b:c",
+        "1.2.3.4:",
+        "1.2.3.4:abc",
+        "1.2.3.4:70000",
+        "[::1]:26000",
+        "::1:80",
+        "1.2.3.4:-1",
+        "1.2.3.4:26000;5.6.7.8:26000",
+    ],
 )
 def test_parse_options_bad_listen_ip_info(listen: str) -> None:
     with pytest.raises(LLMException) as info:
@@ -641,7 +677,11 @@ def test_parse_options_bad_listen_ip_info(listen: str) -> None:
 
 @pytest.mark.parametrize(
     ("listen", "ip", "port"),
-    [("1.2.3.4:26000", "1.2.3.4", 26000), ("127.0.0.1:0", "127.0.0.1", 0), ("10.0.0.1:65535", "10.0.0.1", 65535)],
+    [
+        ("1.2.3.4:26000", "1.2.3.4", 26000),
+        ("127.0.0.1:0", "127.0.0.1", 0),
+        ("10.0.0.1:65535", "10.0.0.1", 65535),
+    ],
 )
 def test_parse_options_listen_ip_info(listen: str, ip: str, port: int) -> None:
     s = parse_options({"llm.EnableCacheManager": "1", "llm.listenIpInfo": listen})
@@ -692,8 +732,9 @@ def test_parse_options_bad_sync_timeout(value: str) -> None:
     assert info.value.status_code is PARAM_INVALID
 
 
-@pytest.mark.parametrize(("value", "transport"), [("auto", Transport.AUTO), ("shm", Transport.SHM),
-                                                  ("tcp", Transport.TCP)])
+@pytest.mark.parametrize(
+    ("value", "transport"), [("auto", Transport.AUTO), ("shm", Transport.SHM), ("tcp", Transport.TCP)]
+)
 def test_parse_options_transport(value: str, transport: Transport) -> None:
     assert parse_options({"llm.Transport": value}).transport is transport
 
@@ -725,10 +766,14 @@ def test_parse_options_bad_flow_graph_mem(value: str) -> None:
 
 
 def test_parse_options_flow_graph_mem_digits() -> None:
-    assert parse_options({"ge.flowGraphMemMaxSize": "1073741824"}).raw["ge.flowGraphMemMaxSize"] == "1073741824"
+    assert (
+        parse_options({"ge.flowGraphMemMaxSize": "1073741824"}).raw["ge.flowGraphMemMaxSize"] == "1073741824"
+    )
 
 
-@pytest.mark.parametrize("key", ["llm.EnableSwitchRole", "llm.EnableRemoteCacheAccessible", "llm.EnableCacheManager"])
+@pytest.mark.parametrize(
+    "key", ["llm.EnableSwitchRole", "llm.EnableRemoteCacheAccessible", "llm.EnableCacheManager"]
+)
 @pytest.mark.parametrize("value", ["yes", "true", "2", ""])
 def test_parse_options_bad_flag(key: str, value: str) -> None:
     with pytest.raises(LLMException):

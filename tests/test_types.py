@@ -84,7 +84,8 @@ DTYPES: list[tuple[str, int, int, Any]] = [
 def test_data_type_is_plain_enum() -> None:
     assert issubclass(DataType, Enum)
     assert not issubclass(DataType, int)
-    assert DataType.DT_FLOAT != 0
+    zero: object = 0
+    assert DataType.DT_FLOAT != zero  # plain Enum members do not compare equal to ints
 
 
 def test_data_type_member_set() -> None:
@@ -141,8 +142,13 @@ def test_cache_desc_defaults() -> None:
 def test_cache_desc_all_arguments_keyword() -> None:
     shape = (3, 5, 7)
     desc = CacheDesc(
-        num_tensors=4, shape=shape, data_type=DataType.DT_INT32, placement=Placement.HOST,
-        batch_dim_index=1, seq_len_dim_index=2, kv_tensor_format="BSH",
+        num_tensors=4,
+        shape=shape,
+        data_type=DataType.DT_INT32,
+        placement=Placement.HOST,
+        batch_dim_index=1,
+        seq_len_dim_index=2,
+        kv_tensor_format="BSH",
     )
     assert desc.num_tensors == 4
     assert desc.shape is shape
@@ -157,18 +163,18 @@ def test_cache_desc_all_arguments_keyword() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(num_tensors=0, shape=[1], data_type=DataType.DT_FLOAT),  # num_tensors > 0 is checked later
-        dict(num_tensors=2**32 - 1, shape=[1], data_type=DataType.DT_FLOAT),
-        dict(num_tensors=True, shape=[1], data_type=DataType.DT_FLOAT),  # bool is an int
-        dict(num_tensors=1, shape=(2,), data_type=DataType.DT_FLOAT),
-        dict(num_tensors=1, shape=[2**63 - 1, -(2**63)], data_type=DataType.DT_FLOAT),
-        dict(num_tensors=1, shape=[0, 0], data_type=DataType.DT_STRING),
-        dict(num_tensors=1, shape=[2, 3], data_type=DataType.DT_BF16, placement=Placement.HOST),
-        dict(num_tensors=1, shape=[2, 3], data_type=DataType.DT_FLOAT, batch_dim_index=1),
-        dict(num_tensors=1, shape=[2, 3], data_type=DataType.DT_FLOAT, seq_len_dim_index=0),
-        dict(num_tensors=1, shape=[2, 3], data_type=DataType.DT_FLOAT, seq_len_dim_index=1),
-        dict(num_tensors=1, shape=[2, 3], data_type=DataType.DT_FLOAT, kv_tensor_format=""),
-        dict(num_tensors=1, shape=[2, 3], data_type=DataType.DT_FLOAT, kv_tensor_format=None),
+        {"num_tensors": 0, "shape": [1], "data_type": DataType.DT_FLOAT},  # num_tensors > 0 is checked later
+        {"num_tensors": 2**32 - 1, "shape": [1], "data_type": DataType.DT_FLOAT},
+        {"num_tensors": True, "shape": [1], "data_type": DataType.DT_FLOAT},  # bool is an int
+        {"num_tensors": 1, "shape": (2,), "data_type": DataType.DT_FLOAT},
+        {"num_tensors": 1, "shape": [2**63 - 1, -(2**63)], "data_type": DataType.DT_FLOAT},
+        {"num_tensors": 1, "shape": [0, 0], "data_type": DataType.DT_STRING},
+        {"num_tensors": 1, "shape": [2, 3], "data_type": DataType.DT_BF16, "placement": Placement.HOST},
+        {"num_tensors": 1, "shape": [2, 3], "data_type": DataType.DT_FLOAT, "batch_dim_index": 1},
+        {"num_tensors": 1, "shape": [2, 3], "data_type": DataType.DT_FLOAT, "seq_len_dim_index": 0},
+        {"num_tensors": 1, "shape": [2, 3], "data_type": DataType.DT_FLOAT, "seq_len_dim_index": 1},
+        {"num_tensors": 1, "shape": [2, 3], "data_type": DataType.DT_FLOAT, "kv_tensor_format": ""},
+        {"num_tensors": 1, "shape": [2, 3], "data_type": DataType.DT_FLOAT, "kv_tensor_format": None},
     ],
 )
 def test_cache_desc_accepted(kwargs: dict[str, Any]) -> None:
@@ -178,38 +184,38 @@ def test_cache_desc_accepted(kwargs: dict[str, Any]) -> None:
     assert desc.data_type is kwargs["data_type"]
 
 
-BASE_ARGS: dict[str, Any] = dict(num_tensors=2, shape=[4, 8], data_type=DataType.DT_FLOAT)
+BASE_ARGS: dict[str, Any] = {"num_tensors": 2, "shape": [4, 8], "data_type": DataType.DT_FLOAT}
 
 
 @pytest.mark.parametrize(
     ("override", "exc"),
     [
-        (dict(num_tensors=-1), ValueError),
-        (dict(num_tensors=2**32), ValueError),
-        (dict(num_tensors="1"), TypeError),
-        (dict(num_tensors=1.0), TypeError),
-        (dict(num_tensors=None), TypeError),
-        (dict(shape="48"), TypeError),
-        (dict(shape=4), TypeError),
-        (dict(shape={4: 8}), TypeError),
-        (dict(shape=None), TypeError),
-        (dict(shape=[4, "8"]), TypeError),
-        (dict(shape=[4, 8.0]), TypeError),
-        (dict(shape=[4, None]), TypeError),
-        (dict(shape=[4, 2**63]), ValueError),
-        (dict(shape=[-(2**63) - 1]), ValueError),
-        (dict(data_type=0), TypeError),
-        (dict(data_type="DT_FLOAT"), TypeError),
-        (dict(data_type=np.float32), TypeError),
-        (dict(placement=0), TypeError),
-        (dict(placement="HOST"), TypeError),
-        (dict(batch_dim_index="0"), TypeError),
-        (dict(batch_dim_index=0.0), TypeError),
-        (dict(seq_len_dim_index="1"), TypeError),
-        (dict(seq_len_dim_index=2**31), ValueError),
-        (dict(seq_len_dim_index=-(2**31) - 1), ValueError),
-        (dict(kv_tensor_format=1), TypeError),
-        (dict(kv_tensor_format=b"BSH"), TypeError),
+        ({"num_tensors": -1}, ValueError),
+        ({"num_tensors": 2**32}, ValueError),
+        ({"num_tensors": "1"}, TypeError),
+        ({"num_tensors": 1.0}, TypeError),
+        ({"num_tensors": None}, TypeError),
+        ({"shape": "48"}, TypeError),
+        ({"shape": 4}, TypeError),
+        ({"shape": {4: 8}}, TypeError),
+        ({"shape": None}, TypeError),
+        ({"shape": [4, "8"]}, TypeError),
+        ({"shape": [4, 8.0]}, TypeError),
+        ({"shape": [4, None]}, TypeError),
+        ({"shape": [4, 2**63]}, ValueError),
+        ({"shape": [-(2**63) - 1]}, ValueError),
+        ({"data_type": 0}, TypeError),
+        ({"data_type": "DT_FLOAT"}, TypeError),
+        ({"data_type": np.float32}, TypeError),
+        ({"placement": 0}, TypeError),
+        ({"placement": "HOST"}, TypeError),
+        ({"batch_dim_index": "0"}, TypeError),
+        ({"batch_dim_index": 0.0}, TypeError),
+        ({"seq_len_dim_index": "1"}, TypeError),
+        ({"seq_len_dim_index": 2**31}, ValueError),
+        ({"seq_len_dim_index": -(2**31) - 1}, ValueError),
+        ({"kv_tensor_format": 1}, TypeError),
+        ({"kv_tensor_format": b"BSH"}, TypeError),
     ],
 )
 def test_cache_desc_refused_type_value(override: dict[str, Any], exc: type[Exception]) -> None:
@@ -237,7 +243,9 @@ def test_cache_desc_batch_dim_outside_shape(shape: list[int], batch_dim_index: i
     assert_param_invalid(info)
 
 
-@pytest.mark.parametrize(("shape", "seq_len_dim_index"), [([4, 8], 2), ([4, 8], -2), ([4, 8, 2], 3), ([4], 7)])
+@pytest.mark.parametrize(
+    ("shape", "seq_len_dim_index"), [([4, 8], 2), ([4, 8], -2), ([4, 8, 2], 3), ([4], 7)]
+)
 def test_cache_desc_seq_len_dim_outside_shape(shape: list[int], seq_len_dim_index: int) -> None:
     with pytest.raises(LLMException) as info:
         CacheDesc(1, shape, DataType.DT_FLOAT, seq_len_dim_index=seq_len_dim_index)
@@ -293,7 +301,13 @@ def test_cache_desc_update_dim_tuple_resets_size() -> None:
 
 @pytest.mark.parametrize(
     ("dim_index", "dim_value", "exc"),
-    [("0", 1, TypeError), (0, "1", TypeError), (0, 2**63, ValueError), (2, 1, LLMException), (-1, 1, LLMException)],
+    [
+        ("0", 1, TypeError),
+        (0, "1", TypeError),
+        (0, 2**63, ValueError),
+        (2, 1, LLMException),
+        (-1, 1, LLMException),
+    ],
 )
 def test_cache_desc_update_dim_refused(dim_index: Any, dim_value: Any, exc: type[Exception]) -> None:
     shape = [4, 8]
@@ -328,12 +342,12 @@ def test_cache_desc_equality_and_hash() -> None:
         ((1, 2), {}, (1, 2, 0, U64)),
         ((1, 2, 3), {}, (1, 2, 3, U64)),
         ((1, 2, 3, 4), {}, (1, 2, 3, 4)),
-        ((), dict(prompt_cluster_id=1, req_id=2), (1, 2, 0, U64)),
-        ((), dict(cluster_id=1, req_id=2), (1, 2, 0, U64)),
-        ((), dict(cluster_id=1, req_id=2, model_id=3, prefix_id=4), (1, 2, 3, 4)),
-        ((), dict(prefix_id=4, model_id=3, req_id=2, prompt_cluster_id=1), (1, 2, 3, 4)),
-        ((1,), dict(req_id=2), (1, 2, 0, U64)),
-        ((1, 2), dict(prefix_id=9), (1, 2, 0, 9)),
+        ((), {"prompt_cluster_id": 1, "req_id": 2}, (1, 2, 0, U64)),
+        ((), {"cluster_id": 1, "req_id": 2}, (1, 2, 0, U64)),
+        ((), {"cluster_id": 1, "req_id": 2, "model_id": 3, "prefix_id": 4}, (1, 2, 3, 4)),
+        ((), {"prefix_id": 4, "model_id": 3, "req_id": 2, "prompt_cluster_id": 1}, (1, 2, 3, 4)),
+        ((1,), {"req_id": 2}, (1, 2, 0, U64)),
+        ((1, 2), {"prefix_id": 9}, (1, 2, 0, 9)),
         ((0, U64, U64, U64), {}, (0, U64, U64, U64)),
         ((True, False), {}, (1, 0, 0, U64)),  # bool passes the uint64 check
     ],
@@ -354,15 +368,15 @@ def test_cache_key_defaults() -> None:
     ("args", "kwargs"),
     [
         ((1, 2, 3, 4, 5), {}),
-        ((1, 2, 3, 4), dict(model_id=5)),
-        ((1, 2), dict(foo=3)),
-        ((), dict(cluster_id=1, request_id=2)),
+        ((1, 2, 3, 4), {"model_id": 5}),
+        ((1, 2), {"foo": 3}),
+        ((), {"cluster_id": 1, "request_id": 2}),
         ((1,), {}),
-        ((), dict(cluster_id=1)),
-        ((), dict(prompt_cluster_id=1, model_id=0)),
-        ((), dict(req_id=2)),
+        ((), {"cluster_id": 1}),
+        ((), {"prompt_cluster_id": 1, "model_id": 0}),
+        ((), {"req_id": 2}),
         ((), {}),
-        ((), dict(req_id=2, model_id=0, prefix_id=1)),
+        ((), {"req_id": 2, "model_id": 0, "prefix_id": 1}),
     ],
 )
 def test_cache_key_refused_param_invalid(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -386,7 +400,7 @@ def test_cache_key_uint64_checks(position: int, bad: Any, exc: type[Exception]) 
 @pytest.mark.parametrize("name", ["prompt_cluster_id", "cluster_id", "req_id", "model_id", "prefix_id"])
 @pytest.mark.parametrize(("bad", "exc"), [(-1, ValueError), (2**64, ValueError), ("x", TypeError)])
 def test_cache_key_uint64_checks_keyword(name: str, bad: Any, exc: type[Exception]) -> None:
-    kwargs: dict[str, Any] = dict(req_id=2)
+    kwargs: dict[str, Any] = {"req_id": 2}
     if name not in ("prompt_cluster_id", "cluster_id"):
         kwargs["cluster_id"] = 1
     kwargs[name] = bad
@@ -463,7 +477,9 @@ def test_cache_key_by_id_refused(args: tuple[Any, ...], exc: type[Exception]) ->
 def test_cache_key_by_id_messages() -> None:
     with pytest.raises(TypeError, match=r"^cluster_id only support \['int'\], but got <class 'str'>\.$"):
         CacheKeyByIdAndIndex("a", 1)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"^batch_index's value is out of range,4294967296 is not a uint32 value\.$"):
+    with pytest.raises(
+        ValueError, match=r"^batch_index's value is out of range,4294967296 is not a uint32 value\.$"
+    ):
         CacheKeyByIdAndIndex(1, 1, 2**32)
 
 
@@ -488,15 +504,17 @@ def test_cache_key_by_id_equality_and_hash() -> None:
     [
         ((1,), {}, (1, 0)),
         ((1, 2), {}, (1, 2)),
-        ((), dict(cluster_id=1), (1, 0)),
-        ((), dict(prompt_cluster_id=1), (1, 0)),
-        ((), dict(prompt_cluster_id=1, model_id=2), (1, 2)),
-        ((), dict(model_id=2, cluster_id=1), (1, 2)),
-        ((1,), dict(model_id=2), (1, 2)),
+        ((), {"cluster_id": 1}, (1, 0)),
+        ((), {"prompt_cluster_id": 1}, (1, 0)),
+        ((), {"prompt_cluster_id": 1, "model_id": 2}, (1, 2)),
+        ((), {"model_id": 2, "cluster_id": 1}, (1, 2)),
+        ((1,), {"model_id": 2}, (1, 2)),
         ((-1, 2**70), {}, (-1, 2**70)),  # no range check
     ],
 )
-def test_blocks_cache_key_forms(args: tuple[Any, ...], kwargs: dict[str, Any], expected: tuple[int, int]) -> None:
+def test_blocks_cache_key_forms(
+    args: tuple[Any, ...], kwargs: dict[str, Any], expected: tuple[int, int]
+) -> None:
     key = BlocksCacheKey(*args, **kwargs)
     assert (key.cluster_id, key.model_id) == expected
     assert key.prompt_cluster_id == key.cluster_id
@@ -506,10 +524,10 @@ def test_blocks_cache_key_forms(args: tuple[Any, ...], kwargs: dict[str, Any], e
     ("args", "kwargs"),
     [
         ((1, 2, 3), {}),
-        ((1, 2), dict(model_id=3)),
-        ((1,), dict(foo=1)),
-        ((), dict(cluster_id=1, req_id=1)),
-        ((), dict(model_id=1)),
+        ((1, 2), {"model_id": 3}),
+        ((1,), {"foo": 1}),
+        ((), {"cluster_id": 1, "req_id": 1}),
+        ((), {"model_id": 1}),
         ((), {}),
     ],
 )
@@ -524,11 +542,11 @@ def test_blocks_cache_key_refused_param_invalid(args: tuple[Any, ...], kwargs: d
     [
         (("1",), {}, "The first param"),
         ((1.0,), {}, "The first param"),
-        ((), dict(cluster_id=None), "The first param"),
-        ((), dict(prompt_cluster_id="1"), "The first param"),
+        ((), {"cluster_id": None}, "The first param"),
+        ((), {"prompt_cluster_id": "1"}, "The first param"),
         ((1, "2"), {}, "The second param"),
         ((1, 2.0), {}, "The second param"),
-        ((), dict(cluster_id=1, model_id=None), "The second param"),
+        ((), {"cluster_id": 1, "model_id": None}, "The second param"),
     ],
 )
 def test_blocks_cache_key_type_errors(args: tuple[Any, ...], kwargs: dict[str, Any], prefix: str) -> None:
@@ -574,7 +592,8 @@ def test_cluster_info_remote_cluster_id_accepted(value: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("value", "exc"), [(-1, ValueError), (2**64, ValueError), ("1", TypeError), (1.0, TypeError), (None, TypeError)]
+    ("value", "exc"),
+    [(-1, ValueError), (2**64, ValueError), ("1", TypeError), (1.0, TypeError), (None, TypeError)],
 )
 def test_cluster_info_remote_cluster_id_refused(value: Any, exc: type[Exception]) -> None:
     info = LLMClusterInfo()
@@ -597,13 +616,15 @@ def test_cluster_info_remote_cluster_id_refused(value: Any, exc: type[Exception]
         (2**32 - 1, 2**32 - 1),
     ],
 )
-@pytest.mark.parametrize("side", ["local", "remote"])
-def test_cluster_info_append_ip(ip: Any, expected: int, side: str) -> None:
+def test_cluster_info_append_ip(ip: Any, expected: int) -> None:
     info = LLMClusterInfo()
-    getattr(info, f"append_{side}_ip_info")(ip, 26000)
-    assert getattr(info, f"{side}_ip_info_list") == [(expected, 26000)]
-    other = "remote" if side == "local" else "local"
-    assert getattr(info, f"{other}_ip_info_list") == []
+    info.append_local_ip_info(ip, 26000)
+    assert info.local_ip_info_list == [(expected, 26000)]
+    assert info.remote_ip_info_list == []
+    info = LLMClusterInfo()
+    info.append_remote_ip_info(ip, 26001)
+    assert info.remote_ip_info_list == [(expected, 26001)]
+    assert info.local_ip_info_list == []
 
 
 def test_cluster_info_append_keeps_order() -> None:
@@ -626,14 +647,14 @@ def test_cluster_info_ip_is_little_endian_inet_aton(addr: Any) -> None:
 
 
 @pytest.mark.parametrize("ip", ["abc", "1.2.3.256", "999.1.1.1", "", "::1", "1.2.3.4.5", "localhost"])
-@pytest.mark.parametrize("side", ["local", "remote"])
-def test_cluster_info_bad_ip_string(ip: str, side: str) -> None:
+def test_cluster_info_bad_ip_string(ip: str) -> None:
     info = LLMClusterInfo()
-    with pytest.raises(LLMException, match="Can not parse ip str") as exc:
-        getattr(info, f"append_{side}_ip_info")(ip, 80)
-    assert isinstance(exc.value, RuntimeError)
-    assert exc.value.status_code is PARAM_INVALID
-    assert getattr(info, f"{side}_ip_info_list") == []
+    for side in ("local", "remote"):
+        with pytest.raises(LLMException, match="Can not parse ip str") as exc:
+            getattr(info, f"append_{side}_ip_info")(ip, 80)
+        assert isinstance(exc.value, RuntimeError)
+        assert exc.value.status_code is PARAM_INVALID
+        assert getattr(info, f"{side}_ip_info_list") == []
 
 
 @pytest.mark.parametrize(
@@ -652,12 +673,12 @@ def test_cluster_info_bad_ip_string(ip: str, side: str) -> None:
         (2**32, 80, ValueError),
     ],
 )
-@pytest.mark.parametrize("side", ["local", "remote"])
-def test_cluster_info_append_refused(ip: Any, port: Any, exc: type[Exception], side: str) -> None:
+def test_cluster_info_append_refused(ip: Any, port: Any, exc: type[Exception]) -> None:
     info = LLMClusterInfo()
-    with pytest.raises(exc):
-        getattr(info, f"append_{side}_ip_info")(ip, port)
-    assert getattr(info, f"{side}_ip_info_list") == []
+    for side in ("local", "remote"):
+        with pytest.raises(exc):
+            getattr(info, f"append_{side}_ip_info")(ip, port)
+        assert getattr(info, f"{side}_ip_info_list") == []
 
 
 @pytest.mark.parametrize("port", [0, 1, 26000, 65535])

@@ -91,8 +91,11 @@ class SharedSegment:
             pass  # numpy views exist: CPython unmaps when the last one is released
 
 
-def map_peer_segment(identity: SegmentIdentity) -> mmap.mmap:
-    """Map a segment owned by another process on this host, verifying it is the announced one."""
+def map_peer_segment(identity: SegmentIdentity, *, populate: bool = False) -> mmap.mmap:
+    """Map a segment owned by another process on this host, verifying it is the announced one.
+
+    ``populate`` pre-faults the page tables (slow for big segments: call it off the event loop).
+    """
     path = f"/proc/{identity.pid}/fd/{identity.fd}"
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -102,6 +105,7 @@ def map_peer_segment(identity: SegmentIdentity) -> mmap.mmap:
         st = os.fstat(fd)
         if (st.st_ino, st.st_dev) != (identity.inode, identity.device) or st.st_size < identity.size:
             raise OSError(0, f"peer segment {path} is not the announced one (released or recycled)")
-        return mmap.mmap(fd, identity.size, flags=mmap.MAP_SHARED)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        return mmap.mmap(fd, identity.size, flags=flags)
     finally:
         os.close(fd)

@@ -1,0 +1,40 @@
+"""Command line: ``python -m aiodatadist {demo,bench,info}``."""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main"]
+
+USAGE = """usage: python -m aiodatadist {demo,bench,info} [options]
+
+  demo   a prompt and a decoder process move a paged KV cache; prints what happened
+  bench  throughput and latency against the machine's own limits (see: bench --help)
+  info   version, data planes, native copier, GPU
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        sys.stdout.write(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
+    if command == "info":
+        from .info import main as info_main
+
+        return info_main(rest)
+    sys.stderr.write(USAGE)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

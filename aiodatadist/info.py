@@ -1,0 +1,39 @@
+"""``python -m aiodatadist info``: version, data planes and what this machine allows."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+import numpy as np
+import zmq
+
+from . import __version__
+from .native import native_available
+from .peer import allowed_mechanisms
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    lines = [
+        f"aiodatadist {__version__} (Python {platform.python_version()}, numpy {np.__version__}, "
+        f"pyzmq {zmq.pyzmq_version()}, libzmq {zmq.zmq_version()})",
+        f"native span copier: {'built' if native_available() else 'not built (ctypes fallback)'}",
+        f"same-host mechanisms allowed: {', '.join(sorted(allowed_mechanisms())) or 'none'}",
+        f"ptrace scope: {_read('/proc/sys/kernel/yama/ptrace_scope') or 'n/a'}",
+        "data planes: shm (same host)",
+        "GPU: not supported in this version (Placement.DEVICE -> LLM_FEATURE_NOT_ENABLED)",
+        f"cpus: {os.cpu_count()}",
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
