@@ -141,16 +141,14 @@ class LinkManager:
                                                 "msg": f"malformed hello: {exc}"})
             return
         code, msg = self._admit(version, cluster, target)
+        peer_transport = Transport(transport) if transport in {t.value for t in Transport} else Transport.AUTO
         caps = probe_peer(message.get("host")) if code == 0 else PeerCapabilities(False, False, False, 0)
-        if code == 0:
-            wanted = {self._dd.settings.transport, Transport(transport) if transport in Transport._value2member_map_
-                      else Transport.AUTO}
-            if Transport.SHM in wanted and not caps.same_host:
-                code, msg = int(S.LLM_LINK_FAILED), "transport shm forced, but the peer is not on this host"
+        if code == 0 and Transport.SHM in (self._dd.settings.transport, peer_transport) and not caps.same_host:
+            code, msg = int(S.LLM_LINK_FAILED), "transport shm forced, but the peer is not on this host"
         if code:
             await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": code, "msg": msg})
             return
-        forced_tcp = Transport.TCP in (self._dd.settings.transport, Transport(transport))
+        forced_tcp = Transport.TCP in (self._dd.settings.transport, peer_transport)
         channel = Channel(server.sender(routing_id), self._handle, f"{self._dd.cluster_id}<-{cluster}")
         link = Link(cluster, channel, caps, is_client=False, endpoint=server.endpoint, remote_role=role,
                     plane=_plane_for(caps, Transport.TCP if forced_tcp else Transport.AUTO), routing_id=routing_id)

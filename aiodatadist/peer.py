@@ -155,7 +155,7 @@ class PeerMemory:
         if self.caps.can_pvm:
             pid = self.caps.pid
             return functools.partial(_pvm_copy, pid, remote_is_src)
-        raise OSError(0, "no same-host mechanism reaches the peer's memory")
+        raise OSError(0, _unreachable_reason(self.caps, segment))
 
     def close(self) -> None:
         for mapping, _ in self._mappings.values():
@@ -164,6 +164,22 @@ class PeerMemory:
             except BufferError:
                 pass
         self._mappings.clear()
+
+
+def _unreachable_reason(caps: PeerCapabilities, segment: tuple[SegmentIdentity, int] | None) -> str:
+    allowed = allowed_mechanisms()
+    missing = []
+    if segment is None:
+        missing.append("the peer's cache is caller-registered memory, which only process_vm_readv/writev can "
+                       "reach (allocate it with allocate_cache/allocate_blocks_cache to make it mappable)")
+    elif not caps.can_map:
+        missing.append(f"mapping the peer's shared memory through /proc/{caps.pid}/fd is not permitted")
+    if "pvm" not in allowed:
+        missing.append("process_vm_readv/writev is disabled by AIODATADIST_SAME_HOST")
+    else:
+        missing.append("process_vm_readv/writev is refused by the OS (ptrace restrictions: "
+                       "/proc/sys/kernel/yama/ptrace_scope, seccomp or a missing CAP_SYS_PTRACE)")
+    return "no same-host mechanism reaches the peer's memory: " + "; ".join(missing)
 
 
 def _mapped_copy(delta: np.uint64, remote_is_src: bool, streaming: bool,
