@@ -85,7 +85,8 @@ def check_layer_range(name: str, value: Any, *, allow_empty: bool) -> range | No
     require(value.start >= 0, f"{name} start must be >= 0, but got {value.start}.")
     if not allow_empty:
         require(value.start < value.stop, f"{name} must satisfy 0 <= start < stop, but got {value}.")
-    return value
+    result: range = value
+    return result
 
 
 def unique(values: Iterable[int]) -> bool:

@@ -24,7 +24,7 @@ class Cache:
     ``tensors`` raises ``LLM_KV_CACHE_NOT_EXIST``.
     """
 
-    __slots__ = ("_cache_id", "_cache_desc", "_tensor_addrs", "_is_blocks_cache", "_entry", "_owner")
+    __slots__ = ("_cache_desc", "_cache_id", "_entry", "_is_blocks_cache", "_owner", "_tensor_addrs")
 
     def __init__(
         self,
@@ -89,7 +89,8 @@ class Cache:
                 for a in self._tensor_addrs
             ]
         return [
-            np.frombuffer((ctypes.c_char * desc.size).from_address(a), dtype=dtype).reshape(shape)
+            np.frombuffer(memoryview((ctypes.c_char * desc.size).from_address(a)).cast("B"),
+                          dtype=dtype).reshape(shape)
             for a in self._tensor_addrs
         ]
 

@@ -63,10 +63,23 @@ class LLMConfig:
     """
 
     __slots__ = (
-        "_options", "_device_id", "_sync_kv_timeout", "_listen_ip_info", "_enable_cache_manager",
-        "_enable_remote_cache_accessible", "_enable_switch_role", "_local_comm_res", "_link_total_time",
-        "_link_retry_count", "_mem_pool_cfg", "_host_mem_pool_cfg", "_ge_options", "_transport", "_auth_key",
-        "_compat", "_mem_utilization",
+        "_auth_key",
+        "_compat",
+        "_device_id",
+        "_enable_cache_manager",
+        "_enable_remote_cache_accessible",
+        "_enable_switch_role",
+        "_ge_options",
+        "_host_mem_pool_cfg",
+        "_link_retry_count",
+        "_link_total_time",
+        "_listen_ip_info",
+        "_local_comm_res",
+        "_mem_pool_cfg",
+        "_mem_utilization",
+        "_options",
+        "_sync_kv_timeout",
+        "_transport",
     )
 
     def __init__(self) -> None:

@@ -19,7 +19,7 @@ import zmq.asyncio
 from .errors import LLMException, LLMLinkError, LLMStatusCode
 from .protocol import MAX_MESSAGE_BYTES, Kind, ProtocolError, decode, encode
 
-__all__ = ["Channel", "Server", "connect_dealer", "new_context", "RequestHandler", "TaskSet"]
+__all__ = ["Channel", "RequestHandler", "Server", "TaskSet", "connect_dealer", "new_context"]
 
 log = logging.getLogger("aiodatadist.control")
 

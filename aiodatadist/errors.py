@@ -6,11 +6,11 @@ from enum import IntEnum
 from typing import Any, ClassVar, NoReturn
 
 __all__ = [
-    "LLMStatusCode",
     "LLMException",
-    "LLMTimeoutError",
     "LLMLinkError",
     "LLMNotInitializedError",
+    "LLMStatusCode",
+    "LLMTimeoutError",
     "raise_status",
 ]
 

@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from .layout import Spans
 
-__all__ = ["CopyExecutor", "CopyJob", "CopyFn", "shared_executor", "release_shared_executor"]
+__all__ = ["CopyExecutor", "CopyFn", "CopyJob", "release_shared_executor", "shared_executor"]
 
 UInt64Array = npt.NDArray[np.uint64]
 CopyFn = Callable[[UInt64Array, UInt64Array, UInt64Array], None]

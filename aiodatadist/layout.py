@@ -17,22 +17,22 @@ from ._checks import require
 
 __all__ = [
     "CacheGeometry",
-    "Runs",
     "CopyPlan",
+    "Runs",
     "Spans",
-    "pull_tensor_indices",
-    "push_tensor_indices",
+    "TransferParams",
     "all_tensor_indices",
     "b2b_runs",
     "c2b_runs",
-    "slot_run",
-    "copy_cache_run",
+    "coalesce",
     "copy_blocks_runs",
-    "swap_blocks_runs",
+    "copy_cache_run",
     "make_plan",
     "plan_to_spans",
-    "coalesce",
-    "TransferParams",
+    "pull_tensor_indices",
+    "push_tensor_indices",
+    "slot_run",
+    "swap_blocks_runs",
     "transfer_plan",
 ]
 
@@ -169,12 +169,12 @@ def pull_tensor_indices(
     elif s is not None:
         require(len(s) == dst.num_tensors, f"src_layer_range {src_layer_range} selects {len(s)} tensors, "
                 f"the destination has {dst.num_tensors}.")
-        d = range(0, dst.num_tensors)
+        d = range(dst.num_tensors)
     else:
         assert d is not None
         require(len(d) <= src.num_tensors, f"dst_layer_range {dst_layer_range} needs {len(d)} source tensors, "
                 f"the source has {src.num_tensors}.")
-        s = range(0, len(d))
+        s = range(len(d))
     return np.arange(s.start, s.stop, dtype=np.int64), np.arange(d.start, d.stop, dtype=np.int64)
 
 
@@ -195,8 +195,8 @@ def push_tensor_indices(
     for name, value in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
         require(value is None or value.start < value.stop, f"{name} must satisfy 0 <= start < stop, but got {value}.")
     layers = src.num_tensors // n
-    s_layers = src_layer_range if src_layer_range is not None else range(0, layers)
-    d_layers = dst_layer_range if dst_layer_range is not None else range(0, layers)
+    s_layers = src_layer_range if src_layer_range is not None else range(layers)
+    d_layers = dst_layer_range if dst_layer_range is not None else range(layers)
     require(len(s_layers) == len(d_layers), f"src_layer_range {s_layers} and dst_layer_range {d_layers} "
             "have different lengths.")
     require(s_layers.stop <= layers, f"src_layer_range {s_layers} exceeds the source's {layers} layers.")

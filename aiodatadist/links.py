@@ -23,7 +23,7 @@ from .types import LLMClusterInfo, Transport, ip_int_to_str
 if TYPE_CHECKING:
     from .datadist import LLMDataDist
 
-__all__ = ["Link", "LinkManager", "MAX_LINKS"]
+__all__ = ["MAX_LINKS", "Link", "LinkManager"]
 
 log = logging.getLogger("aiodatadist.link")
 MAX_LINKS = 512

@@ -10,17 +10,17 @@ import ctypes
 import importlib.util
 import logging
 import os
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "IOV_MAX",
     "copy_local",
+    "native_available",
     "process_vm_read",
     "process_vm_write",
-    "native_available",
-    "IOV_MAX",
 ]
 
 log = logging.getLogger("aiodatadist.native")
@@ -85,7 +85,7 @@ def _iovecs(base: UInt64Array, length: UInt64Array) -> UInt64Array:
     return iov
 
 
-def _process_vm(call: ctypes._CFuncPtr, pid: int, local: UInt64Array, remote: UInt64Array,
+def _process_vm(call: Any, pid: int, local: UInt64Array, remote: UInt64Array,
                 length: UInt64Array) -> None:
     total = int(length.sum())
     local_iov = _iovecs(local, length)

@@ -10,7 +10,7 @@ from .config import OptionKey
 from .errors import LLMException, LLMStatusCode
 from .types import Transport
 
-__all__ = ["Settings", "parse_options", "parse_listen_ip_info", "DEFAULT_SYNC_KV_TIMEOUT_MS"]
+__all__ = ["DEFAULT_SYNC_KV_TIMEOUT_MS", "Settings", "parse_listen_ip_info", "parse_options"]
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 

@@ -11,29 +11,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 
 from .layout import CacheGeometry
 from .memory import SegmentIdentity
 
 __all__ = [
-    "PROTOCOL_VERSION",
-    "MAX_MESSAGE_BYTES",
     "MAX_LIST_ITEMS",
+    "MAX_MESSAGE_BYTES",
+    "PROTOCOL_VERSION",
     "Kind",
     "ProtocolError",
-    "encode",
+    "WireKey",
     "decode",
+    "encode",
     "field",
+    "geometry_from_wire",
+    "geometry_to_wire",
     "int_field",
     "opt_int_list",
-    "geometry_to_wire",
-    "geometry_from_wire",
-    "segment_to_wire",
-    "segment_from_wire",
-    "range_to_wire",
     "range_from_wire",
-    "WireKey",
+    "range_to_wire",
+    "segment_from_wire",
+    "segment_to_wire",
 ]
 
 PROTOCOL_VERSION = 1
@@ -61,7 +61,8 @@ class ProtocolError(ValueError):
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    return msgpack.packb(message, use_bin_type=True)
+    data: bytes = msgpack.packb(message, use_bin_type=True)
+    return data
 
 
 def decode(data: bytes) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Pl
 if TYPE_CHECKING:
     from .executor import CopyJob
 
-__all__ = ["CacheEntry", "CacheRegistry", "MAX_REGISTERED_ADDRS", "geometry_of"]
+__all__ = ["MAX_REGISTERED_ADDRS", "CacheEntry", "CacheRegistry", "geometry_of"]
 
 MAX_REGISTERED_ADDRS = 240
 IndexKey = tuple[str, int, int]

@@ -24,7 +24,7 @@ from .datadist import LLMDataDist
 from .errors import LLMException, LLMStatusCode
 from .types import LLMClusterInfo, LLMRole
 
-__all__ = ["free_port", "cluster_info", "linked_pair", "pattern", "fill_pattern", "PeerProcess", "PeerError"]
+__all__ = ["PeerError", "PeerProcess", "cluster_info", "fill_pattern", "free_port", "linked_pair", "pattern"]
 
 
 def free_port() -> int:

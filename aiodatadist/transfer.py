@@ -189,7 +189,7 @@ class TransferService:
         registry.acquire(entry)
         from .links import Lease
 
-        link.leases[tid] = Lease(entry, release_key)  # type: ignore[arg-type]
+        link.leases[tid] = Lease(entry, release_key)
         return {
             "geometry": geometry_to_wire(entry.geometry), "slot": slot, "addrs": entry.addrs.tolist(),
             "segment": segment_to_wire(entry.segment.identity if entry.segment else None,

@@ -13,15 +13,15 @@ from ._checks import U64_MAX, check_int, check_isinstance, require
 from .errors import LLMException, LLMStatusCode
 
 __all__ = [
-    "LLMRole",
-    "Placement",
-    "DataType",
-    "Transport",
+    "BlocksCacheKey",
     "CacheDesc",
     "CacheKey",
     "CacheKeyByIdAndIndex",
-    "BlocksCacheKey",
+    "DataType",
     "LLMClusterInfo",
+    "LLMRole",
+    "Placement",
+    "Transport",
 ]
 
 
@@ -85,7 +85,8 @@ class DataType(Enum):
         """The numpy dtype used for host views; bf16 is exposed as raw 2-byte words (``uint16``)."""
         if self is DataType.DT_STRING:
             raise LLMException("DT_STRING has no fixed item size", status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        return np.dtype(_NP_DTYPES[self])
+        dtype: np.dtype[Any] = np.dtype(_NP_DTYPES[self])
+        return dtype
 
 
 _NP_DTYPES: dict[DataType, Any] = {
@@ -112,8 +113,14 @@ class CacheDesc:
     """
 
     __slots__ = (
-        "_num_tensors", "_shape", "_data_type", "_placement", "_batch_dim_index",
-        "_seq_len_dim_index", "_kv_tensor_format", "_size",
+        "_batch_dim_index",
+        "_data_type",
+        "_kv_tensor_format",
+        "_num_tensors",
+        "_placement",
+        "_seq_len_dim_index",
+        "_shape",
+        "_size",
     )
 
     def __init__(
@@ -258,7 +265,7 @@ class CacheKey:
     ``cluster_id`` names the owner (it only selects the link); the owner indexes ``(req_id|prefix_id, model_id)``.
     """
 
-    __slots__ = ("_cluster_id", "_req_id", "_model_id", "_prefix_id")
+    __slots__ = ("_cluster_id", "_model_id", "_prefix_id", "_req_id")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         names = ("cluster_id", "req_id", "model_id", "prefix_id")
@@ -319,7 +326,7 @@ class CacheKey:
 class CacheKeyByIdAndIndex:
     """Address of a remote cache by its ``cache_id`` and a batch slot."""
 
-    __slots__ = ("_cluster_id", "_cache_id", "_batch_index")
+    __slots__ = ("_batch_index", "_cache_id", "_cluster_id")
 
     def __init__(self, cluster_id: int, cache_id: int, batch_index: int = 0) -> None:
         self._cluster_id = check_int("cluster_id", cluster_id, "uint64")
@@ -357,7 +364,7 @@ class CacheKeyByIdAndIndex:
 class BlocksCacheKey:
     """Key of a paged (blocks) cache: ``(cluster_id, model_id=0)``; the owner indexes ``model_id`` only."""
 
-    __slots__ = ("_cluster_id", "_model_id", "_cluster_kw")
+    __slots__ = ("_cluster_id", "_cluster_kw", "_model_id")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         values, self._cluster_kw = _parse_key_args(
@@ -413,7 +420,7 @@ def ip_int_to_str(ip: int) -> str:
 class LLMClusterInfo:
     """Who to link to: ``remote_cluster_id`` plus local and remote ``(ip, port)`` entries."""
 
-    __slots__ = ("_remote_cluster_id", "_remote_role_type", "_local_ip_info_list", "_remote_ip_info_list")
+    __slots__ = ("_local_ip_info_list", "_remote_cluster_id", "_remote_ip_info_list", "_remote_role_type")
 
     def __init__(self) -> None:
         self._remote_cluster_id: int | None = None

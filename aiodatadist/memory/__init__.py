@@ -2,4 +2,4 @@
 
 from .segment import SegmentIdentity, SharedSegment, map_peer_segment
 
-__all__ = ["SharedSegment", "SegmentIdentity", "map_peer_segment"]
+__all__ = ["SegmentIdentity", "SharedSegment", "map_peer_segment"]

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import LLMException, LLMStatusCode
 
-__all__ = ["SharedSegment", "SegmentIdentity", "map_peer_segment", "PAGE"]
+__all__ = ["PAGE", "SegmentIdentity", "SharedSegment", "map_peer_segment"]
 
 PAGE = mmap.PAGESIZE
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004) | getattr(
