@@ -210,6 +210,8 @@ class CacheManager(TransferMixin):
 
     # -- release ---------------------------------------------------------------------------------------------
     def _release(self, entry: CacheEntry) -> None:
+        if not entry.owned:  # caller-owned memory: peers reading or writing it directly must stop too
+            self._datadist._transfers.abort_remote(entry)
         jobs = self._registry.release(entry)
         if jobs:
             self._abort_jobs(jobs, f"cache {entry.cache_id} was unregistered during the transfer")
@@ -298,6 +300,9 @@ class CacheManager(TransferMixin):
         mapping = {check_int("src_to_dst key", k, "uint64"): check_int("src_to_dst value", v, "uint64")
                    for k, v in src_to_dst.items()}
         require(src_entry.is_blocks and dst_entry.is_blocks, "swap_blocks needs two blocks caches.")
+        if src_entry is dst_entry:  # within one cache the result must not depend on the copy order
+            require(not set(mapping.values()) & set(mapping.keys()),
+                    "a destination block is also a source block of the same swap.")
         runs = swap_blocks_runs(mapping, src_entry.geometry, dst_entry.geometry)
         plan = make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs)
         spans = plan_to_spans(plan, src_entry.addrs, dst_entry.addrs)

@@ -87,7 +87,7 @@ class LLMDataDist:
             self._cache_manager = None
             if links is not None:
                 await links.close()
-            release_shared_executor()
+            await release_shared_executor()
             raise
         self._links = links
         log.debug("cluster %d initialized as %s", self._cluster_id, self._role)
@@ -108,7 +108,7 @@ class LLMDataDist:
                 if manager is not None:
                     await manager.close()
             finally:
-                release_shared_executor()
+                await release_shared_executor()
         log.debug("cluster %d finalized", self._cluster_id)
 
     def _links_or_raise(self) -> LinkManager:

@@ -26,8 +26,10 @@ UInt64Array = npt.NDArray[np.uint64]
 CopyFn = Callable[[UInt64Array, UInt64Array, UInt64Array], None]
 """``copy(src, dst, length)`` for one chunk of spans; raises ``OSError`` on failure."""
 
-MIN_CHUNK = 512 << 10
-MAX_CHUNK = 4 << 20
+# Chunk targets: a chunk holds at most twice its target (spans are grouped without splitting them again),
+# so chunks stay <= 4 MiB and a stop takes effect within about a millisecond.
+MIN_CHUNK = 256 << 10
+MAX_CHUNK = 2 << 20
 
 
 def split_spans(spans: Spans, chunk_bytes: int) -> tuple[Spans, npt.NDArray[np.int64]]:
@@ -177,22 +179,23 @@ class CopyExecutor:
             job._finish_locked()
 
     def shutdown(self) -> None:
-        """Wait for running chunks and stop the worker threads."""
+        """Wait for running chunks and stop the worker threads (blocking: call it off the event loop)."""
         self._pool.shutdown(wait=True, cancel_futures=False)
 
 
 async def wait_stopped(job: CopyJob) -> None:
-    """Wait (through further cancellations) until no worker touches ``job``'s memory any more."""
-    while not job.stopped.is_set():
+    """Wait (through further cancellations) until no worker touches ``job``'s memory any more.
+
+    The job's future is resolved right after its last chunk stopped, so waiting for it is waiting for that.
+    """
+    while not job.future.done():
         try:
             await asyncio.shield(job.future)
         except asyncio.CancelledError:
             continue
         except BaseException:
             break
-    if not job.future.done():
-        job.future.cancel()
-    elif not job.future.cancelled():
+    if not job.future.cancelled():
         job.future.exception()  # mark retrieved
 
 
@@ -211,12 +214,12 @@ def shared_executor() -> CopyExecutor:
         return _shared
 
 
-def release_shared_executor() -> None:
-    """Drop one user; the last one joins the worker threads."""
+async def release_shared_executor() -> None:
+    """Drop one user; the last one joins the worker threads (in a helper thread, off the event loop)."""
     global _shared, _users
     with _shared_lock:
         _users -= 1
         if _users > 0 or _shared is None:
             return
         executor, _shared = _shared, None
-    executor.shutdown()
+    await asyncio.to_thread(executor.shutdown)

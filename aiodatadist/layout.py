@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ._checks import require
+from ._checks import param_invalid, require
 
 __all__ = [
     "CacheGeometry",
@@ -98,7 +98,10 @@ class Spans:
 
 
 def _i64(values: Sequence[int] | npt.ArrayLike) -> Int64Array:
-    return np.asarray(values, dtype=np.int64).reshape(-1)
+    try:
+        return np.asarray(values, dtype=np.int64).reshape(-1)
+    except OverflowError:
+        param_invalid("an index is out of range (>= 2**63).")
 
 
 def coalesce(src: npt.NDArray[np.integer], dst: npt.NDArray[np.integer], length: npt.NDArray[np.integer]) -> tuple[

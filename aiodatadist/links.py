@@ -54,7 +54,7 @@ class Link:
     routing_id: bytes | None = None
     memory: PeerMemory = field(init=False)
     leases: dict[int, Lease] = field(default_factory=dict)
-    jobs: set[CopyJob] = field(default_factory=set)
+    jobs: dict[int, CopyJob] = field(default_factory=dict)  # requester side, by transfer id
     closed: bool = False
 
     def __post_init__(self) -> None:
@@ -68,6 +68,10 @@ class Link:
             "plane": self.plane,
             "peer": self.caps.describe(),
         }
+
+
+def _transport_of(value: object) -> Transport:
+    return Transport(value) if value in {t.value for t in Transport} else Transport.AUTO
 
 
 def _plane_for(caps: PeerCapabilities, transport: Transport) -> str:
@@ -98,12 +102,15 @@ class LinkManager:
         return self._server.endpoint if self._server is not None else None
 
     def listen(self, ip: str, port: int) -> None:
+        """Listen on ``ip:port`` (replacing the current address; the same address is kept as it is)."""
         endpoint = f"tcp://{ip}:{port}"
+        if self._server is not None and self._server.endpoint == endpoint:
+            return
+        self.stop_listening()
         try:
             server = Server(self._ctx, endpoint, self._on_hello)
         except zmq.ZMQError as exc:
             raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from exc
-        self.stop_listening()
         self._server = server
         self._server_task = self._tasks.spawn(server.serve(self._tasks), name=f"server-{endpoint}")
         log.info("cluster %d listening on %s", self._dd.cluster_id, endpoint)
@@ -140,8 +147,12 @@ class LinkManager:
             await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": int(S.LLM_LINK_FAILED),
                                                 "msg": f"malformed hello: {exc}"})
             return
+        stale = self.links.get(cluster)
+        if stale is not None and not stale.is_client and not await self._alive(stale):
+            # The peer restarted (or its old connection died): its old link must not block the new one.
+            await self.drop(stale, LLMLinkError(f"cluster {cluster} reconnected; its old link was dead"))
         code, msg = self._admit(version, cluster, target)
-        peer_transport = Transport(transport) if transport in {t.value for t in Transport} else Transport.AUTO
+        peer_transport = _transport_of(transport)
         caps = probe_peer(message.get("host")) if code == 0 else PeerCapabilities(False, False, False, 0)
         if code == 0 and Transport.SHM in (self._dd.settings.transport, peer_transport) and not caps.same_host:
             code, msg = int(S.LLM_LINK_FAILED), "transport shm forced, but the peer is not on this host"
@@ -156,8 +167,17 @@ class LinkManager:
         self.links[cluster] = link
         server.channels[routing_id] = channel
         await channel.reply(req_id, {"cluster": self._dd.cluster_id, "role": int(self._dd.role),
-                                     "host": self._probe.to_wire()})
+                                     "host": self._probe.to_wire(),
+                                     "transport": self._dd.settings.transport.value})
         log.info("cluster %d accepted link from %d (%s)", self._dd.cluster_id, cluster, link.plane)
+
+    async def _alive(self, link: Link, timeout: float = 0.5) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                await link.channel.request(Kind.PING, {})
+            return True
+        except (LLMException, TimeoutError):
+            return False
 
     def _admit(self, version: int, cluster: int, target: int) -> tuple[int, str]:
         if version != PROTOCOL_VERSION:
@@ -202,11 +222,13 @@ class LinkManager:
             return code
         finally:
             self._linking.discard(remote_id)
-        transport = self._dd.settings.transport
-        if transport == Transport.SHM and not caps.same_host:
+        peer_transport = _transport_of(reply.get("transport"))
+        forced = {self._dd.settings.transport, peer_transport}
+        if Transport.SHM in forced and not caps.same_host:
             reader.cancel()
             sock.close(linger=0)
             return S.LLM_LINK_FAILED
+        transport = Transport.TCP if Transport.TCP in forced else Transport.AUTO
         link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint,
                     remote_role=int(reply.get("role", 0)) if isinstance(reply.get("role"), int) else 0,
                     plane=_plane_for(caps, transport), sock=sock, reader=reader)
@@ -250,7 +272,7 @@ class LinkManager:
         link.channel.close(error)
         if self.on_link_closed is not None:
             await self.on_link_closed(link, error)
-        link.memory.close()
+        await link.memory.close()
         if link.routing_id is not None and self._server is not None:
             self._server.channels.pop(link.routing_id, None)
         if link.reader is not None:

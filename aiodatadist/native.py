@@ -19,6 +19,7 @@ __all__ = [
     "IOV_MAX",
     "copy_local",
     "native_available",
+    "populate",
     "process_vm_read",
     "process_vm_write",
 ]
@@ -67,6 +68,21 @@ def copy_local(src: UInt64Array, dst: UInt64Array, length: UInt64Array, streamin
     move = ctypes.memmove
     for s, d, k in zip(src.tolist(), dst.tolist(), length.tolist()):
         move(d, s, k)
+
+
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_MADV_POPULATE_READ = 22
+_MADV_POPULATE_WRITE = 23
+
+
+def populate(address: int, length: int, *, write: bool) -> bool:
+    """Pre-fault the page tables of a mapping (``MADV_POPULATE_*``, Linux >= 5.14) without holding the GIL.
+
+    Returns False where the kernel does not support it (pages then fault in lazily on first touch).
+    """
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    return bool(_libc.madvise(address, length, advice) == 0)
 
 
 _libc.process_vm_readv.argtypes = [

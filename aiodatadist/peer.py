@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from .executor import CopyFn
 from .memory import SegmentIdentity, SharedSegment, map_peer_segment
-from .native import copy_local, process_vm_read, process_vm_write
+from .native import copy_local, populate, process_vm_read, process_vm_write
 
 __all__ = ["HostProbe", "PeerCapabilities", "PeerMemory", "allowed_mechanisms"]
 
@@ -127,37 +127,42 @@ class PeerMemory:
     def __init__(self, caps: PeerCapabilities) -> None:
         self.caps = caps
         self._mappings: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
-        self._mapping_lock = asyncio.Lock()
+        self._populating: set[asyncio.Task[Any]] = set()
 
-    async def _local_base(self, identity: SegmentIdentity) -> int:
+    def _local_base(self, identity: SegmentIdentity) -> int:
         key = (identity.inode, identity.device)
         found = self._mappings.get(key)
         if found is None:
-            async with self._mapping_lock:  # concurrent first transfers map the segment once
-                found = self._mappings.get(key)
-                if found is None:
-                    # Pre-faulting the page tables takes a while for big caches: off the event loop.
-                    mapping = await asyncio.to_thread(map_peer_segment, identity, populate=True)
-                    found = (mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
-                    self._mappings[key] = found
+            mapping = map_peer_segment(identity)  # lazy: O(1) whatever the size
+            found = (mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
+            self._mappings[key] = found
+            # Fault the page tables in the background (GIL released); transfers need not wait for it.
+            task = asyncio.ensure_future(asyncio.to_thread(populate, found[1], identity.size, write=True))
+            self._populating.add(task)
+            task.add_done_callback(self._populating.discard)
         return found[1]
 
     def can_reach(self, segment: tuple[SegmentIdentity, int] | None) -> bool:
         return (segment is not None and self.caps.can_map) or self.caps.can_pvm
 
-    async def copier(self, *, remote_is_src: bool, segment: tuple[SegmentIdentity, int] | None,
-                     streaming: bool) -> CopyFn:
+    def copier(self, *, remote_is_src: bool, segment: tuple[SegmentIdentity, int] | None,
+               streaming: bool) -> CopyFn:
         """A copy function for spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
         if segment is not None and self.caps.can_map:
             identity, remote_base = segment
-            delta = np.uint64((await self._local_base(identity) - remote_base) % 2**64)
+            delta = np.uint64((self._local_base(identity) - remote_base) % 2**64)
             return functools.partial(_mapped_copy, delta, remote_is_src, streaming)
         if self.caps.can_pvm:
             pid = self.caps.pid
             return functools.partial(_pvm_copy, pid, remote_is_src)
         raise OSError(0, _unreachable_reason(self.caps, segment))
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Unmap the peer's segments (callers first stop every copy that uses them)."""
+        for task in list(self._populating):
+            task.cancel()  # the thread finishes its madvise; the mapping stays valid until then
+        if self._populating:
+            await asyncio.gather(*self._populating, return_exceptions=True)
         for mapping, _ in self._mappings.values():
             try:
                 mapping.close()

@@ -49,10 +49,11 @@ class Kind:
     BYE = "bye"              # either side: the link is being torn down
     BEGIN = "begin"          # requester -> owner: resolve a key for a transfer, take a lease
     END = "end"              # requester -> owner: transfer finished (ok or not), drop the lease
+    ABORT = "abort"          # owner -> requester: the cache of a running transfer was released, stop
     PING = "ping"            # either side: liveness check
     REPLY = "reply"          # response to any request
 
-    REQUESTS = frozenset({HELLO, BYE, BEGIN, END, PING})
+    REQUESTS = frozenset({HELLO, BYE, BEGIN, END, ABORT, PING})
     ALL = REQUESTS | {REPLY}
 
 

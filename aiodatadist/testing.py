@@ -50,15 +50,15 @@ async def linked_pair(prompt_id: int = 1, decoder_id: int = 2, *, sync_kv_timeou
     port = free_port()
     prompt = LLMDataDist(LLMRole.PROMPT, prompt_id)
     decoder = LLMDataDist(LLMRole.DECODER, decoder_id)
-    server_cfg = config or LLMConfig()
-    server_cfg.listen_ip_info = f"127.0.0.1:{port}"
-    server_cfg.sync_kv_timeout = sync_kv_timeout
+    server_options = dict((config or LLMConfig()).generate_options())
+    server_options["llm.listenIpInfo"] = f"127.0.0.1:{port}"
+    server_options["llm.SyncKvCacheWaitTime"] = str(sync_kv_timeout)
     client_cfg = LLMConfig()
     client_cfg.sync_kv_timeout = sync_kv_timeout
     if config is not None:
         client_cfg.transport = config.transport
     async with prompt, decoder:
-        await prompt.init(dict(server_cfg.generate_options()))
+        await prompt.init(server_options)
         await decoder.init(dict(client_cfg.generate_options()))
         code, _ = await decoder.link_clusters([cluster_info(prompt_id, port)], timeout=5000)
         if code != LLMStatusCode.LLM_SUCCESS:

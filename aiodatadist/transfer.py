@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._checks import require
+from ._checks import check_int, require
 from .cache_manager import STREAMING_THRESHOLD
 from .errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from .layout import Spans, TransferParams, plan_to_spans, transfer_plan
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["TransferService", "wire_key"]
 
 log = logging.getLogger("aiodatadist.transfer")
+END_ACK_TIMEOUT = 1.0
 S = LLMStatusCode
 
 
@@ -51,7 +53,7 @@ def wire_key(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> WireKey:
     if isinstance(key, CacheKeyByIdAndIndex):
         return WireKey("id", key.cache_id, key.batch_index)
     if isinstance(key, BlocksCacheKey):
-        return WireKey("blocks", key.model_id, 0)
+        return WireKey("blocks", check_int("model_id", key.model_id, "uint64"), 0)
     kind, ident, model = key.index_key()
     return WireKey(kind, ident, model)
 
@@ -98,16 +100,25 @@ class TransferService:
         timeout_ms = self._dd.settings.sync_kv_timeout_ms
         try:
             async with asyncio.timeout(timeout_ms / 1000):
-                await self._run(key, local, params)
+                release = await self._run(key, local, params)
         except TimeoutError as exc:
             if isinstance(exc, LLMException):
                 raise
             raise LLMTimeoutError(
                 f"{params.op}_{params.api} from cluster {key.cluster_id} exceeded sync_kv_timeout={timeout_ms} ms"
             ) from None
+        if release is not None:
+            # The data is complete: the owner's key release is confirmed outside the deadline (bounded), so a
+            # late acknowledgement never turns a finished pull into a timeout.
+            try:
+                async with asyncio.timeout(END_ACK_TIMEOUT):
+                    await release
+            except (LLMException, TimeoutError) as exc:
+                log.warning("cluster %d did not confirm the end of a pull: %s", key.cluster_id, exc or "timeout")
 
     async def _run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
-                   params: TransferParams) -> None:
+                   params: TransferParams) -> Awaitable[Any] | None:
+        """Do the transfer; returns the owner's pending key-release acknowledgement, if there is one."""
         links = self._dd._links_or_raise()
         require(key.cluster_id != self._dd.cluster_id, "data can not be pulled from own cluster.")
         link = links.links.get(key.cluster_id)
@@ -128,24 +139,25 @@ class TransferService:
                     **params_to_wire(params),
                 })
                 spans, segment = self._plan_from_reply(reply, local, params)
-                copy = await link.memory.copier(remote_is_src=params.op == "pull", segment=segment,
+                copy = link.memory.copier(remote_is_src=params.op == "pull", segment=segment,
                                           streaming=spans.total_bytes >= STREAMING_THRESHOLD)
                 job = manager.start_job(spans, copy, (local,))
-                link.jobs.add(job)
+                link.jobs[tid] = job
                 try:
                     await manager.wait_job(job, (local,))
                 finally:
-                    link.jobs.discard(job)
+                    link.jobs.pop(tid, None)
                 ok = True
             except OSError as exc:
                 raise LLMLinkError(f"copy with cluster {key.cluster_id} failed: {exc}") from exc
             finally:
                 # Always end the transfer on the owner (it may have taken a lease even if we never saw the
                 # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
-                if ok and params.op == "pull" and wkey.kind in ("req", "prefix"):
-                    await link.channel.request(Kind.END, {"tid": tid, "ok": True})
-                else:
+                if not (ok and params.op == "pull" and wkey.kind in ("req", "prefix")):
                     links._spawn_notify(link, Kind.END, {"tid": tid, "ok": ok})
+        if ok and params.op == "pull" and wkey.kind in ("req", "prefix"):
+            return link.channel.request(Kind.END, {"tid": tid, "ok": True})
+        return None
 
     def _plan_from_reply(self, reply: dict[str, Any], local: CacheEntry,
                          params: TransferParams) -> tuple[Spans, Any]:
@@ -171,6 +183,9 @@ class TransferService:
         if kind == Kind.END:
             self._end(link, message)
             return {}
+        if kind == Kind.ABORT:
+            self._abort(link, message)
+            return None
         raise ProtocolError(f"unexpected request {kind!r}")
 
     def _begin(self, link: Link, message: dict[str, Any]) -> dict[str, Any]:
@@ -207,13 +222,32 @@ class TransferService:
             registry.release_key_after_pull(lease.release_key, lease.entry)
         registry.release_lease(lease.entry)
 
+    def _abort(self, link: Link, message: dict[str, Any]) -> None:
+        """The owner released the cache of a running transfer: stop our copy at the next chunk."""
+        job = link.jobs.get(int_field(message, "tid", 0))
+        manager = self._dd._cache_manager
+        if job is not None and manager is not None:
+            manager.executor.cancel(job, LLMException(
+                f"cluster {link.remote_cluster_id} released the cache during the transfer",
+                status_code=S.LLM_KV_CACHE_NOT_EXIST))
+
+    def abort_remote(self, entry: CacheEntry) -> None:
+        """Ask requesters whose running transfers use ``entry`` (being released) to stop."""
+        links = self._dd._links
+        if links is None:
+            return
+        for link in links.links.values():
+            for tid, lease in link.leases.items():
+                if lease.entry is entry:
+                    links._spawn_notify(link, Kind.ABORT, {"tid": tid})
+
     async def on_link_closed(self, link: Link, error: LLMException) -> None:
         """Stop the requester-side copies on this link and drop the owner-side leases."""
         manager = self._dd._cache_manager
         if manager is not None:
-            for job in list(link.jobs):
+            for job in list(link.jobs.values()):
                 manager.executor.cancel(job, error)
-            for job in list(link.jobs):
+            for job in list(link.jobs.values()):
                 await manager.wait_stopped(job)
             for lease in link.leases.values():
                 manager.registry.release_lease(lease.entry)

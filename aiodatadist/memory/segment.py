@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import LLMException, LLMStatusCode
+from ..native import populate
 
 __all__ = ["PAGE", "SegmentIdentity", "SharedSegment", "map_peer_segment"]
 
@@ -57,7 +58,7 @@ class SharedSegment:
                 fcntl.fcntl(fd, _ADD_SEALS, _SEALS)
             except OSError:
                 pass  # sealing is a safety net, not a requirement
-            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
         except OSError as exc:
             os.close(fd)
             raise LLMException(
@@ -69,6 +70,10 @@ class SharedSegment:
         self.identity = SegmentIdentity(os.getpid(), fd, st.st_ino, st.st_dev, self.size)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._lock = threading.Lock()
+        # Pre-fault (and so zero-fill) every page now, not during the first transfer; madvise releases the
+        # GIL, unlike MAP_POPULATE inside mmap.mmap.
+        if not populate(self.address, self.size, write=True):
+            self.array()[::PAGE] = 0
 
     @property
     def closed(self) -> bool:
@@ -91,10 +96,10 @@ class SharedSegment:
             pass  # numpy views exist: CPython unmaps when the last one is released
 
 
-def map_peer_segment(identity: SegmentIdentity, *, populate: bool = False) -> mmap.mmap:
+def map_peer_segment(identity: SegmentIdentity) -> mmap.mmap:
     """Map a segment owned by another process on this host, verifying it is the announced one.
 
-    ``populate`` pre-faults the page tables (slow for big segments: call it off the event loop).
+    The mapping is lazy (cheap at any size); see :func:`aiodatadist.native.populate` to pre-fault it.
     """
     path = f"/proc/{identity.pid}/fd/{identity.fd}"
     try:
@@ -105,7 +110,6 @@ def map_peer_segment(identity: SegmentIdentity, *, populate: bool = False) -> mm
         st = os.fstat(fd)
         if (st.st_ino, st.st_dev) != (identity.inode, identity.device) or st.st_size < identity.size:
             raise OSError(0, f"peer segment {path} is not the announced one (released or recycled)")
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        return mmap.mmap(fd, identity.size, flags=flags)
+        return mmap.mmap(fd, identity.size, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
