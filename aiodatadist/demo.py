@@ -102,7 +102,8 @@ async def run_decoder(port: int, num_blocks: int, requests: int, blocks_per_requ
 
 async def orchestrate(requests: int, blocks_per_request: int, num_blocks: int) -> int:
     port = free_port()
-    common = ["--port", str(port), "--num-blocks", str(num_blocks)]
+    common = ["--port", str(port), "--num-blocks", str(num_blocks), "--requests", str(requests),
+              "--blocks-per-request", str(blocks_per_request)]
     prompt = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "aiodatadist", "demo", "--role", "prompt", *common,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
@@ -117,8 +118,7 @@ async def orchestrate(requests: int, blocks_per_request: int, num_blocks: int) -
                 break
             sys.stdout.write(line.replace("pid]", f"{prompt.pid}]"))
         decoder = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "aiodatadist", "demo", "--role", "decoder", *common,
-            "--requests", str(requests), "--blocks-per-request", str(blocks_per_request))
+            sys.executable, "-m", "aiodatadist", "demo", "--role", "decoder", *common)
         return await decoder.wait()
     finally:
         prompt.stdin.close()

@@ -1,0 +1,51 @@
+"""The command line and the examples run end to end (real processes) and report success."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_demo_moves_and_verifies_every_byte() -> None:
+    result = run("-m", "aiodatadist", "demo", "--requests", "8", "--blocks-per-request", "4", "--num-blocks", "64")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "verified every byte: OK" in result.stdout
+    assert "GB/s" in result.stdout and "p99" in result.stdout
+
+
+def test_bench_local_reports_a_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = run("-m", "aiodatadist", "bench", "local", "small", "--repeat", "1", "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = json.loads(out.read_text())
+    local = next(r for r in results if r["workload"].startswith("local"))
+    assert local["ratio"] > 0 and local["baseline_gbps"] > 0
+    small = next(r for r in results if "2 MiB" in r["workload"])
+    assert 0 < small["p50_ms"] <= small["p99_ms"]
+
+
+def test_bench_rejects_unknown_workloads() -> None:
+    result = run("-m", "aiodatadist", "bench", "nonsense")
+    assert result.returncode == 2 and "unknown workloads" in result.stderr
+
+
+def test_info() -> None:
+    result = run("-m", "aiodatadist", "info")
+    assert result.returncode == 0 and "aiodatadist" in result.stdout
+
+
+@pytest.mark.parametrize("example", ["serving_pair.py", "push_blocks.py", "switch_role.py"])
+def test_example_runs(example: str) -> None:
+    result = run(str(ROOT / "examples" / example), timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS" in result.stdout
