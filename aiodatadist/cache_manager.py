@@ -3,7 +3,6 @@ through the linked peer, see :mod:`aiodatadist.transfer`)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,7 @@ from .layout import (
     swap_blocks_runs,
 )
 from .memory import SharedSegment
-from .native import copy_local
+from .native import Copier, local_copier
 from .registry import CacheEntry, CacheRegistry, geometry_of
 from .transfer_api import TransferMixin
 from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
@@ -46,9 +45,9 @@ STREAMING_THRESHOLD = 8 << 20
 MAX_SHAPE_RANK = 32
 
 
-def local_copier(total_bytes: int) -> functools.partial[None]:
-    """The copy function for spans mapped in this process; large transfers bypass the CPU caches."""
-    return functools.partial(copy_local, streaming=total_bytes >= STREAMING_THRESHOLD)
+def copier_for_local(total_bytes: int) -> Copier:
+    """The copier for spans mapped in this process; large transfers bypass the CPU caches."""
+    return local_copier(streaming=total_bytes >= STREAMING_THRESHOLD)
 
 
 def _check_desc(cache_desc: Any) -> CacheDesc:
@@ -106,10 +105,10 @@ class CacheManager(TransferMixin):
     def executor(self) -> CopyExecutor:
         return self._executor
 
-    def start_job(self, spans: Spans, copy: Any, entries: tuple[CacheEntry, ...]) -> CopyJob:
+    def start_job(self, spans: Spans, copier: Copier | None, entries: tuple[CacheEntry, ...]) -> CopyJob:
         """Queue a copy of ``spans`` touching ``entries`` (callers hold leases on them)."""
         self._check_open()
-        job = self._executor.start(spans, copy or local_copier(spans.total_bytes))
+        job = self._executor.start(spans, copier or copier_for_local(spans.total_bytes))
         self._jobs.add(job)
         for entry in entries:
             entry.jobs.add(job)
@@ -127,11 +126,11 @@ class CacheManager(TransferMixin):
     async def wait_stopped(self, job: CopyJob) -> None:
         await wait_stopped(job)
 
-    async def run_copy(self, entries: tuple[CacheEntry, ...], spans: Spans, copy: Any = None) -> None:
-        """Run spans on the executor while holding leases on ``entries``; cancellable at chunk boundaries."""
+    async def run_copy(self, entries: tuple[CacheEntry, ...], spans: Spans) -> None:
+        """Copy local spans while holding leases on ``entries``; cancellable at chunk boundaries."""
         self._check_open()
         with self._registry.lease(*entries):
-            await self.wait_job(self.start_job(spans, copy, entries), entries)
+            await self.wait_job(self.start_job(spans, None, entries), entries)
 
     def _abort_jobs(self, jobs: list[CopyJob], reason: str) -> None:
         """Stop jobs that use caller-owned memory being released; waits at most one chunk per job."""

@@ -12,19 +12,17 @@ import asyncio
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
 
 from .layout import Spans
+from .native import Copier
 
-__all__ = ["CopyExecutor", "CopyFn", "CopyJob", "release_shared_executor", "shared_executor"]
+__all__ = ["CopyExecutor", "CopyJob", "release_shared_executor", "shared_executor"]
 
 UInt64Array = npt.NDArray[np.uint64]
-CopyFn = Callable[[UInt64Array, UInt64Array, UInt64Array], None]
-"""``copy(src, dst, length)`` for one chunk of spans; raises ``OSError`` on failure."""
 
 # Chunk targets: a chunk holds at most twice its target (spans are grouped without splitting them again),
 # so chunks stay <= 4 MiB and a stop takes effect within about a millisecond.
@@ -57,10 +55,11 @@ def split_spans(spans: Spans, chunk_bytes: int) -> tuple[Spans, npt.NDArray[np.i
 class CopyJob:
     """One transfer's spans and its progress; completion is signalled to the owning event loop."""
 
-    def __init__(self, spans: Spans, copy: CopyFn, chunk_bytes: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, spans: Spans, copier: Copier, chunk_bytes: int, loop: asyncio.AbstractEventLoop) -> None:
         self.spans, bounds = split_spans(spans, chunk_bytes)
         self._pending: deque[tuple[int, int]] = deque(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
-        self._copy = copy
+        self._run = copier(self.spans)
+        self._ends = np.concatenate(([0], np.cumsum(self.spans.length, dtype=np.uint64))).tolist()
         self._loop = loop
         self.future: asyncio.Future[None] = loop.create_future()
         self.stopped = threading.Event()
@@ -103,17 +102,17 @@ class CopyExecutor:
     def chunk_bytes_for(self, total: int) -> int:
         return int(min(MAX_CHUNK, max(MIN_CHUNK, total // max(1, self.workers))))
 
-    async def run(self, spans: Spans, copy: CopyFn, *, chunk_bytes: int | None = None) -> None:
-        """Copy ``spans`` with ``copy``; on cancellation stop early and return only once no worker runs.
+    async def run(self, spans: Spans, copier: Copier, *, chunk_bytes: int | None = None) -> None:
+        """Copy ``spans`` with ``copier``; on cancellation stop early and return only once no worker runs.
 
         After a cancellation the destination holds an unspecified mix of old and new bytes, but nothing is
         written into it after this coroutine has returned or raised.
         """
-        await self.wait(self.start(spans, copy, chunk_bytes=chunk_bytes))
+        await self.wait(self.start(spans, copier, chunk_bytes=chunk_bytes))
 
-    def start(self, spans: Spans, copy: CopyFn, *, chunk_bytes: int | None = None) -> CopyJob:
+    def start(self, spans: Spans, copier: Copier, *, chunk_bytes: int | None = None) -> CopyJob:
         """Queue a job (call from the event loop thread); await it with :meth:`wait`."""
-        job = CopyJob(spans, copy, chunk_bytes or self.chunk_bytes_for(spans.total_bytes),
+        job = CopyJob(spans, copier, chunk_bytes or self.chunk_bytes_for(spans.total_bytes),
                       asyncio.get_running_loop())
         if job.num_chunks == 0:
             with self._lock:
@@ -134,8 +133,10 @@ class CopyExecutor:
     def submit(self, job: CopyJob) -> None:
         with self._lock:
             self._ready.append(job)
-        for _ in range(job.num_chunks):
-            self._pool.submit(self._run_one)
+        # Each drain loops over chunks of every job until none is left, so a busy worker goes from chunk to
+        # chunk without sleeping in between; drains beyond the running ones return at once.
+        for _ in range(min(self.workers, job.num_chunks)):
+            self._pool.submit(self._drain)
 
     def cancel(self, job: CopyJob, error: BaseException | None = None) -> None:
         """Drop the job's pending chunks; running chunks finish (bounded by the chunk size).
@@ -151,10 +152,14 @@ class CopyExecutor:
                 self._ready.remove(job)
             job._finish_locked()
 
-    def _run_one(self) -> None:
+    def _drain(self) -> None:
+        while self._run_one():
+            pass
+
+    def _run_one(self) -> bool:
         with self._lock:
             if not self._ready:
-                return
+                return False
             job = self._ready.popleft()
             lo, hi = job._pending.popleft()
             if job._pending:
@@ -162,8 +167,7 @@ class CopyExecutor:
             job.inflight += 1
         error: BaseException | None = None
         try:
-            s = job.spans
-            job._copy(s.src[lo:hi], s.dst[lo:hi], s.length[lo:hi])
+            job._run(lo, hi)
         except BaseException as exc:  # reported to the awaiting coroutine, never lost in the pool
             error = exc
         with self._lock:
@@ -175,8 +179,9 @@ class CopyExecutor:
                 if job in self._ready:
                     self._ready.remove(job)
             else:
-                job.bytes_done += int(job.spans.length[lo:hi].sum())
+                job.bytes_done += job._ends[hi] - job._ends[lo]
             job._finish_locked()
+        return True
 
     def shutdown(self) -> None:
         """Wait for running chunks and stop the worker threads (blocking: call it off the event loop)."""

@@ -10,13 +10,26 @@ import ctypes
 import importlib.util
 import logging
 import os
-from typing import Any, Final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
+if TYPE_CHECKING:
+    from .layout import Spans
+
+ChunkRunner = Callable[[int, int], None]
+"""Copies spans ``[lo, hi)`` of the spans a :data:`Copier` was bound to."""
+Copier = Callable[["Spans"], ChunkRunner]
+"""Binds a span list once (pointers, iovecs) and returns the per-chunk runner used by worker threads."""
+
 __all__ = [
     "IOV_MAX",
+    "ChunkRunner",
+    "Copier",
+    "local_copier",
+    "pvm_copier",
     "copy_local",
     "native_available",
     "populate",
@@ -68,6 +81,59 @@ def copy_local(src: UInt64Array, dst: UInt64Array, length: UInt64Array, streamin
     move = ctypes.memmove
     for s, d, k in zip(src.tolist(), dst.tolist(), length.tolist()):
         move(d, s, k)
+
+
+def local_copier(streaming: bool = False) -> Copier:
+    """A :data:`Copier` for spans whose both ends are mapped in this process."""
+
+    def bind(spans: Spans) -> ChunkRunner:
+        src = np.ascontiguousarray(spans.src, dtype=np.uint64)
+        dst = np.ascontiguousarray(spans.dst, dtype=np.uint64)
+        length = np.ascontiguousarray(spans.length, dtype=np.uint64)
+        if _NATIVE is None:
+            triples = list(zip(dst.tolist(), src.tolist(), length.tolist()))
+
+            def run_fallback(lo: int, hi: int) -> None:
+                for d, s, n in triples[lo:hi]:
+                    ctypes.memmove(d, s, n)
+
+            return run_fallback
+        fn, ps, pd, pl, flag = _NATIVE.adt_copy_spans, _ptr(src), _ptr(dst), _ptr(length), int(streaming)
+
+        def run(lo: int, hi: int) -> None:
+            # Only integer arithmetic on the hot path: the arrays stay alive through this closure.
+            _keep = (src, dst, length)  # noqa: F841
+            fn(pd + 8 * lo, ps + 8 * lo, pl + 8 * lo, hi - lo, flag)
+
+        return run
+
+    return bind
+
+
+def pvm_copier(pid: int, *, remote_is_src: bool) -> Copier:
+    """A :data:`Copier` for spans whose source (pull) or destination (push) lies in process ``pid``."""
+    call = _libc.process_vm_readv if remote_is_src else _libc.process_vm_writev
+
+    def bind(spans: Spans) -> ChunkRunner:
+        local, remote = (spans.dst, spans.src) if remote_is_src else (spans.src, spans.dst)
+        local_iov, remote_iov = _iovecs(local, spans.length), _iovecs(remote, spans.length)
+        ends = np.concatenate(([0], np.cumsum(spans.length, dtype=np.uint64))).tolist()
+        pli, pri = _ptr(local_iov), _ptr(remote_iov)
+
+        def run(lo: int, hi: int) -> None:
+            _keep = (local_iov, remote_iov)  # noqa: F841
+            for a in range(lo, hi, IOV_MAX):
+                b = min(a + IOV_MAX, hi)
+                done = call(pid, pli + 16 * a, b - a, pri + 16 * a, b - a, 0)
+                if done < 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"{call.__name__}(pid={pid}): {os.strerror(err)}")
+                if done != ends[b] - ends[a]:
+                    raise OSError(0, f"{call.__name__}(pid={pid}) moved {done} of {ends[b] - ends[a]} bytes")
+
+        return run
+
+    return bind
 
 
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

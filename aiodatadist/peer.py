@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import functools
 import logging
 import mmap
 import os
@@ -22,9 +21,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .executor import CopyFn
+from .layout import Spans
 from .memory import SegmentIdentity, SharedSegment, map_peer_segment
-from .native import copy_local, populate, process_vm_read, process_vm_write
+from .native import ChunkRunner, Copier, local_copier, populate, process_vm_read, pvm_copier
 
 __all__ = ["HostProbe", "PeerCapabilities", "PeerMemory", "allowed_mechanisms"]
 
@@ -146,15 +145,21 @@ class PeerMemory:
         return (segment is not None and self.caps.can_map) or self.caps.can_pvm
 
     def copier(self, *, remote_is_src: bool, segment: tuple[SegmentIdentity, int] | None,
-               streaming: bool) -> CopyFn:
-        """A copy function for spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
+               streaming: bool) -> Copier:
+        """A :data:`Copier` for spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
         if segment is not None and self.caps.can_map:
             identity, remote_base = segment
             delta = np.uint64((self._local_base(identity) - remote_base) % 2**64)
-            return functools.partial(_mapped_copy, delta, remote_is_src, streaming)
+            local = local_copier(streaming)
+
+            def bind_mapped(spans: Spans) -> ChunkRunner:
+                if remote_is_src:
+                    return local(Spans(spans.src + delta, spans.dst, spans.length))
+                return local(Spans(spans.src, spans.dst + delta, spans.length))
+
+            return bind_mapped
         if self.caps.can_pvm:
-            pid = self.caps.pid
-            return functools.partial(_pvm_copy, pid, remote_is_src)
+            return pvm_copier(self.caps.pid, remote_is_src=remote_is_src)
         raise OSError(0, _unreachable_reason(self.caps, segment))
 
     async def close(self) -> None:
@@ -185,18 +190,3 @@ def _unreachable_reason(caps: PeerCapabilities, segment: tuple[SegmentIdentity, 
         missing.append("process_vm_readv/writev is refused by the OS (ptrace restrictions: "
                        "/proc/sys/kernel/yama/ptrace_scope, seccomp or a missing CAP_SYS_PTRACE)")
     return "no same-host mechanism reaches the peer's memory: " + "; ".join(missing)
-
-
-def _mapped_copy(delta: np.uint64, remote_is_src: bool, streaming: bool,
-                 src: UInt64Array, dst: UInt64Array, length: UInt64Array) -> None:
-    if remote_is_src:
-        copy_local(src + delta, dst, length, streaming)
-    else:
-        copy_local(src, dst + delta, length, streaming)
-
-
-def _pvm_copy(pid: int, remote_is_src: bool, src: UInt64Array, dst: UInt64Array, length: UInt64Array) -> None:
-    if remote_is_src:
-        process_vm_read(pid, src, dst, length)
-    else:
-        process_vm_write(pid, src, dst, length)
