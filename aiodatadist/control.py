@@ -180,7 +180,11 @@ class Server:
         _tune(self.sock)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.sock.bind(endpoint)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError:
+            self.sock.close(linger=0)  # an unclosed socket would block the context's term() forever
+            raise
         self.endpoint = endpoint
         self.channels: dict[bytes, Channel] = {}
         self._on_hello = on_hello

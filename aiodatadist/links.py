@@ -70,6 +70,11 @@ class Link:
         }
 
 
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)
+
+
 def _transport_of(value: object) -> Transport:
     return Transport(value) if value in {t.value for t in Transport} else Transport.AUTO
 
@@ -106,11 +111,15 @@ class LinkManager:
         endpoint = f"tcp://{ip}:{port}"
         if self._server is not None and self._server.endpoint == endpoint:
             return
-        self.stop_listening()
+        old = self._server.endpoint if self._server is not None else None
+        if old is not None and _split_endpoint(old)[1] == port:
+            self.stop_listening()  # the same port in another address form: it must be free to bind it again
         try:
             server = Server(self._ctx, endpoint, self._on_hello)
         except zmq.ZMQError as exc:
-            raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from exc
+            # A failed bind leaves the current server (if any) untouched.
+            raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from None
+        self.stop_listening()
         self._server = server
         self._server_task = self._tasks.spawn(server.serve(self._tasks), name=f"server-{endpoint}")
         log.info("cluster %d listening on %s", self._dd.cluster_id, endpoint)
@@ -244,7 +253,10 @@ class LinkManager:
             return S.LLM_SUCCESS if force else S.LLM_UNLINK_FAILED
         code = S.LLM_SUCCESS
         if force:
-            self._spawn_notify(link, Kind.BYE, {})
+            try:  # tell the peer without waiting for it (zmq queues the message at once)
+                await link.channel.notify(Kind.BYE, {})
+            except LLMException:
+                pass
         else:
             try:
                 async with asyncio.timeout(timeout_ms / 1000):

@@ -92,6 +92,7 @@ class TransferService:
     def __init__(self, datadist: LLMDataDist) -> None:
         self._dd = datadist
         self._tids = itertools.count(1)
+        self._pulling_keys: set[tuple[str, int, int]] = set()
 
     # -- requester side --------------------------------------------------------------------------------------
     async def run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
@@ -201,6 +202,12 @@ class TransferService:
             require(key.kind in ("id", "blocks"), "push addresses the destination by cache id or BlocksCacheKey.")
         transfer_plan(params, peer_geometry, entry.geometry, slot)  # validates the owner's side too
         release_key = (key.kind, key.a, key.b) if params.op == "pull" and key.kind in ("req", "prefix") else None
+        if release_key is not None:
+            # A pull by CacheKey consumes the key: a second pull of it while the first runs is a duplicate.
+            if release_key in self._pulling_keys:
+                raise LLMException(f"cache key {release_key} is already being pulled",
+                                   status_code=S.LLM_REPEAT_REQUEST)
+            self._pulling_keys.add(release_key)
         registry.acquire(entry)
         from .links import Lease
 
@@ -217,6 +224,8 @@ class TransferService:
         lease = link.leases.pop(tid, None)
         if lease is None:
             return
+        if lease.release_key is not None:
+            self._pulling_keys.discard(lease.release_key)
         registry = self._dd.cache_manager.registry
         if ok and lease.release_key is not None:
             registry.release_key_after_pull(lease.release_key, lease.entry)
@@ -251,4 +260,6 @@ class TransferService:
                 await manager.wait_stopped(job)
             for lease in link.leases.values():
                 manager.registry.release_lease(lease.entry)
+                if lease.release_key is not None:
+                    self._pulling_keys.discard(lease.release_key)
         link.leases.clear()

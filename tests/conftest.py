@@ -6,7 +6,7 @@ Fixtures
 
 Helpers (import them with ``from conftest import ...``)
     ``fill_random(cache, seed)``  fill every tensor of a host cache with random non-zero bytes.
-    ``tensor_bytes(cache)``       live ``uint8`` views of a host cache, one ``(shape[0], slot_bytes)`` per tensor.
+    ``tensor_bytes(cache)``       live ``uint8`` views of a host cache, ``(shape[0], slot_bytes)`` per tensor.
     ``next_cluster_id()``         a cluster id not used by any other test in this process.
 """
 
@@ -42,9 +42,9 @@ def tensor_bytes(cache: Cache) -> list[np.ndarray[Any, Any]]:
 def fill_random(cache: Cache, seed: int) -> list[np.ndarray[Any, Any]]:
     """Fill every tensor of a host cache with random bytes in ``1..255`` (never 0) and return copies.
 
-    The copies are ``uint8`` arrays shaped like :func:`tensor_bytes` (``(shape[0], bytes per slot/block)``), so
-    slot/block ``i`` of tensor ``t`` is ``copies[t][i]``.  Because no byte is 0, a freshly allocated (zeroed)
-    region can always be told apart from a copied one.
+    The copies are ``uint8`` arrays shaped like :func:`tensor_bytes` (``(shape[0], bytes per slot/block)``),
+    so slot/block ``i`` of tensor ``t`` is ``copies[t][i]``.  Because no byte is 0, a freshly allocated
+    (zeroed) region can always be told apart from a copied one.
     """
     rng = np.random.default_rng(seed)
     copies = []

@@ -1,20 +1,24 @@
 """CacheManager: cache lifecycle (ids, allocation, registration, keys, release) and local copies.
 
-Copies are checked byte for byte on random non-zero data, including the regions a call must leave alone, and
-invalid calls must raise without moving a single byte.  Releasing or cancelling during a running copy must never
-let a worker touch memory afterwards.
+Copies are checked byte for byte on random non-zero data, including the regions a call must leave alone,
+and invalid calls must raise without moving a single byte.  Releasing or cancelling during a running copy
+must never let a worker touch memory afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import fill_random, next_cluster_id, tensor_bytes
 
+import aiodatadist.cache_manager as cache_manager_module
 from aiodatadist import (
     BlocksCacheKey,
     Cache,
@@ -31,14 +35,14 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from conftest import fill_random, next_cluster_id, tensor_bytes
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
 NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 U64_MAX = 2**64 - 1
 HAS_CUDA_DEVICE = os.path.exists("/dev/nvidiactl")
 
-# Large enough that a copy takes tens of milliseconds (many executor chunks) on any machine.
+# 128 MiB: many executor chunks per copy; the tests that race with a running copy pace its chunks (the
+# ``paced_copier`` fixture) so that it is still running when they act, however fast the machine is.
 BIG_TENSORS, BIG_BLOCKS, BIG_BLOCK_BYTES = 64, 64, 32 << 10
 
 
@@ -55,7 +59,7 @@ def raises_status(code: LLMStatusCode) -> Any:
             self.info = self._cm.__enter__()
             return self.info
 
-        def __exit__(self, *exc: Any) -> bool:
+        def __exit__(self, *exc: object) -> bool:
             handled = self._cm.__exit__(*exc)
             assert self.info.value.status_code == code, f"{self.info.value!r}: {self.info.value.status_code}"
             return bool(handled)
@@ -74,6 +78,21 @@ def assert_unchanged(before: list[list[np.ndarray[Any, Any]]], *caches: Cache) -
             assert np.array_equal(a, b)
 
 
+@pytest.fixture
+async def spawn() -> Any:
+    """``spawn(coro)`` starts a task; every task is awaited at teardown (before the instance is finalized),
+    so a failing test never leaves a running copy or an unretrieved exception behind."""
+    tasks: list[asyncio.Task[Any]] = []
+
+    def start(coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        tasks.append(task)
+        return task
+
+    yield start
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
     """Poll ``predicate`` on the event loop (yielding to it) until true."""
     deadline = time.monotonic() + timeout
@@ -82,9 +101,9 @@ async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
         await asyncio.sleep(0)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # lifecycle: ids, allocation, registration
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 async def test_cache_ids_start_at_one_per_instance(cache_manager: CacheManager) -> None:
     other = LLMDataDist(LLMRole.DECODER, next_cluster_id())
@@ -128,7 +147,7 @@ async def test_allocate_cache_and_blocks_cache(cache_manager: CacheManager) -> N
             assert not t.view(np.uint16).any()  # zero-filled
     # the tensors of one cache and of different caches never overlap
     spans = sorted((a, a + desc.size) for c in (cache, blocks) for a in c.tensor_addrs)
-    assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))
+    assert all(hi <= lo2 for (_, hi), (lo2, _) in itertools.pairwise(spans))
     # the views are the cache memory: writes through one handle are seen through a fresh one
     cache.tensors[1][2, 3, 4] = 1.5
     assert cache.tensors[1][2, 3, 4] == 1.5
@@ -312,9 +331,9 @@ async def test_blocks_cache_model_id_last_wins(cache_manager: CacheManager) -> N
         reg.resolve(BlocksCacheKey(1, 2))
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # lifecycle: release
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 async def test_deallocate_wrong_kind_and_noops(cache_manager: CacheManager) -> None:
     desc = host_desc(1, [4, 16])
@@ -371,7 +390,8 @@ async def test_released_handle_is_invalid(cache_manager: CacheManager) -> None:
     with raises_status(NOT_EXIST):
         await cache_manager.copy_cache(cache, peer)
     with raises_status(NOT_EXIST):
-        await cache_manager.swap_blocks(blocks, Cache.create_cpu_cache(desc, [a.ctypes.data for a in arrays]), {0: 0})
+        cpu = Cache.create_cpu_cache(desc, [a.ctypes.data for a in arrays])
+        await cache_manager.swap_blocks(blocks, cpu, {0: 0})
 
 
 async def test_release_with_outstanding_key_defers_free(cache_manager: CacheManager) -> None:
@@ -486,9 +506,9 @@ async def test_cache_manager_before_init_raises() -> None:
     await dd.finalize()  # not initialized: no-op
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # copies
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
     "num_tensors,shape,dtype,info",
@@ -763,22 +783,24 @@ async def test_swap_blocks_kind_and_tensor_count_mismatch(cache_manager: CacheMa
     assert_unchanged(before, src, fewer, contiguous)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: swap_blocks within one cache accepts a destination block that is also "
-                   "a source; the result depends on copy order (copy_blocks rejects the same input)")
-async def test_swap_blocks_same_cache_overlap_rejected(cache_manager: CacheManager) -> None:
-    cache = cache_manager.allocate_blocks_cache(host_desc(1, [4, 64]))
-    fill_random(cache, 1)
+async def test_swap_blocks_within_one_cache(cache_manager: CacheManager) -> None:
+    """A destination that is also a source of the same call is rejected, as in copy_blocks (regression: it was
+    accepted and the result depended on the copy order)."""
+    cache = cache_manager.allocate_blocks_cache(host_desc(2, [6, 64]))
+    data = fill_random(cache, 1)
     before = snapshot(cache)
-    try:
+    for mapping in ({0: 1, 1: 0}, {0: 1, 1: 2}, {3: 3}):
         with raises_status(PARAM_INVALID):
-            await cache_manager.swap_blocks(cache, cache, {0: 1, 1: 0})
-    finally:
-        assert_unchanged(before, cache)
+            await cache_manager.swap_blocks(cache, cache, mapping)
+    assert_unchanged(before, cache)
+    await cache_manager.swap_blocks(cache, cache, {0: 2, 1: 3, 5: 4})
+    for got, want in zip(tensor_bytes(cache), data, strict=True):
+        assert np.array_equal(got, want[[0, 1, 0, 1, 5, 5]])
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 # release and cancellation during a running copy
-# ---------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------
 
 def big_desc() -> CacheDesc:
     return host_desc(BIG_TENSORS, [BIG_BLOCKS, BIG_BLOCK_BYTES])
@@ -786,18 +808,20 @@ def big_desc() -> CacheDesc:
 
 def fill_block0(views: list[np.ndarray[Any, Any]], seed: int) -> np.ndarray[Any, Any]:
     """Random non-zero bytes in block 0 of every tensor; returns them as (tensors, block_bytes)."""
-    block0 = np.random.default_rng(seed).integers(1, 256, size=(len(views), views[0].shape[1]), dtype=np.uint8)
+    rng = np.random.default_rng(seed)
+    block0 = rng.integers(1, 256, size=(len(views), views[0].shape[1]), dtype=np.uint8)
     for view, row in zip(views, block0, strict=True):
         view[0] = row
     return block0
 
 
-async def test_deallocate_during_copy_keeps_memory_alive(cache_manager: CacheManager) -> None:
+async def test_deallocate_during_copy_keeps_memory_alive(cache_manager: CacheManager, paced_copier: Any,
+                                                         spawn: Any) -> None:
     cache = cache_manager.allocate_blocks_cache(big_desc())
     views = tensor_bytes(cache)
     block0 = fill_block0(views, 7)
     entry = cache_manager.registry.by_id(cache.cache_id)
-    task = asyncio.create_task(cache_manager.copy_blocks(cache, {0: list(range(1, BIG_BLOCKS))}))
+    task = spawn(cache_manager.copy_blocks(cache, {0: list(range(1, BIG_BLOCKS))}))
     await wait_until(lambda: views[0][1, 0] != 0)  # the copy has started
     assert not task.done()
     cache_manager.deallocate_blocks_cache(cache)
@@ -813,11 +837,14 @@ async def test_deallocate_during_copy_keeps_memory_alive(cache_manager: CacheMan
         assert (view == row).all()
 
 
-async def test_unregister_during_copy_aborts_it(cache_manager: CacheManager) -> None:
+async def test_unregister_during_copy_aborts_it(cache_manager: CacheManager, paced_copier: Any,
+                                                spawn: Any) -> None:
     memory = np.zeros((BIG_TENSORS, BIG_BLOCKS, BIG_BLOCK_BYTES), np.uint8)
-    memory[:, 0] = np.random.default_rng(8).integers(1, 256, size=(BIG_TENSORS, BIG_BLOCK_BYTES), dtype=np.uint8)
-    cache = cache_manager.register_blocks_cache(big_desc(), [int(memory[i].ctypes.data) for i in range(BIG_TENSORS)])
-    task = asyncio.create_task(cache_manager.copy_blocks(cache, {0: list(range(1, BIG_BLOCKS))}))
+    rng = np.random.default_rng(8)
+    memory[:, 0] = rng.integers(1, 256, size=(BIG_TENSORS, BIG_BLOCK_BYTES), dtype=np.uint8)
+    addrs = [int(memory[i].ctypes.data) for i in range(BIG_TENSORS)]
+    cache = cache_manager.register_blocks_cache(big_desc(), addrs)
+    task = spawn(cache_manager.copy_blocks(cache, {0: list(range(1, BIG_BLOCKS))}))
     await wait_until(lambda: memory[0, 1, 0] != 0)
     assert not task.done()
     cache_manager.unregister_cache(cache.cache_id)
@@ -837,13 +864,14 @@ async def test_unregister_during_copy_aborts_it(cache_manager: CacheManager) -> 
 
 
 @pytest.mark.parametrize("how", ["cancel", "timeout"])
-async def test_cancel_running_copy_stops_writes(cache_manager: CacheManager, how: str) -> None:
+async def test_cancel_running_copy_stops_writes(cache_manager: CacheManager, paced_copier: Any, spawn: Any,
+                                                how: str) -> None:
     cache = cache_manager.allocate_blocks_cache(big_desc())
     views = tensor_bytes(cache)
     block0 = fill_block0(views, 9)
     info = {0: list(range(1, BIG_BLOCKS))}
     if how == "cancel":
-        task = asyncio.create_task(cache_manager.copy_blocks(cache, info))
+        task = spawn(cache_manager.copy_blocks(cache, info))
         await wait_until(lambda: views[0][1, 0] != 0)
         assert not task.done()
         started = time.monotonic()
@@ -862,6 +890,7 @@ async def test_cancel_running_copy_stops_writes(cache_manager: CacheManager, how
         assert np.array_equal(view, before)
     assert not views[-1][-1].any()  # cut short
     # the cache and the manager still work
+    paced_copier.delay = 0.0
     await cache_manager.copy_blocks(cache, info)
     for view, row in zip(views, block0, strict=True):
         assert (view == row).all()
@@ -870,16 +899,16 @@ async def test_cancel_running_copy_stops_writes(cache_manager: CacheManager, how
     assert entry.segment.closed  # the cancelled copy left no lease behind
 
 
-async def test_finalize_during_copy(datadist: LLMDataDist) -> None:
+async def test_finalize_during_copy(datadist: LLMDataDist, paced_copier: Any, spawn: Any) -> None:
     cm = datadist.cache_manager
     cache = cm.allocate_blocks_cache(big_desc())
     views = tensor_bytes(cache)
     fill_block0(views, 10)
     entry = cm.registry.by_id(cache.cache_id)
-    task = asyncio.create_task(cm.copy_blocks(cache, {0: list(range(1, BIG_BLOCKS))}))
+    task = spawn(cm.copy_blocks(cache, {0: list(range(1, BIG_BLOCKS))}))
     await wait_until(lambda: views[0][1, 0] != 0)
     await datadist.finalize()
-    with pytest.raises(LLMException):
+    with pytest.raises(LLMException):  # never a CancelledError: nobody cancelled the copy
         await task
     assert entry.segment.closed
     snap = [v.copy() for v in views]
@@ -913,3 +942,189 @@ async def test_concurrent_copies_on_one_cache(cache_manager: CacheManager) -> No
             for s, dsts in info.items():
                 expected[dsts] = want[s]
         assert np.array_equal(got, expected)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# deterministic versions: a copier whose chunks stay "in flight" for a known time
+# ------------------------------------------------------------------------------------------------------------
+
+class SlowCopier:
+    """Wraps the manager's local copier: each chunk signals that it started, then waits ``delay`` seconds (or
+    until ``gate`` is set) before really copying.  Late writes therefore land long after a broken
+    implementation would have returned."""
+
+    def __init__(self, delay: float | None) -> None:
+        self.delay = delay
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        self.chunks = 0
+
+    def before_chunk(self) -> None:
+        self.chunks += 1
+        self.started.set()
+        if self.delay is not None:
+            time.sleep(self.delay)
+        else:
+            self.gate.wait(10.0)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Patch the factory ``CacheManager`` uses for local copies (``copier_for_local(total_bytes)``,
+        which returns ``bind(spans) -> run(lo, hi)``)."""
+        real = cache_manager_module.copier_for_local
+
+        def factory(total_bytes: int) -> Any:
+            bind_real = real(total_bytes)
+
+            def bind(spans: Any) -> Any:
+                run_real = bind_real(spans)
+
+                def run(lo: int, hi: int) -> None:
+                    self.before_chunk()
+                    run_real(lo, hi)
+
+                return run
+
+            return bind
+
+        monkeypatch.setattr(cache_manager_module, "copier_for_local", factory)
+
+
+@pytest.fixture
+def slow_copier(monkeypatch: pytest.MonkeyPatch) -> SlowCopier:
+    copier = SlowCopier(0.1)
+    copier.install(monkeypatch)
+    return copier
+
+
+@pytest.fixture
+def paced_copier(monkeypatch: pytest.MonkeyPatch) -> SlowCopier:
+    """The real copier, 4 ms pause before each chunk: a 128 MiB copy takes over 100 ms."""
+    copier = SlowCopier(0.004)
+    copier.install(monkeypatch)
+    return copier
+
+
+def edges(views: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+    """First and last byte of every block of every tensor: a snapshot fast enough to beat a late chunk."""
+    return np.stack([v[:, [0, -1]] for v in views])
+
+
+MID_DESC = (8, [64, 32 << 10])  # 16 MiB: several executor chunks per full copy
+
+
+async def test_cancel_waits_for_chunks_in_flight(cache_manager: CacheManager, slow_copier: SlowCopier,
+                                                  spawn: Any) -> None:
+    cache = cache_manager.allocate_blocks_cache(host_desc(*MID_DESC))
+    views = tensor_bytes(cache)
+    block0 = fill_block0(views, 12)
+    task = spawn(cache_manager.copy_blocks(cache, {0: list(range(1, 64))}))
+    await wait_until(slow_copier.started.is_set)
+    task.cancel()
+    started = time.monotonic()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    quick, full = edges(views), [v.copy() for v in views]
+    assert time.monotonic() - started < 1.0  # bounded by the chunks in flight
+    await asyncio.sleep(0.25)  # well past the in-flight chunks' delay
+    assert np.array_equal(edges(views), quick)
+    assert all(np.array_equal(v, f) for v, f in zip(views, full, strict=True))
+    assert not views[-1][-1].any()  # pending chunks were dropped
+    # the manager still works afterwards
+    slow_copier.delay = 0.0
+    await cache_manager.copy_blocks(cache, {0: list(range(1, 64))})
+    assert all((v == row).all() for v, row in zip(views, block0, strict=True))
+
+
+async def test_unregister_waits_for_chunks_in_flight(cache_manager: CacheManager, slow_copier: SlowCopier,
+                                                     spawn: Any) -> None:
+    n, shape = MID_DESC
+    memory = np.zeros((n, *shape), np.uint8)
+    memory[:, 0] = np.random.default_rng(13).integers(1, 256, size=(n, shape[1]), dtype=np.uint8)
+    addrs = [int(memory[i].ctypes.data) for i in range(n)]
+    cache = cache_manager.register_blocks_cache(host_desc(*MID_DESC), addrs)
+    task = spawn(cache_manager.copy_blocks(cache, {0: list(range(1, 64))}))
+    await wait_until(slow_copier.started.is_set)
+    cache_manager.unregister_cache(cache.cache_id)
+    quick, full = edges(list(memory)), memory.copy()
+    await asyncio.sleep(0.25)
+    assert np.array_equal(edges(list(memory)), quick)
+    assert np.array_equal(memory, full)
+    with raises_status(NOT_EXIST):
+        await task
+    assert not memory[-1, -1].any()
+
+
+async def test_deallocate_during_slow_copy(cache_manager: CacheManager, slow_copier: SlowCopier,
+                                           spawn: Any) -> None:
+    cache = cache_manager.allocate_blocks_cache(host_desc(*MID_DESC))
+    views = tensor_bytes(cache)
+    block0 = fill_block0(views, 14)
+    entry = cache_manager.registry.by_id(cache.cache_id)
+    task = spawn(cache_manager.copy_blocks(cache, {0: list(range(1, 64))}))
+    await wait_until(slow_copier.started.is_set)
+    cache_manager.deallocate_blocks_cache(cache)
+    assert not entry.segment.closed
+    await task
+    assert entry.segment.closed
+    assert all((v == row).all() for v, row in zip(views, block0, strict=True))
+
+
+async def test_finalize_waits_for_chunks_in_flight(datadist: LLMDataDist, slow_copier: SlowCopier,
+                                                   spawn: Any) -> None:
+    cm = datadist.cache_manager
+    cache = cm.allocate_blocks_cache(host_desc(*MID_DESC))
+    views = tensor_bytes(cache)
+    fill_block0(views, 15)
+    entry = cm.registry.by_id(cache.cache_id)
+    # another instance keeps the shared worker threads alive, so finalize cannot rely on joining them
+    other = LLMDataDist(LLMRole.DECODER, next_cluster_id())
+    await other.init(LLMConfig().generate_options())
+    try:
+        task = spawn(cm.copy_blocks(cache, {0: list(range(1, 64))}))
+        await wait_until(slow_copier.started.is_set)
+        await datadist.finalize()
+        # finalize has returned: no worker may touch the cache any more, and its memory is released
+        quick, full = edges(views), [v.copy() for v in views]
+        assert entry.segment.closed
+        await asyncio.sleep(0.25)
+        assert np.array_equal(edges(views), quick)
+        assert all(np.array_equal(v, f) for v, f in zip(views, full, strict=True))
+        assert task.done()
+        assert not views[-1][-1].any()
+        # the other instance is unaffected
+        small = other.cache_manager.allocate_blocks_cache(host_desc(1, [4, 64]))
+        data = fill_random(small, 2)
+        slow_copier.delay = 0.0
+        await other.cache_manager.copy_blocks(small, {1: [2]})
+        assert np.array_equal(tensor_bytes(small)[0][2], data[0][1])
+    finally:
+        await other.finalize()
+
+
+async def test_finalize_fails_queued_copy_with_llm_exception(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: finalize cancelled the internal future of a job with no chunk in flight, so the copy
+    coroutine raised CancelledError although nobody had cancelled it."""
+    copier = SlowCopier(None)  # chunks block on copier.gate
+    copier.install(monkeypatch)
+    busy = LLMDataDist(LLMRole.PROMPT, next_cluster_id())
+    victim = LLMDataDist(LLMRole.DECODER, next_cluster_id())
+    await busy.init(LLMConfig().generate_options())
+    await victim.init(LLMConfig().generate_options())
+    try:
+        # occupy every worker of the shared executor with chunks that wait on the gate
+        big = busy.cache_manager.allocate_blocks_cache(host_desc(*MID_DESC))
+        blocker = asyncio.create_task(busy.cache_manager.copy_blocks(big, {0: list(range(1, 64))}))
+        await wait_until(lambda: copier.chunks >= 2)
+        # a copy of the other instance is queued behind them, no chunk of it in flight
+        small = victim.cache_manager.allocate_blocks_cache(host_desc(1, [4, 64]))
+        queued = asyncio.create_task(victim.cache_manager.copy_blocks(small, {0: [1]}))
+        await asyncio.sleep(0.01)
+        assert not queued.done()
+        await victim.finalize()
+        result = (await asyncio.gather(queued, return_exceptions=True))[0]
+        assert isinstance(result, LLMException), repr(result)
+    finally:
+        copier.gate.set()
+        await asyncio.gather(blocker, return_exceptions=True)
+        await victim.finalize()
+        await busy.finalize()

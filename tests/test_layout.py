@@ -37,10 +37,11 @@ from aiodatadist.layout import (
 )
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CHEAP = settings(max_examples=400, deadline=None)
 
 #: Block / slot indices far outside any cache.  The public API type-checks them as uint32/uint64 before they
 #: reach the layout module, so the layout functions must reject them with LLM_PARAM_INVALID too.
-HUGE = [2**31, 2**32, 2**63 - 1]  # >= 2**63: see test_huge_block_index_is_param_invalid
+HUGE = [2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
 
 
 class Invalid(Exception):
@@ -96,6 +97,38 @@ def index_or_wild(upper: int):
     )
 
 
+def bad_index(upper: int):
+    """An index outside [0, upper)."""
+    return st.one_of(st.sampled_from([-1, upper, upper + 1]), st.sampled_from(HUGE))
+
+
+def mostly(valid, bad):
+    """``valid`` four times out of five, else ``bad``."""
+    return st.one_of(valid, valid, valid, valid, bad)
+
+
+@st.composite
+def corrupted(draw, blocks: list[int], upper: int, *, unique_ok: bool = True):
+    """``blocks`` (valid indices of a cache with ``upper`` blocks) with at most one rule broken."""
+    kind = draw(st.sampled_from(["keep"] * 5 + ["dup", "bad", "drop", "extra", "empty"]))
+    out = list(blocks)
+    if kind == "dup" and len(out) >= 2:
+        i, j = draw(st.permutations(range(len(out))))[:2]
+        out[i] = out[j]
+    elif kind == "dup" and out:
+        out.append(out[0])
+    elif kind == "bad" and out:
+        out[draw(st.integers(0, len(out) - 1))] = draw(bad_index(upper))
+    elif kind == "drop" and out:
+        out.pop(draw(st.integers(0, len(out) - 1)))
+    elif kind == "extra":
+        free = [b for b in range(upper) if b not in out] if unique_ok else list(range(upper))
+        out.append(draw(st.sampled_from(free)) if free else draw(st.integers(0, upper - 1)))
+    elif kind == "empty":
+        out = []
+    return out
+
+
 @st.composite
 def address_lists(draw, num_tensors: int, tensor_size: int):
     """Fake base addresses of the tensors of one cache, in several memory layouts."""
@@ -128,7 +161,40 @@ def tensor_pairs(draw, src_nt: int, dst_nt: int):
     return list(range(s0, s0 + k)), list(dst)
 
 
-layer_ranges = st.one_of(st.none(), st.builds(range, st.integers(0, 7), st.integers(0, 7)))
+@st.composite
+def layer_inputs(draw):
+    """(src_nt, dst_nt, src_range, dst_range, n): ranges inside, matching, empty, beyond or arbitrary."""
+    n = draw(st.sampled_from([0, 1, 1, 2, 2, 2, 3, 4]))
+    unit = max(n, 1)
+
+    def tensor_count():
+        layers = draw(st.integers(0, 4))
+        return max(1, layers * unit + draw(st.sampled_from([0, 0, 0, 1])))
+
+    src_nt, dst_nt = tensor_count(), tensor_count()
+
+    def layer_range(layers: int, length: int | None = None):
+        kind = draw(st.sampled_from(["none", "inside", "inside", "empty", "beyond", "wild"]))
+        if length is not None and layers >= length and draw(st.booleans()):
+            start = draw(st.integers(0, layers - length))
+            return range(start, start + length)
+        if kind == "none":
+            return None
+        if kind == "inside" and layers > 0:
+            start = draw(st.integers(0, layers - 1))
+            return range(start, draw(st.integers(start + 1, layers)))
+        if kind == "empty":
+            start = draw(st.integers(0, 5))
+            return range(start, start - draw(st.integers(0, 2)))
+        if kind == "beyond":
+            return range(draw(st.integers(0, layers)), layers + draw(st.integers(1, 2)))
+        return range(draw(st.integers(0, 7)), draw(st.integers(0, 7)))
+
+    src_range = layer_range(src_nt // unit)
+    dst_range = layer_range(dst_nt // unit, len(src_range) if src_range else None)
+    if draw(st.booleans()):
+        src_range, dst_range = dst_range, src_range
+    return src_nt, dst_nt, src_range, dst_range, n
 
 
 # -- simulated memory ------------------------------------------------------------------------------------------
@@ -295,29 +361,34 @@ def check_indices(result):
     assert got_d.tolist() == want_d
 
 
-@SETTINGS
-@given(st.integers(1, 8), st.integers(1, 8), layer_ranges, layer_ranges, st.integers(0, 5))
-@example(4, 4, None, None, 2)
-@example(4, 4, range(0, 0), range(3, 1), 2)
-@example(8, 4, range(2, 4), None, 2)
-@example(4, 8, None, range(2, 4), 2)
-@example(4, 6, None, range(0, 2), 3)
-@example(6, 4, range(0, 1), range(0, 1), 3)
-def test_pull_tensor_indices(src_nt, dst_nt, src_range, dst_range, n):
+@CHEAP
+@given(layer_inputs())
+@example((4, 4, None, None, 2))
+@example((4, 4, range(0, 0), range(3, 1), 2))
+@example((8, 4, range(2, 4), None, 2))
+@example((4, 8, None, range(2, 4), 2))
+@example((4, 6, None, range(0, 2), 3))
+@example((6, 4, range(0, 1), range(0, 1), 3))
+@example((8, 8, range(0, 2), range(0, 3), 2))
+@example((8, 8, None, range(1, 3), 2))
+def test_pull_tensor_indices(inputs):
+    src_nt, dst_nt, src_range, dst_range, n = inputs
     src, dst = geometry(src_nt, 2, 4), geometry(dst_nt, 2, 4)
     check_indices(compare(lambda: ref_pull_indices(src_nt, dst_nt, src_range, dst_range, n),
                           lambda: pull_tensor_indices(src, dst, src_range, dst_range, n)))
 
 
-@SETTINGS
-@given(st.integers(1, 8), st.integers(1, 8), layer_ranges, layer_ranges, st.integers(0, 5))
-@example(4, 4, None, None, 2)
-@example(4, 8, None, range(2, 4), 2)
-@example(4, 8, range(0, 0), None, 2)
-@example(4, 6, range(1, 2), range(1, 2), 2)
-@example(4, 5, range(1, 2), range(1, 2), 2)
-@example(5, 4, None, None, 2)
-def test_push_tensor_indices(src_nt, dst_nt, src_range, dst_range, n):
+@CHEAP
+@given(layer_inputs())
+@example((4, 4, None, None, 2))
+@example((4, 8, None, range(2, 4), 2))
+@example((4, 8, range(0, 0), None, 2))
+@example((4, 6, range(1, 2), range(1, 2), 2))
+@example((4, 5, range(1, 2), range(1, 2), 2))
+@example((4, 5, range(1, 3), range(1, 3), 2))
+@example((5, 4, None, None, 2))
+def test_push_tensor_indices(inputs):
+    src_nt, dst_nt, src_range, dst_range, n = inputs
     src, dst = geometry(src_nt, 2, 4), geometry(dst_nt, 2, 4)
     check_indices(compare(lambda: ref_push_indices(src_nt, dst_nt, src_range, dst_range, n),
                           lambda: push_tensor_indices(src, dst, src_range, dst_range, n)))
@@ -360,18 +431,17 @@ def b2b_inputs(draw):
     s_stride, d_stride = draw(stride_pairs())
     src = draw(geometries(stride=s_stride))
     dst = draw(geometries(stride=d_stride))
-    mode = draw(st.sampled_from(["valid", "valid", "consecutive", "wild"]))
-    if mode == "wild":
-        src_blocks = draw(st.lists(index_or_wild(src.slots), max_size=7))
-        dst_blocks = draw(st.lists(index_or_wild(dst.slots), max_size=7))
-    elif mode == "consecutive":
-        k = draw(st.integers(1, min(src.slots, dst.slots)))
+    k = draw(st.integers(1, min(src.slots, dst.slots)))
+    if draw(st.booleans()):
         a, b = draw(st.integers(0, src.slots - k)), draw(st.integers(0, dst.slots - k))
         src_blocks, dst_blocks = list(range(a, a + k)), list(range(b, b + k))
     else:
-        k = draw(st.integers(1, min(src.slots, dst.slots)))
         src_blocks = draw(st.lists(st.integers(0, src.slots - 1), min_size=k, max_size=k))
         dst_blocks = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
+    if draw(st.booleans()):
+        src_blocks = draw(corrupted(src_blocks, src.slots, unique_ok=False))
+    else:
+        dst_blocks = draw(corrupted(dst_blocks, dst.slots))
     return src, dst, src_blocks, dst_blocks
 
 
@@ -408,22 +478,17 @@ def ref_c2b(src_slot, src: CacheGeometry, dst_blocks, dst: CacheGeometry):
 
 @st.composite
 def c2b_inputs(draw):
-    src = draw(geometries(stride=draw(st.integers(1, 20)), is_blocks=False))
     dst = draw(geometries(slots=draw(st.integers(1, 8))))
+    src = draw(geometries(stride=draw(st.integers(1, dst.tensor_size + 2)), is_blocks=False))
     chunks = -(-src.stride // dst.stride)
-    mode = draw(st.sampled_from(["valid", "valid", "consecutive", "wild"]))
-    if mode == "wild":
-        slot = draw(index_or_wild(src.slots))
-        dst_blocks = draw(st.lists(index_or_wild(dst.slots), max_size=chunks + 2))
+    slot = draw(mostly(st.integers(0, src.slots - 1), bad_index(src.slots)))
+    k = draw(st.one_of(st.just(min(chunks, dst.slots)), st.integers(1, min(chunks, dst.slots))))
+    if draw(st.booleans()):
+        b = draw(st.integers(0, dst.slots - k))
+        dst_blocks = list(range(b, b + k))
     else:
-        slot = draw(st.integers(0, src.slots - 1))
-        k = draw(st.integers(1, min(chunks, dst.slots)))
-        if mode == "consecutive":
-            b = draw(st.integers(0, dst.slots - k))
-            dst_blocks = list(range(b, b + k))
-        else:
-            dst_blocks = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
-    return src, dst, slot, dst_blocks
+        dst_blocks = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
+    return src, dst, slot, draw(corrupted(dst_blocks, dst.slots))
 
 
 @SETTINGS
@@ -450,18 +515,29 @@ def ref_slot(src_slot, src: CacheGeometry, dst_slot, dst: CacheGeometry, size):
     return [(src_slot * src.stride, dst_slot * dst.stride, nbytes)]
 
 
-sizes = st.one_of(st.just(-1), st.just(-1), st.integers(-3, 12), st.sampled_from([2**31, 2**63 - 1]))
+def slot_or_bad(broken: bool, slots: int):
+    return bad_index(slots) if broken else st.integers(0, slots - 1)
+
+
+def size_or_bad(broken: bool, valid_max: int, *limits: int):
+    """-1 or a size in [1, valid_max]; if ``broken``: 0, negative, huge, or just above ``valid_max`` / a limit."""
+    if broken:
+        return st.sampled_from([0, -2, -(2**63), 2**63 - 1, valid_max + 1, *(x + 1 for x in limits)])
+    return st.one_of(st.just(-1), st.integers(1, max(valid_max, 1)))
 
 
 @SETTINGS
 @given(st.data())
 def test_slot_run(data):
-    s_stride, d_stride = data.draw(stride_pairs(), label="strides")
+    s_stride, d_stride = data.draw(st.one_of(stride_pairs(), st.tuples(st.integers(1, 8), st.integers(1, 8))),
+                                   label="strides")
     src = data.draw(geometries(stride=s_stride, is_blocks=False), label="src")
     dst = data.draw(geometries(stride=d_stride, is_blocks=False), label="dst")
-    src_slot = data.draw(index_or_wild(src.slots), label="src_slot")
-    dst_slot = data.draw(index_or_wild(dst.slots), label="dst_slot")
-    size = data.draw(sizes, label="size")
+    broken = data.draw(st.sampled_from(["nothing", "nothing", "src_slot", "dst_slot", "size"]), label="broken")
+    src_slot = data.draw(slot_or_bad(broken == "src_slot", src.slots), label="src_slot")
+    dst_slot = data.draw(slot_or_bad(broken == "dst_slot", dst.slots), label="dst_slot")
+    size = data.draw(size_or_bad(broken == "size", min(src.stride, dst.stride), src.stride, dst.stride),
+                     label="size")
     result = compare(lambda: ref_slot(src_slot, src, dst_slot, dst, size),
                      lambda: slot_run(src_slot, src, dst_slot, dst, size))
     if result is None:
@@ -487,10 +563,15 @@ def ref_copy_cache(g: CacheGeometry, dst_slot, src_slot, offset, size):
 @given(st.data())
 def test_copy_cache_run(data):
     g = data.draw(geometries(stride=data.draw(st.integers(1, 12)), is_blocks=False), label="geometry")
-    src_slot = data.draw(index_or_wild(g.slots), label="src_slot")
-    dst_slot = data.draw(index_or_wild(g.slots), label="dst_slot")
-    offset = data.draw(st.one_of(st.just(0), index_or_wild(g.stride + 1)), label="offset")
-    size = data.draw(sizes, label="size")
+    broken = data.draw(st.sampled_from(["nothing", "nothing", "src_slot", "dst_slot", "offset", "size"]),
+                       label="broken")
+    src_slot = data.draw(slot_or_bad(broken == "src_slot", g.slots), label="src_slot")
+    dst_slot = data.draw(slot_or_bad(broken == "dst_slot", g.slots), label="dst_slot")
+    if broken == "offset":
+        offset = data.draw(st.sampled_from([g.stride, g.stride + 1, -1, 2**64 - 1]), label="offset")
+    else:
+        offset = data.draw(st.integers(0, g.stride - 1), label="offset")
+    size = data.draw(size_or_bad(broken == "size", g.stride - max(offset, 0)), label="size")
     result = compare(lambda: ref_copy_cache(g, dst_slot, src_slot, offset, size),
                      lambda: copy_cache_run(g, dst_slot, src_slot, offset, size))
     if result is None:
@@ -522,19 +603,32 @@ def ref_copy_blocks(info: dict, g: CacheGeometry):
 
 @st.composite
 def copy_blocks_inputs(draw):
-    g = draw(geometries(slots=draw(st.integers(1, 8))))
-    if draw(st.booleans()):
-        # valid: split a permutation of blocks into sources and destinations
-        perm = draw(st.permutations(range(g.slots)))
-        n_src = draw(st.integers(1, max(1, g.slots - 1)))
-        sources, dests = perm[:n_src], perm[n_src:]
-        info: dict[int, list[int]] = {s: [] for s in sources}
-        for d in dests:
-            info[draw(st.sampled_from(sources))].append(d)
-        if draw(st.booleans()):
-            info = {s: v for s, v in info.items() if v}
-        return g, info
-    info = draw(st.dictionaries(index_or_wild(g.slots), st.lists(index_or_wild(g.slots), max_size=3), max_size=4))
+    g = draw(geometries(slots=draw(st.integers(2, 8))))
+    # valid: split a permutation of the blocks into sources and destinations
+    perm = draw(st.permutations(range(g.slots)))
+    n_src = draw(st.integers(1, g.slots - 1))
+    sources, dests = perm[:n_src], perm[n_src:draw(st.integers(n_src + 1, g.slots))]
+    info: dict[int, list[int]] = {s: [] for s in sources}
+    for d in dests:
+        info[draw(st.sampled_from(sources))].append(d)
+    info = {s: v for s, v in info.items() if v} if draw(st.booleans()) else info
+    kind = draw(st.sampled_from(["keep"] * 4 + ["dst_is_src", "dup_dst", "bad_src", "bad_dst", "empty", "wild"]))
+    keys = list(info)
+    if kind == "dst_is_src":
+        info[draw(st.sampled_from(keys))].append(draw(st.sampled_from(keys)))
+    elif kind == "dup_dst":
+        all_dst = [d for v in info.values() for d in v]
+        if all_dst:
+            info[draw(st.sampled_from(keys))].append(draw(st.sampled_from(all_dst)))
+    elif kind == "bad_src":
+        info[draw(bad_index(g.slots))] = [d for d in range(g.slots) if d not in info][:1] or [0]
+    elif kind == "bad_dst":
+        info[draw(st.sampled_from(keys))].append(draw(bad_index(g.slots)))
+    elif kind == "empty":
+        info = {}
+    elif kind == "wild":
+        info = draw(st.dictionaries(index_or_wild(g.slots), st.lists(index_or_wild(g.slots), max_size=3),
+                                    max_size=4))
     return g, info
 
 
@@ -566,14 +660,25 @@ def ref_swap_blocks(mapping: dict, src: CacheGeometry, dst: CacheGeometry):
 def swap_inputs(draw):
     s_stride, d_stride = draw(stride_pairs())
     src = draw(geometries(stride=s_stride))
-    nt = draw(st.one_of(st.just(src.num_tensors), st.just(src.num_tensors), st.integers(1, 5)))
+    nt = draw(mostly(st.just(src.num_tensors), st.integers(1, 5)))
     dst = draw(geometries(num_tensors=nt, stride=d_stride))
-    if draw(st.booleans()):
-        k = draw(st.integers(1, min(src.slots, dst.slots)))
-        keys = draw(st.lists(st.integers(0, src.slots - 1), min_size=k, max_size=k, unique=True))
-        values = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
-        return src, dst, dict(zip(keys, values))
-    return src, dst, draw(st.dictionaries(index_or_wild(src.slots), index_or_wild(dst.slots), max_size=5))
+    k = draw(st.integers(1, min(src.slots, dst.slots)))
+    keys = draw(st.lists(st.integers(0, src.slots - 1), min_size=k, max_size=k, unique=True))
+    values = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
+    kind = draw(st.sampled_from(["keep"] * 4 + ["dup_dst", "bad_src", "bad_dst", "empty", "wild"]))
+    if kind == "dup_dst":
+        keys.append(draw(st.integers(0, src.slots - 1)))
+        values.append(draw(st.sampled_from(values)))
+    elif kind == "bad_src":
+        keys.append(draw(bad_index(src.slots)))
+        values.append(draw(st.integers(0, dst.slots - 1)))
+    elif kind == "bad_dst":
+        values[draw(st.integers(0, k - 1))] = draw(bad_index(dst.slots))
+    elif kind == "empty":
+        keys, values = [], []
+    elif kind == "wild":
+        return src, dst, draw(st.dictionaries(index_or_wild(src.slots), index_or_wild(dst.slots), max_size=5))
+    return src, dst, dict(zip(keys, values))
 
 
 @SETTINGS
@@ -594,16 +699,17 @@ def test_swap_blocks_runs(inputs, data):
         pytest.param(lambda g: b2b_runs([2**63], [0], g, g), id="b2b-src"),
         pytest.param(lambda g: b2b_runs([0], [2**64 - 1], g, g), id="b2b-dst"),
         pytest.param(lambda g: c2b_runs(0, g, [2**63], g), id="c2b-dst"),
-        pytest.param(lambda g: copy_blocks_runs({2**63: [0]}, g), id="copy_blocks-src"),
+        pytest.param(lambda g: c2b_runs(2**64 - 1, g, [0], g), id="c2b-slot"),
+        pytest.param(lambda g: slot_run(2**63, g, 0, g), id="slot-src"),
+        pytest.param(lambda g: copy_cache_run(g, 0, 0, 2**64 - 1, -1), id="copy_cache-offset"),
+        pytest.param(lambda g: copy_blocks_runs({2**63: [1]}, g), id="copy_blocks-src"),
         pytest.param(lambda g: copy_blocks_runs({0: [2**64 - 1]}, g), id="copy_blocks-dst"),
         pytest.param(lambda g: swap_blocks_runs({2**63: 0}, g, g), id="swap-src"),
         pytest.param(lambda g: swap_blocks_runs({0: 2**64 - 1}, g, g), id="swap-dst"),
     ],
 )
-@pytest.mark.xfail(strict=True, raises=OverflowError,
-                   reason="BUG: block indices >= 2**63 (valid uint64 at the API, e.g. copy_blocks/swap_blocks) "
-                          "raise OverflowError in layout._i64 instead of LLMException(LLM_PARAM_INVALID)")
-def test_huge_block_index_is_param_invalid(call):
+def test_huge_index_is_param_invalid(call):
+    """uint64 indices >= 2**63 pass the API's type checks; they must be rejected as out of range, not overflow."""
     g = geometry(2, 4, 8)
     with pytest.raises(LLMException) as info:
         call(g)
@@ -645,6 +751,24 @@ def test_consecutive_blocks_give_minimal_spans(data):
     breaks = sum(1 for i in range(len(pairs) - 1)
                  if not (run_src[i] + n == run_src[i + 1] and run_dst[i] + n == run_dst[i + 1]))
     assert len(spans) == 1 + breaks
+
+
+@SETTINGS
+@given(st.data())
+def test_copy_blocks_consecutive_is_one_run(data):
+    """copy_blocks {a+i: [b+i]} with disjoint windows: one run per tensor (the tensor-major spans follow)."""
+    g = data.draw(geometries(slots=data.draw(st.integers(2, 8))), label="geometry")
+    k = data.draw(st.integers(1, g.slots // 2), label="k")
+    a, b = sorted(data.draw(st.permutations(range(g.slots // k)), label="windows")[:2])
+    if data.draw(st.booleans()):
+        a, b = b, a
+    a, b = a * k, b * k
+    info = {a + i: [b + i] for i in range(k)}
+    runs = copy_blocks_runs(info, g)
+    assert (runs.src_offset.tolist(), runs.dst_offset.tolist(), runs.length.tolist()) == (
+        [a * g.stride], [b * g.stride], [k * g.stride])
+    check_plan(data, runs, g, g, [(t, t) for t in range(g.num_tensors)], [(a * g.stride, b * g.stride, k * g.stride)],
+               same_memory=True)
 
 
 @SETTINGS
