@@ -157,7 +157,7 @@ async def read_dealer(sock: zmq.asyncio.Socket, channel: Channel, tasks: TaskSet
         except ProtocolError as exc:
             log.warning("dropping malformed message on %s: %s", channel.name, exc)
             continue
-        if message["k"] == Kind.REPLY:
+        if message["k"] in Kind.INLINE:
             await channel.dispatch(message)
         else:
             tasks.spawn(channel.dispatch(message), name=f"handle-{message['k']}")
@@ -224,7 +224,7 @@ class Server:
                                                       "code": int(LLMStatusCode.LLM_NOT_YET_LINK),
                                                       "msg": "not linked"})
                 continue
-            if message["k"] == Kind.REPLY:
+            if message["k"] in Kind.INLINE:
                 await channel.dispatch(message)
             else:
                 tasks.spawn(channel.dispatch(message), name=f"handle-{message['k']}")

@@ -36,6 +36,9 @@ def split_spans(spans: Spans, chunk_bytes: int) -> tuple[Spans, npt.NDArray[np.i
     Returns the (possibly longer) span list and the chunk boundaries (indices into it, first 0, last n).
     """
     length = spans.length
+    total = int(length.sum())
+    if total <= chunk_bytes:  # the common small transfer: one chunk, nothing to compute
+        return spans, np.array([0, len(length)] if len(length) else [0], dtype=np.int64)
     pieces = np.maximum((length + np.uint64(chunk_bytes - 1)) // np.uint64(chunk_bytes), np.uint64(1)).astype(np.int64)
     if int(pieces.max(initial=1)) > 1:
         owner = np.repeat(np.arange(len(length)), pieces)
@@ -59,14 +62,12 @@ class CopyJob:
         self.spans, bounds = split_spans(spans, chunk_bytes)
         self._pending: deque[tuple[int, int]] = deque(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
         self._run = copier(self.spans)
-        self._ends = np.concatenate(([0], np.cumsum(self.spans.length, dtype=np.uint64))).tolist()
         self._loop = loop
         self.future: asyncio.Future[None] = loop.create_future()
         self.stopped = threading.Event()
         self.inflight = 0
         self.error: BaseException | None = None
         self.cancelled = False
-        self.bytes_done = 0
 
     @property
     def num_chunks(self) -> int:
@@ -178,8 +179,6 @@ class CopyExecutor:
                 job._pending.clear()
                 if job in self._ready:
                     self._ready.remove(job)
-            else:
-                job.bytes_done += job._ends[hi] - job._ends[lo]
             job._finish_locked()
         return True
 

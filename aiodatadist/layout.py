@@ -215,13 +215,16 @@ def push_tensor_indices(
 
 def _check_blocks(name: str, blocks: Int64Array, geometry: CacheGeometry) -> None:
     if len(blocks):
-        require(int(blocks.min()) >= 0, f"{name} has a negative block index.")
-        require(int(blocks.max()) < geometry.slots,
-                f"{name} has block index {int(blocks.max())} >= num_blocks {geometry.slots}.")
+        low, high = (min(blocks.tolist()), max(blocks.tolist())) if len(blocks) <= 64 else (
+            int(blocks.min()), int(blocks.max()))
+        require(low >= 0, f"{name} has a negative block index.")
+        require(high < geometry.slots, f"{name} has block index {high} >= num_blocks {geometry.slots}.")
 
 
 def _check_unique(name: str, values: Int64Array) -> None:
-    require(len(np.unique(values)) == len(values), f"{name} contains duplicate block indices.")
+    n = len(values)
+    distinct = len(set(values.tolist())) if n <= 512 else len(np.unique(values))  # cheapest either way
+    require(distinct == n, f"{name} contains duplicate block indices.")
 
 
 def b2b_runs(

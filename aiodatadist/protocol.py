@@ -54,6 +54,7 @@ class Kind:
     REPLY = "reply"          # response to any request
 
     REQUESTS = frozenset({HELLO, BYE, BEGIN, END, ABORT, PING})
+    INLINE = frozenset({BEGIN, END, ABORT, PING, REPLY})  # handled in the reader task: they never wait
     ALL = REQUESTS | {REPLY}
 
 
