@@ -299,7 +299,8 @@ class CacheManager(TransferMixin):
         mapping = {check_int("src_to_dst key", k, "uint64"): check_int("src_to_dst value", v, "uint64")
                    for k, v in src_to_dst.items()}
         require(src_entry.is_blocks and dst_entry.is_blocks, "swap_blocks needs two blocks caches.")
-        if src_entry is dst_entry:  # within one cache the result must not depend on the copy order
+        if src_entry is dst_entry or np.array_equal(src_entry.addrs, dst_entry.addrs):
+            # within one cache (or two handles of the same memory) the result must not depend on copy order
             require(not set(mapping.values()) & set(mapping.keys()),
                     "a destination block is also a source block of the same swap.")
         runs = swap_blocks_runs(mapping, src_entry.geometry, dst_entry.geometry)

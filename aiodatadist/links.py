@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Link:
     memory: PeerMemory = field(init=False)
     leases: dict[int, Lease] = field(default_factory=dict)
     jobs: dict[int, CopyJob] = field(default_factory=dict)  # requester side, by transfer id
+    aborted: set[int] = field(default_factory=set)  # requester side: ABORTs that came before the copy started
     closed: bool = False
 
     def __post_init__(self) -> None:
@@ -234,8 +236,10 @@ class LinkManager:
         peer_transport = _transport_of(reply.get("transport"))
         forced = {self._dd.settings.transport, peer_transport}
         if Transport.SHM in forced and not caps.same_host:
+            with contextlib.suppress(LLMException):
+                await channel.notify(Kind.BYE, {})  # the server admitted us: let it drop its end
             reader.cancel()
-            sock.close(linger=0)
+            sock.close(linger=100)
             return S.LLM_LINK_FAILED
         transport = Transport.TCP if Transport.TCP in forced else Transport.AUTO
         link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint,

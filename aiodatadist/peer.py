@@ -164,9 +164,7 @@ class PeerMemory:
 
     async def close(self) -> None:
         """Unmap the peer's segments (callers first stop every copy that uses them)."""
-        for task in list(self._populating):
-            task.cancel()  # the thread finishes its madvise; the mapping stays valid until then
-        if self._populating:
+        if self._populating:  # let the background madvise finish before unmapping (cancelling cannot stop it)
             await asyncio.gather(*self._populating, return_exceptions=True)
         for mapping, _ in self._mappings.values():
             try:

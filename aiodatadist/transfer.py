@@ -140,6 +140,9 @@ class TransferService:
                     **params_to_wire(params),
                 })
                 spans, segment = self._plan_from_reply(reply, local, params)
+                if tid in link.aborted:
+                    raise LLMException(f"cluster {key.cluster_id} released the cache before the copy started",
+                                       status_code=S.LLM_KV_CACHE_NOT_EXIST)
                 copy = link.memory.copier(remote_is_src=params.op == "pull", segment=segment,
                                           streaming=spans.total_bytes >= STREAMING_THRESHOLD)
                 job = manager.start_job(spans, copy, (local,))
@@ -154,6 +157,7 @@ class TransferService:
             finally:
                 # Always end the transfer on the owner (it may have taken a lease even if we never saw the
                 # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
+                link.aborted.discard(tid)
                 if not (ok and params.op == "pull" and wkey.kind in ("req", "prefix")):
                     links._spawn_notify(link, Kind.END, {"tid": tid, "ok": ok})
         if ok and params.op == "pull" and wkey.kind in ("req", "prefix"):
@@ -233,9 +237,12 @@ class TransferService:
 
     def _abort(self, link: Link, message: dict[str, Any]) -> None:
         """The owner released the cache of a running transfer: stop our copy at the next chunk."""
-        job = link.jobs.get(int_field(message, "tid", 0))
+        tid = int_field(message, "tid", 0)
+        job = link.jobs.get(tid)
         manager = self._dd._cache_manager
-        if job is not None and manager is not None:
+        if job is None:
+            link.aborted.add(tid)  # the copy has not started yet: it must not start at all
+        elif manager is not None:
             manager.executor.cancel(job, LLMException(
                 f"cluster {link.remote_cluster_id} released the cache during the transfer",
                 status_code=S.LLM_KV_CACHE_NOT_EXIST))
