@@ -16,7 +16,7 @@ from .control import Channel, Server, TaskSet, connect_dealer, new_context, read
 from .errors import LLMException, LLMLinkError, LLMStatusCode
 from .executor import CopyJob
 from .peer import HostProbe, PeerCapabilities, PeerMemory, probe_peer
-from .protocol import PROTOCOL_VERSION, Kind, ProtocolError, int_field
+from .protocol import PROTOCOL_VERSION, Kind, ProtocolError, int_field, segment_to_wire
 from .protocol import field as msg_field
 from .registry import CacheEntry
 from .types import LLMClusterInfo, Transport, ip_int_to_str
@@ -142,7 +142,16 @@ class LinkManager:
             "role": int(self._dd.role),
             "host": self._probe.to_wire(),
             "transport": self._dd.settings.transport.value,
+            "segs": self._segments(),
         }
+
+    def _segments(self) -> list[Any]:
+        """This instance's shared-memory caches, announced at link time so that the peer maps them early."""
+        manager = self._dd._cache_manager
+        if manager is None:
+            return []
+        return [segment_to_wire(e.segment.identity, e.segment.address)
+                for e in manager.registry.entries() if e.segment is not None and e.remote_accessible]
 
     async def _on_hello(self, routing_id: bytes, message: dict[str, Any]) -> None:
         assert self._server is not None
@@ -179,7 +188,8 @@ class LinkManager:
         server.channels[routing_id] = channel
         await channel.reply(req_id, {"cluster": self._dd.cluster_id, "role": int(self._dd.role),
                                      "host": self._probe.to_wire(),
-                                     "transport": self._dd.settings.transport.value})
+                                     "transport": self._dd.settings.transport.value, "segs": self._segments()})
+        link.memory.premap(message.get("segs"))  # in the background: nobody waits for it
         log.info("cluster %d accepted link from %d (%s)", self._dd.cluster_id, cluster, link.plane)
 
     async def _alive(self, link: Link, timeout: float = 0.5) -> bool:
@@ -216,6 +226,7 @@ class LinkManager:
         ip, port = cluster.remote_ip_info_list[0]
         endpoint = f"tcp://{ip_int_to_str(ip)}:{port}"
         self._linking.add(remote_id)
+        started = asyncio.get_running_loop().time()
         sock = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15))
         channel = Channel(sock.send, self._handle, f"{self._dd.cluster_id}->{remote_id}")
         reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}")
@@ -247,6 +258,12 @@ class LinkManager:
                     plane=_plane_for(caps, transport), sock=sock, reader=reader)
         channel.context = link
         self.links[remote_id] = link
+        # Map the peer's caches now, and give their page tables the rest of the link timeout to fill in, so that
+        # the first transfers do not pay for it (what is left continues in the background).
+        populating = link.memory.premap(reply.get("segs"))
+        remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
+        if populating and remaining > 0:
+            await asyncio.wait(populating, timeout=remaining)
         log.info("cluster %d linked to %d at %s (%s)", self._dd.cluster_id, remote_id, endpoint, link.plane)
         return S.LLM_SUCCESS
 

@@ -33,6 +33,7 @@ __all__ = [
     "copy_local",
     "native_available",
     "populate",
+    "advise_hugepages",
     "process_vm_read",
     "process_vm_write",
 ]
@@ -140,6 +141,11 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
+
+
+def advise_hugepages(address: int, length: int) -> bool:
+    """``MADV_HUGEPAGE``: lets the kernel back the range with huge pages where its THP policy allows it."""
+    return bool(_libc.madvise(address, length, 14) == 0)
 
 
 def populate(address: int, length: int, *, write: bool) -> bool:

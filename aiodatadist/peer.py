@@ -24,12 +24,14 @@ import numpy.typing as npt
 from .layout import Spans
 from .memory import SegmentIdentity, SharedSegment, map_peer_segment
 from .native import ChunkRunner, Copier, local_copier, populate, process_vm_read, pvm_copier
+from .protocol import ProtocolError, segment_from_wire
 
 __all__ = ["HostProbe", "PeerCapabilities", "PeerMemory", "allowed_mechanisms"]
 
 log = logging.getLogger("aiodatadist.peer")
 UInt64Array = npt.NDArray[np.uint64]
 NONCE_BYTES = 32
+MAX_ANNOUNCED_SEGMENTS = 4096
 
 
 def allowed_mechanisms() -> frozenset[str]:
@@ -126,7 +128,7 @@ class PeerMemory:
     def __init__(self, caps: PeerCapabilities) -> None:
         self.caps = caps
         self._mappings: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
-        self._populating: set[asyncio.Task[Any]] = set()
+        self._populating: dict[tuple[int, int], asyncio.Task[Any]] = {}
 
     def _local_base(self, identity: SegmentIdentity) -> int:
         key = (identity.inode, identity.device)
@@ -137,9 +139,31 @@ class PeerMemory:
             self._mappings[key] = found
             # Fault the page tables in the background (GIL released); transfers need not wait for it.
             task = asyncio.ensure_future(asyncio.to_thread(populate, found[1], identity.size, write=True))
-            self._populating.add(task)
-            task.add_done_callback(self._populating.discard)
+            self._populating[key] = task
+            task.add_done_callback(lambda _: self._populating.pop(key, None))
         return found[1]
+
+    def premap(self, segments: Any) -> list[asyncio.Task[Any]]:
+        """Map the segments a peer announced at link time; returns the page-table population tasks.
+
+        Invalid entries are skipped: a wrong announcement only costs the lazy mapping at first use.
+        """
+        if not self.caps.can_map or not isinstance(segments, list):
+            return []
+        tasks = []
+        for value in segments[:MAX_ANNOUNCED_SEGMENTS]:
+            try:
+                parsed = segment_from_wire(value)
+                if parsed is None or parsed[0].pid != self.caps.pid:
+                    continue
+                self._local_base(parsed[0])
+            except (ProtocolError, OSError, ValueError) as exc:
+                log.debug("peer segment %r not mapped at link time: %s", value, exc)
+                continue
+            task = self._populating.get((parsed[0].inode, parsed[0].device))
+            if task is not None:
+                tasks.append(task)
+        return tasks
 
     def can_reach(self, segment: tuple[SegmentIdentity, int] | None) -> bool:
         return (segment is not None and self.caps.can_map) or self.caps.can_pvm
@@ -165,7 +189,7 @@ class PeerMemory:
     async def close(self) -> None:
         """Unmap the peer's segments (callers first stop every copy that uses them)."""
         if self._populating:  # let the background madvise finish before unmapping (cancelling cannot stop it)
-            await asyncio.gather(*self._populating, return_exceptions=True)
+            await asyncio.gather(*self._populating.values(), return_exceptions=True)
         for mapping, _ in self._mappings.values():
             try:
                 mapping.close()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import LLMException, LLMStatusCode
-from ..native import populate
+from ..native import advise_hugepages, populate
 
 __all__ = ["PAGE", "SegmentIdentity", "SharedSegment", "map_peer_segment"]
 
@@ -72,6 +72,7 @@ class SharedSegment:
         self._lock = threading.Lock()
         # Pre-fault (and so zero-fill) every page now, not during the first transfer; madvise releases the
         # GIL, unlike MAP_POPULATE inside mmap.mmap.
+        advise_hugepages(self.address, self.size)  # effective where shmem THP is set to "advise"
         if not populate(self.address, self.size, write=True):
             self.array()[::PAGE] = 0
 
