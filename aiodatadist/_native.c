@@ -1,6 +1,7 @@
 /* Batched span copies for aiodatadist, called through ctypes (which releases the GIL).
  *
- * adt_copy_spans copies n spans dst[i] <- src[i] of len[i] bytes.  With `streaming` set, spans of 4 KiB and
+ * adt_copy_spans copies n spans dst[i] <- src[i] of len[i] bytes, checking a stop flag between spans, so that
+ * one call can cover many spans (few GIL round trips) and still stop promptly.  With `streaming` set, spans of 4 KiB and
  * more use non-temporal stores: bulk KV-cache transfers are far bigger than the caches, and skipping the
  * read-for-ownership of the destination is what makes scattered 32 KiB blocks copy as fast as one big memcpy.
  */
@@ -34,16 +35,21 @@ static void stream_copy(char *d, const char *s, size_t n) { memcpy(d, s, n); }
 #define STREAM_FENCE() ((void)0)
 #endif
 
-int adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *len, size_t n, int streaming)
+/* Returns the number of spans copied: n, or fewer when *stop became non-zero (checked before every span, so a
+ * stop takes effect within one span; callers keep spans small).  stop may be NULL. */
+long adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *len, size_t n, int streaming,
+                    const volatile int32_t *stop)
 {
-    for (size_t i = 0; i < n; i++) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        if (stop && *stop) break;
         if (streaming && len[i] >= 4096)
             stream_copy((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], (size_t)len[i]);
         else
             memmove((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)len[i]);
     }
     if (streaming) STREAM_FENCE();
-    return 0;
+    return (long)i;
 }
 
 /* Importable as a module so that the build and the loader can find it; the work is done through ctypes. */

@@ -18,34 +18,41 @@ import numpy as np
 import numpy.typing as npt
 
 from .layout import Spans
-from .native import Copier
+from .native import Copier, StopFlag
 
 __all__ = ["CopyExecutor", "CopyJob", "release_shared_executor", "shared_executor"]
 
 UInt64Array = npt.NDArray[np.uint64]
 
-# Chunk targets: a chunk holds at most twice its target (spans are grouped without splitting them again),
-# so chunks stay <= 4 MiB and a stop takes effect within about a millisecond.
-MIN_CHUNK = 256 << 10
-MAX_CHUNK = 2 << 20
+# Spans are cut into pieces of at most PIECE bytes: native copies poll the stop flag between pieces, so a stop
+# takes effect within ~0.1 ms.  Pieces are grouped into chunks (the units workers take, round-robin across
+# jobs): small transfers are one chunk (one thread hand-off), big ones are split for parallelism and fairness.
+PIECE = 1 << 20
+SINGLE_CHUNK = 4 << 20
+MIN_CHUNK = 4 << 20
+MAX_CHUNK = 16 << 20
 
 
-def split_spans(spans: Spans, chunk_bytes: int) -> tuple[Spans, npt.NDArray[np.int64]]:
-    """Split spans longer than ``chunk_bytes`` and group them into chunks of about ``chunk_bytes``.
+def split_spans(spans: Spans, chunk_bytes: int, piece_bytes: int | None = None) -> tuple[
+        Spans, npt.NDArray[np.int64]]:
+    """Split spans longer than ``piece_bytes`` (default: ``chunk_bytes``) and group them into chunks of about
+    ``chunk_bytes``.
 
     Returns the (possibly longer) span list and the chunk boundaries (indices into it, first 0, last n).
     """
+    piece = piece_bytes or chunk_bytes
     length = spans.length
     total = int(length.sum())
-    if total <= chunk_bytes:  # the common small transfer: one chunk, nothing to compute
+    if total <= chunk_bytes and (not len(length) or int(length.max()) <= piece):
+        # the common small transfer: one chunk, nothing to compute
         return spans, np.array([0, len(length)] if len(length) else [0], dtype=np.int64)
-    pieces = np.maximum((length + np.uint64(chunk_bytes - 1)) // np.uint64(chunk_bytes), np.uint64(1)).astype(np.int64)
+    pieces = np.maximum((length + np.uint64(piece - 1)) // np.uint64(piece), np.uint64(1)).astype(np.int64)
     if int(pieces.max(initial=1)) > 1:
         owner = np.repeat(np.arange(len(length)), pieces)
         first = np.concatenate(([0], np.cumsum(pieces)[:-1]))
         k = (np.arange(len(owner)) - first[owner]).astype(np.uint64)
-        off = k * np.uint64(chunk_bytes)
-        new_len = np.minimum(length[owner] - off, np.uint64(chunk_bytes))
+        off = k * np.uint64(piece)
+        new_len = np.minimum(length[owner] - off, np.uint64(piece))
         spans = Spans(spans.src[owner] + off, spans.dst[owner] + off, new_len)
     ends = np.cumsum(spans.length, dtype=np.uint64)
     total = int(ends[-1]) if len(ends) else 0
@@ -59,7 +66,8 @@ class CopyJob:
     """One transfer's spans and its progress; completion is signalled to the owning event loop."""
 
     def __init__(self, spans: Spans, copier: Copier, chunk_bytes: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.spans, bounds = split_spans(spans, chunk_bytes)
+        self.spans, bounds = split_spans(spans, chunk_bytes, min(PIECE, chunk_bytes))
+        self.stop_flag = StopFlag()
         self._pending: deque[tuple[int, int]] = deque(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
         self._run = copier(self.spans)
         self._loop = loop
@@ -101,7 +109,9 @@ class CopyExecutor:
         self._ready: deque[CopyJob] = deque()
 
     def chunk_bytes_for(self, total: int) -> int:
-        return int(min(MAX_CHUNK, max(MIN_CHUNK, total // max(1, self.workers))))
+        if total <= SINGLE_CHUNK:
+            return max(total, 1)
+        return int(min(MAX_CHUNK, max(MIN_CHUNK, total // (2 * self.workers))))
 
     async def run(self, spans: Spans, copier: Copier, *, chunk_bytes: int | None = None) -> None:
         """Copy ``spans`` with ``copier``; on cancellation stop early and return only once no worker runs.
@@ -140,10 +150,11 @@ class CopyExecutor:
             self._pool.submit(self._drain)
 
     def cancel(self, job: CopyJob, error: BaseException | None = None) -> None:
-        """Drop the job's pending chunks; running chunks finish (bounded by the chunk size).
+        """Drop the job's pending chunks and stop its running ones at their next piece (<= 1 MiB).
 
         With ``error`` the job's waiter gets that exception instead of a plain early stop.
         """
+        job.stop_flag.set()  # running native copies stop at their next piece
         with self._lock:
             job.cancelled = True
             if error is not None and job.error is None and not job.stopped.is_set():
@@ -168,7 +179,7 @@ class CopyExecutor:
             job.inflight += 1
         error: BaseException | None = None
         try:
-            job._run(lo, hi)
+            job._run(lo, hi, job.stop_flag)
         except BaseException as exc:  # reported to the awaiting coroutine, never lost in the pool
             error = exc
         with self._lock:
@@ -176,6 +187,7 @@ class CopyExecutor:
             if error is not None:
                 if job.error is None:
                     job.error = error
+                job.stop_flag.set()
                 job._pending.clear()
                 if job in self._ready:
                     self._ready.remove(job)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from .control import Channel, Server, TaskSet, connect_dealer, new_context, read_dealer
+from .control import Channel, Server, TaskSet, connect_dealer, dealer_sender, new_context, read_dealer
 from .errors import LLMException, LLMLinkError, LLMStatusCode
 from .executor import CopyJob
 from .peer import HostProbe, PeerCapabilities, PeerMemory, probe_peer
@@ -228,7 +228,7 @@ class LinkManager:
         self._linking.add(remote_id)
         started = asyncio.get_running_loop().time()
         sock = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15))
-        channel = Channel(sock.send, self._handle, f"{self._dd.cluster_id}->{remote_id}")
+        channel = Channel(dealer_sender(sock), self._handle, f"{self._dd.cluster_id}->{remote_id}")
         reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}")
         try:
             async with asyncio.timeout(timeout_ms / 1000):

@@ -19,13 +19,14 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from .layout import Spans
 
-ChunkRunner = Callable[[int, int], None]
-"""Copies spans ``[lo, hi)`` of the spans a :data:`Copier` was bound to."""
+ChunkRunner = Callable[[int, int, "StopFlag"], None]
+"""Copies spans ``[lo, hi)`` of the spans a :data:`Copier` was bound to, stopping early once the flag is set."""
 Copier = Callable[["Spans"], ChunkRunner]
 """Binds a span list once (pointers, iovecs) and returns the per-chunk runner used by worker threads."""
 
 __all__ = [
     "IOV_MAX",
+    "StopFlag",
     "ChunkRunner",
     "Copier",
     "local_copier",
@@ -50,8 +51,9 @@ def _load_native() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(spec.origin)
     fn = lib.adt_copy_spans
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                   ctypes.c_void_p]
+    fn.restype = ctypes.c_long
     return lib
 
 
@@ -77,11 +79,30 @@ def copy_local(src: UInt64Array, dst: UInt64Array, length: UInt64Array, streamin
     dst = np.ascontiguousarray(dst, dtype=np.uint64)
     length = np.ascontiguousarray(length, dtype=np.uint64)
     if _NATIVE is not None:
-        _NATIVE.adt_copy_spans(_ptr(dst), _ptr(src), _ptr(length), n, 1 if streaming else 0)
+        _NATIVE.adt_copy_spans(_ptr(dst), _ptr(src), _ptr(length), n, 1 if streaming else 0, None)
         return
     move = ctypes.memmove
     for s, d, k in zip(src.tolist(), dst.tolist(), length.tolist()):
         move(d, s, k)
+
+
+class StopFlag:
+    """A flag that native copies poll between spans (an int32 in memory, set from any thread)."""
+
+    __slots__ = ("_word", "address")
+
+    def __init__(self) -> None:
+        self._word = np.zeros(1, dtype=np.int32)
+        self.address = int(self._word.ctypes.data)
+
+    def set(self) -> None:
+        self._word[0] = 1
+
+    def is_set(self) -> bool:
+        return bool(self._word[0])
+
+
+PVM_SPANS_PER_CALL = 64  # process_vm_* cannot poll a flag: bound each call instead
 
 
 def local_copier(streaming: bool = False) -> Copier:
@@ -94,17 +115,19 @@ def local_copier(streaming: bool = False) -> Copier:
         if _NATIVE is None:
             triples = list(zip(dst.tolist(), src.tolist(), length.tolist()))
 
-            def run_fallback(lo: int, hi: int) -> None:
+            def run_fallback(lo: int, hi: int, stop: StopFlag) -> None:
                 for d, s, n in triples[lo:hi]:
+                    if stop.is_set():
+                        return
                     ctypes.memmove(d, s, n)
 
             return run_fallback
         fn, ps, pd, pl, flag = _NATIVE.adt_copy_spans, _ptr(src), _ptr(dst), _ptr(length), int(streaming)
 
-        def run(lo: int, hi: int) -> None:
-            # Only integer arithmetic on the hot path: the arrays stay alive through this closure.
+        def run(lo: int, hi: int, stop: StopFlag) -> None:
+            # One native call for the whole chunk; the arrays stay alive through this closure.
             _keep = (src, dst, length)  # noqa: F841
-            fn(pd + 8 * lo, ps + 8 * lo, pl + 8 * lo, hi - lo, flag)
+            fn(pd + 8 * lo, ps + 8 * lo, pl + 8 * lo, hi - lo, flag, stop.address)
 
         return run
 
@@ -121,10 +144,12 @@ def pvm_copier(pid: int, *, remote_is_src: bool) -> Copier:
         ends = np.concatenate(([0], np.cumsum(spans.length, dtype=np.uint64))).tolist()
         pli, pri = _ptr(local_iov), _ptr(remote_iov)
 
-        def run(lo: int, hi: int) -> None:
+        def run(lo: int, hi: int, stop: StopFlag) -> None:
             _keep = (local_iov, remote_iov)  # noqa: F841
-            for a in range(lo, hi, IOV_MAX):
-                b = min(a + IOV_MAX, hi)
+            for a in range(lo, hi, PVM_SPANS_PER_CALL):
+                if stop.is_set():
+                    return
+                b = min(a + PVM_SPANS_PER_CALL, hi)
                 done = call(pid, pli + 16 * a, b - a, pri + 16 * a, b - a, 0)
                 if done < 0:
                     err = ctypes.get_errno()

@@ -24,6 +24,8 @@ __all__ = [
     "ProtocolError",
     "WireKey",
     "decode",
+    "decode_batch",
+    "encode_batch",
     "encode",
     "field",
     "geometry_from_wire",
@@ -39,6 +41,7 @@ __all__ = [
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_LIST_ITEMS = 1 << 22
+MAX_BATCH = 4096
 _U64 = 2**64 - 1
 
 
@@ -67,8 +70,28 @@ def encode(message: dict[str, Any]) -> bytes:
     return data
 
 
+def encode_batch(messages: list[dict[str, Any]]) -> bytes:
+    """One frame for several messages (a msgpack array of maps); a single message stays a plain map."""
+    return encode(messages[0]) if len(messages) == 1 else encode(messages)  # type: ignore[arg-type]
+
+
+def decode_batch(data: bytes) -> list[dict[str, Any]]:
+    """Decode a frame holding one message (a map) or several (an array of maps), each checked like
+    :func:`decode`."""
+    message = _unpack(data)
+    if isinstance(message, list):
+        if not message or len(message) > MAX_BATCH:
+            raise ProtocolError("empty or oversized batch")
+        return [_check_envelope(m) for m in message]
+    return [_check_envelope(message)]
+
+
 def decode(data: bytes) -> dict[str, Any]:
     """Decode and check the envelope (kind, ids); fields are checked by their consumers."""
+    return _check_envelope(_unpack(data))
+
+
+def _unpack(data: bytes) -> Any:
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
@@ -78,6 +101,10 @@ def decode(data: bytes) -> dict[str, Any]:
         )
     except Exception as exc:  # msgpack raises several unrelated classes for garbage
         raise ProtocolError(f"undecodable message: {exc}") from None
+    return message
+
+
+def _check_envelope(message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError("message is not a map")
     kind = message.get("k")
