@@ -342,11 +342,13 @@ def plan_to_spans(plan: CopyPlan, src_addrs: npt.ArrayLike, dst_addrs: npt.Array
     """Absolute address spans of a plan, tensor-major, merged where memory is contiguous on both sides."""
     sa = np.asarray(src_addrs, dtype=np.uint64)
     da = np.asarray(dst_addrs, dtype=np.uint64)
-    r = len(plan.runs.length)
-    src = (np.repeat(sa[plan.src_tensor], r) + np.tile(plan.runs.src_offset.astype(np.uint64), len(plan.src_tensor)))
-    dst = (np.repeat(da[plan.dst_tensor], r) + np.tile(plan.runs.dst_offset.astype(np.uint64), len(plan.dst_tensor)))
-    length = np.tile(plan.runs.length.astype(np.uint64), len(plan.src_tensor))
-    s, d, n = coalesce(src, dst, length)
+    runs = plan.runs
+    # (tensor, run) grids by broadcasting; offsets and lengths are non-negative, so the uint64 views are exact.
+    src = (sa[plan.src_tensor][:, None] + runs.src_offset.view(np.uint64)[None, :]).ravel()
+    dst = (da[plan.dst_tensor][:, None] + runs.dst_offset.view(np.uint64)[None, :]).ravel()
+    length = np.empty((len(plan.src_tensor), len(runs.length)), dtype=np.uint64)
+    length[:] = runs.length.view(np.uint64)
+    s, d, n = coalesce(src, dst, length.ravel())
     return Spans(s.astype(np.uint64), d.astype(np.uint64), n.astype(np.uint64))
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import numpy as np
 
 from .layout import CacheGeometry
 from .memory import SegmentIdentity
@@ -32,6 +33,7 @@ __all__ = [
     "geometry_to_wire",
     "int_field",
     "opt_int_list",
+    "uint64_array",
     "range_from_wire",
     "range_to_wire",
     "segment_from_wire",
@@ -141,6 +143,17 @@ def opt_int_list(message: dict[str, Any], name: str, low: int = 0, high: int = _
         if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
             raise ProtocolError(f"field {name!r} has an invalid item")
     return values
+
+
+def uint64_array(message: dict[str, Any], name: str) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    """A list of unsigned 64-bit integers as a numpy array (vectorised check: no bools, floats or negatives)."""
+    values = field(message, name, list)
+    if len(values) > MAX_LIST_ITEMS or not all(type(v) is int for v in values):
+        raise ProtocolError(f"field {name!r} must be a list of integers")
+    try:
+        return np.asarray(values, dtype=np.uint64)
+    except (OverflowError, ValueError):
+        raise ProtocolError(f"field {name!r} has an item out of range") from None
 
 
 def geometry_to_wire(g: CacheGeometry) -> list[Any]:

@@ -34,6 +34,7 @@ from .protocol import (
     range_to_wire,
     segment_from_wire,
     segment_to_wire,
+    uint64_array,
 )
 from .registry import CacheEntry
 from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
@@ -169,7 +170,7 @@ class TransferService:
         try:
             owner_geometry = geometry_from_wire(reply.get("geometry"))
             owner_slot = int_field(reply, "slot", 0, 2**32 - 1)
-            addrs = np.asarray(opt_int_list(reply, "addrs"), dtype=np.uint64)
+            addrs = uint64_array(reply, "addrs")
             segment = segment_from_wire(reply.get("segment"))
         except ProtocolError as exc:
             raise LLMLinkError(f"malformed reply from the owner: {exc}") from None
