@@ -52,6 +52,195 @@ long adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *le
     return (long)i;
 }
 
+/* ---------------------------------------------------------------------------------------------------------
+ * A native worker pool.  Jobs are span lists cut into chunks; POSIX threads take chunks round-robin across
+ * jobs and never touch Python, so copies overlap with the event loop instead of contending for the GIL.  A
+ * finished (or stopped) job is announced by writing to the job's eventfd; the event loop then reads
+ * adt_job_state().  Modes: 0 = memcpy within this process, 1 = process_vm_readv (remote source),
+ * 2 = process_vm_writev (remote destination).
+ * --------------------------------------------------------------------------------------------------------- */
+#include <pthread.h>
+#include <stdlib.h>
+#include <errno.h>
+#include <unistd.h>
+#include <sys/uio.h>
+
+typedef struct adt_job {
+    const uint64_t *dst, *src, *len;   /* span arrays, kept alive by the caller until the job is freed */
+    const int64_t *bounds;             /* nchunks + 1 chunk boundaries into the span arrays */
+    size_t nchunks, next_chunk;
+    int mode, pid, streaming, notify_fd;
+    volatile int32_t stop;
+    int inflight, error, done;
+    struct adt_job *next;              /* ready list */
+} adt_job;
+
+typedef struct adt_pool {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    adt_job *head, *tail;
+    int shutdown, nthreads;
+    pthread_t threads[64];
+} adt_pool;
+
+#define PVM_BATCH 1024
+
+static int run_pvm(adt_job *j, int64_t lo, int64_t hi)
+{
+    struct iovec local[PVM_BATCH], remote[PVM_BATCH];
+    for (int64_t a = lo; a < hi; a += PVM_BATCH) {
+        if (j->stop) return 0;
+        int64_t b = a + PVM_BATCH < hi ? a + PVM_BATCH : hi;
+        size_t want = 0;
+        for (int64_t i = a; i < b; i++) {
+            const uint64_t *l = j->mode == 1 ? j->dst : j->src, *r = j->mode == 1 ? j->src : j->dst;
+            local[i - a].iov_base = (void *)(uintptr_t)l[i];
+            remote[i - a].iov_base = (void *)(uintptr_t)r[i];
+            local[i - a].iov_len = remote[i - a].iov_len = (size_t)j->len[i];
+            want += (size_t)j->len[i];
+        }
+        ssize_t got = j->mode == 1 ? process_vm_readv(j->pid, local, b - a, remote, b - a, 0)
+                                   : process_vm_writev(j->pid, local, b - a, remote, b - a, 0);
+        if (got < 0) return errno ? errno : EIO;
+        if ((size_t)got != want) return EFAULT;  /* a remote range is not mapped (any more) */
+    }
+    return 0;
+}
+
+static void *worker(void *arg)
+{
+    adt_pool *p = (adt_pool *)arg;
+    pthread_mutex_lock(&p->lock);
+    for (;;) {
+        while (!p->head && !p->shutdown) pthread_cond_wait(&p->wake, &p->lock);
+        if (!p->head) break;
+        adt_job *j = p->head;
+        size_t c = j->next_chunk++;
+        p->head = j->next;
+        if (!p->head) p->tail = NULL;
+        j->next = NULL;
+        if (j->next_chunk < j->nchunks) {     /* round-robin: the job goes to the back of the line */
+            if (p->tail) p->tail->next = j; else p->head = j;
+            p->tail = j;
+        }
+        j->inflight++;
+        pthread_mutex_unlock(&p->lock);
+
+        int err = 0;
+        int64_t lo = j->bounds[c], hi = j->bounds[c + 1];
+        if (j->mode == 0)
+            adt_copy_spans(j->dst + lo, j->src + lo, j->len + lo, (size_t)(hi - lo), j->streaming, &j->stop);
+        else
+            err = run_pvm(j, lo, hi);
+
+        pthread_mutex_lock(&p->lock);
+        j->inflight--;
+        if (err && !j->error) {
+            j->error = err;
+            j->stop = 1;
+        }
+        if (j->stop && j->next_chunk < j->nchunks) {   /* drop pending chunks and leave the ready list */
+            j->next_chunk = j->nchunks;
+            adt_job **pp = &p->head, *prev = NULL;
+            while (*pp && *pp != j) { prev = *pp; pp = &(*pp)->next; }
+            if (*pp) { *pp = j->next; if (p->tail == j) p->tail = prev; j->next = NULL; }
+        }
+        if (j->next_chunk >= j->nchunks && j->inflight == 0 && !j->done) {
+            j->done = 1;
+            uint64_t one = 1;
+            ssize_t ignored = write(j->notify_fd, &one, sizeof one);
+            (void)ignored;
+        }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return NULL;
+}
+
+void *adt_pool_new(int nthreads)
+{
+    adt_pool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    if (nthreads > 64) nthreads = 64;
+    for (int i = 0; i < nthreads; i++)
+        if (pthread_create(&p->threads[p->nthreads], NULL, worker, p) == 0) p->nthreads++;
+    return p;
+}
+
+/* Finishes every queued chunk, joins the threads and frees the pool. */
+void adt_pool_free(void *pool)
+{
+    adt_pool *p = (adt_pool *)pool;
+    pthread_mutex_lock(&p->lock);
+    p->shutdown = 1;
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->lock);
+    for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
+    pthread_cond_destroy(&p->wake);
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+}
+
+void *adt_job_submit(void *pool, const uint64_t *dst, const uint64_t *src, const uint64_t *len,
+                     const int64_t *bounds, size_t nchunks, int mode, int pid, int streaming, int notify_fd)
+{
+    adt_pool *p = (adt_pool *)pool;
+    adt_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    j->dst = dst; j->src = src; j->len = len; j->bounds = bounds; j->nchunks = nchunks;
+    j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd;
+    pthread_mutex_lock(&p->lock);
+    if (nchunks == 0) {
+        j->done = 1;
+        uint64_t one = 1;
+        ssize_t ignored = write(notify_fd, &one, sizeof one);
+        (void)ignored;
+    } else {
+        if (p->tail) p->tail->next = j; else p->head = j;
+        p->tail = j;
+        pthread_cond_broadcast(&p->wake);
+    }
+    pthread_mutex_unlock(&p->lock);
+    return j;
+}
+
+/* Stop a job: no new chunk starts, running ones stop at their next span; completion is announced as usual. */
+void adt_job_cancel(void *pool, void *job)
+{
+    adt_pool *p = (adt_pool *)pool;
+    adt_job *j = (adt_job *)job;
+    pthread_mutex_lock(&p->lock);
+    j->stop = 1;
+    if (j->next_chunk < j->nchunks) {
+        j->next_chunk = j->nchunks;
+        adt_job **pp = &p->head, *prev = NULL;
+        while (*pp && *pp != j) { prev = *pp; pp = &(*pp)->next; }
+        if (*pp) { *pp = j->next; if (p->tail == j) p->tail = prev; j->next = NULL; }
+    }
+    if (j->inflight == 0 && !j->done) {
+        j->done = 1;
+        uint64_t one = 1;
+        ssize_t ignored = write(j->notify_fd, &one, sizeof one);
+        (void)ignored;
+    }
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* 0 = running, 1 = finished, 2 = stopped early; *error receives the errno of a failed chunk (0 if none). */
+int adt_job_state(void *pool, void *job, int *error)
+{
+    adt_pool *p = (adt_pool *)pool;
+    adt_job *j = (adt_job *)job;
+    pthread_mutex_lock(&p->lock);
+    int state = !j->done ? 0 : (j->stop ? 2 : 1);
+    *error = j->error;
+    pthread_mutex_unlock(&p->lock);
+    return state;
+}
+
+void adt_job_free(void *job) { free(job); }
+
 /* Importable as a module so that the build and the loader can find it; the work is done through ctypes. */
 static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native", "aiodatadist span copier", -1, NULL};
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

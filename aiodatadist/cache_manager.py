@@ -137,7 +137,7 @@ class CacheManager(TransferMixin):
         for job in jobs:
             self._executor.cancel(job, LLMException(reason, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST))
         for job in jobs:
-            job.stopped.wait(timeout=5.0)
+            job.wait_stopped_sync(5.0)
 
     # -- allocation ------------------------------------------------------------------------------------------
     def _allocate(self, desc: CacheDesc, *, is_blocks: bool, keys: list[CacheKey],

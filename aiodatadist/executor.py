@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .layout import Spans
-from .native import Copier, StopFlag
+from .native import Copier, StopFlag, bind_runner
 
 __all__ = ["CopyExecutor", "CopyJob", "release_shared_executor", "shared_executor"]
 
@@ -69,7 +69,7 @@ class CopyJob:
         self.spans, bounds = split_spans(spans, chunk_bytes, min(PIECE, chunk_bytes))
         self.stop_flag = StopFlag()
         self._pending: deque[tuple[int, int]] = deque(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
-        self._run = copier(self.spans)
+        self._run = bind_runner(copier, self.spans)
         self._loop = loop
         self.future: asyncio.Future[None] = loop.create_future()
         self.stopped = threading.Event()
@@ -80,6 +80,10 @@ class CopyJob:
     @property
     def num_chunks(self) -> int:
         return len(self._pending)
+
+    def wait_stopped_sync(self, timeout: float) -> bool:
+        """Block (briefly: one chunk) until no worker touches the job's memory; for synchronous callers."""
+        return self.stopped.wait(timeout)
 
     def _finish_locked(self) -> None:
         if self._pending or self.inflight or self.stopped.is_set():
@@ -225,7 +229,9 @@ def shared_executor() -> CopyExecutor:
     global _shared, _users
     with _shared_lock:
         if _shared is None:
-            _shared = CopyExecutor()
+            from .native_pool import make_executor
+
+            _shared = make_executor()
         _users += 1
         return _shared
 

@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -20,15 +21,16 @@ if TYPE_CHECKING:
     from .layout import Spans
 
 ChunkRunner = Callable[[int, int, "StopFlag"], None]
-"""Copies spans ``[lo, hi)`` of the spans a :data:`Copier` was bound to, stopping early once the flag is set."""
-Copier = Callable[["Spans"], ChunkRunner]
-"""Binds a span list once (pointers, iovecs) and returns the per-chunk runner used by worker threads."""
+"""Copies spans ``[lo, hi)`` of a bound span list, stopping early once the flag is set."""
 
 __all__ = [
     "IOV_MAX",
     "StopFlag",
     "ChunkRunner",
+    "CopySpec",
     "Copier",
+    "bind_runner",
+    "native_pool",
     "local_copier",
     "pvm_copier",
     "copy_local",
@@ -58,6 +60,26 @@ def _load_native() -> ctypes.CDLL | None:
 
 
 _NATIVE = _load_native()
+
+
+def _bind_pool(lib: ctypes.CDLL) -> None:
+    vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    lib.adt_pool_new.argtypes, lib.adt_pool_new.restype = [c_int], vp
+    lib.adt_pool_free.argtypes, lib.adt_pool_free.restype = [vp], None
+    lib.adt_job_submit.argtypes = [vp, vp, vp, vp, vp, sz, c_int, c_int, c_int, c_int]
+    lib.adt_job_submit.restype = vp
+    lib.adt_job_cancel.argtypes, lib.adt_job_cancel.restype = [vp, vp], None
+    lib.adt_job_state.argtypes, lib.adt_job_state.restype = [vp, vp, ctypes.POINTER(c_int)], c_int
+    lib.adt_job_free.argtypes, lib.adt_job_free.restype = [vp], None
+
+
+if _NATIVE is not None:
+    _bind_pool(_NATIVE)
+
+
+def native_pool() -> ctypes.CDLL | None:
+    """The compiled library with the native worker pool (``adt_pool_*``, ``adt_job_*``), if built."""
+    return _NATIVE
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -105,61 +127,89 @@ class StopFlag:
 PVM_SPANS_PER_CALL = 64  # process_vm_* cannot poll a flag: bound each call instead
 
 
-def local_copier(streaming: bool = False) -> Copier:
-    """A :data:`Copier` for spans whose both ends are mapped in this process."""
+@dataclass(frozen=True, slots=True)
+class CopySpec:
+    """How to execute spans: ``mode`` 0 copies within this process, 1 reads from process ``pid``
+    (``process_vm_readv``), 2 writes into it (``process_vm_writev``).  ``src_delta``/``dst_delta`` translate
+    addresses first (a peer's segment mapped here)."""
 
-    def bind(spans: Spans) -> ChunkRunner:
-        src = np.ascontiguousarray(spans.src, dtype=np.uint64)
-        dst = np.ascontiguousarray(spans.dst, dtype=np.uint64)
-        length = np.ascontiguousarray(spans.length, dtype=np.uint64)
-        if _NATIVE is None:
-            triples = list(zip(dst.tolist(), src.tolist(), length.tolist()))
+    mode: int = 0
+    pid: int = 0
+    streaming: bool = False
+    src_delta: int = 0
+    dst_delta: int = 0
 
-            def run_fallback(lo: int, hi: int, stop: StopFlag) -> None:
-                for d, s, n in triples[lo:hi]:
-                    if stop.is_set():
-                        return
-                    ctypes.memmove(d, s, n)
+    def translate(self, spans: Spans) -> Spans:
+        if not self.src_delta and not self.dst_delta:
+            return spans
+        from .layout import Spans as _Spans
 
-            return run_fallback
-        fn, ps, pd, pl, flag = _NATIVE.adt_copy_spans, _ptr(src), _ptr(dst), _ptr(length), int(streaming)
-
-        def run(lo: int, hi: int, stop: StopFlag) -> None:
-            # One native call for the whole chunk; the arrays stay alive through this closure.
-            _keep = (src, dst, length)  # noqa: F841
-            fn(pd + 8 * lo, ps + 8 * lo, pl + 8 * lo, hi - lo, flag, stop.address)
-
-        return run
-
-    return bind
+        return _Spans(spans.src + np.uint64(self.src_delta), spans.dst + np.uint64(self.dst_delta), spans.length)
 
 
-def pvm_copier(pid: int, *, remote_is_src: bool) -> Copier:
-    """A :data:`Copier` for spans whose source (pull) or destination (push) lies in process ``pid``."""
-    call = _libc.process_vm_readv if remote_is_src else _libc.process_vm_writev
+Copier = CopySpec
 
-    def bind(spans: Spans) -> ChunkRunner:
-        local, remote = (spans.dst, spans.src) if remote_is_src else (spans.src, spans.dst)
-        local_iov, remote_iov = _iovecs(local, spans.length), _iovecs(remote, spans.length)
-        ends = np.concatenate(([0], np.cumsum(spans.length, dtype=np.uint64))).tolist()
-        pli, pri = _ptr(local_iov), _ptr(remote_iov)
 
-        def run(lo: int, hi: int, stop: StopFlag) -> None:
-            _keep = (local_iov, remote_iov)  # noqa: F841
-            for a in range(lo, hi, PVM_SPANS_PER_CALL):
+def local_copier(streaming: bool = False) -> CopySpec:
+    """Spans whose both ends are mapped in this process."""
+    return CopySpec(0, streaming=streaming)
+
+
+def pvm_copier(pid: int, *, remote_is_src: bool) -> CopySpec:
+    """Spans whose source (pull) or destination (push) lies in process ``pid``."""
+    return CopySpec(1 if remote_is_src else 2, pid=pid)
+
+
+def bind_runner(spec: CopySpec, spans: Spans) -> ChunkRunner:
+    """A per-chunk runner for the Python executor (the native pool runs a :class:`CopySpec` itself)."""
+    spans = spec.translate(spans)
+    src = np.ascontiguousarray(spans.src, dtype=np.uint64)
+    dst = np.ascontiguousarray(spans.dst, dtype=np.uint64)
+    length = np.ascontiguousarray(spans.length, dtype=np.uint64)
+    if spec.mode != 0:
+        return _pvm_runner(spec, src, dst, length)
+    if _NATIVE is None:
+        triples = list(zip(dst.tolist(), src.tolist(), length.tolist()))
+
+        def run_fallback(lo: int, hi: int, stop: StopFlag) -> None:
+            for d, s, n in triples[lo:hi]:
                 if stop.is_set():
                     return
-                b = min(a + PVM_SPANS_PER_CALL, hi)
-                done = call(pid, pli + 16 * a, b - a, pri + 16 * a, b - a, 0)
-                if done < 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"{call.__name__}(pid={pid}): {os.strerror(err)}")
-                if done != ends[b] - ends[a]:
-                    raise OSError(0, f"{call.__name__}(pid={pid}) moved {done} of {ends[b] - ends[a]} bytes")
+                ctypes.memmove(d, s, n)
 
-        return run
+        return run_fallback
+    fn, ps, pd, pl, flag = _NATIVE.adt_copy_spans, _ptr(src), _ptr(dst), _ptr(length), int(spec.streaming)
 
-    return bind
+    def run(lo: int, hi: int, stop: StopFlag) -> None:
+        # One native call for the whole chunk; the arrays stay alive through this closure.
+        _keep = (src, dst, length)  # noqa: F841
+        fn(pd + 8 * lo, ps + 8 * lo, pl + 8 * lo, hi - lo, flag, stop.address)
+
+    return run
+
+
+def _pvm_runner(spec: CopySpec, src: UInt64Array, dst: UInt64Array, length: UInt64Array) -> ChunkRunner:
+    remote_is_src = spec.mode == 1
+    call = _libc.process_vm_readv if remote_is_src else _libc.process_vm_writev
+    local, remote = (dst, src) if remote_is_src else (src, dst)
+    local_iov, remote_iov = _iovecs(local, length), _iovecs(remote, length)
+    ends = np.concatenate(([0], np.cumsum(length, dtype=np.uint64))).tolist()
+    pli, pri, pid = _ptr(local_iov), _ptr(remote_iov), spec.pid
+
+    def run(lo: int, hi: int, stop: StopFlag) -> None:
+        _keep = (local_iov, remote_iov)  # noqa: F841
+        for a in range(lo, hi, PVM_SPANS_PER_CALL):
+            if stop.is_set():
+                return
+            b = min(a + PVM_SPANS_PER_CALL, hi)
+            done = call(pid, pli + 16 * a, b - a, pri + 16 * a, b - a, 0)
+            if done < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"{call.__name__}(pid={pid}): {os.strerror(err)}")
+            if done != ends[b] - ends[a]:
+                raise OSError(0, f"{call.__name__}(pid={pid}) moved {done} of {ends[b] - ends[a]} bytes")
+
+    return run
 
 
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -21,9 +21,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .layout import Spans
 from .memory import SegmentIdentity, SharedSegment, map_peer_segment
-from .native import ChunkRunner, Copier, local_copier, populate, process_vm_read, pvm_copier
+from .native import CopySpec, populate, process_vm_read, pvm_copier
 from .protocol import ProtocolError, segment_from_wire
 
 __all__ = ["HostProbe", "PeerCapabilities", "PeerMemory", "allowed_mechanisms"]
@@ -169,19 +168,14 @@ class PeerMemory:
         return (segment is not None and self.caps.can_map) or self.caps.can_pvm
 
     def copier(self, *, remote_is_src: bool, segment: tuple[SegmentIdentity, int] | None,
-               streaming: bool) -> Copier:
-        """A :data:`Copier` for spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
+               streaming: bool) -> CopySpec:
+        """How to copy spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
         if segment is not None and self.caps.can_map:
             identity, remote_base = segment
-            delta = np.uint64((self._local_base(identity) - remote_base) % 2**64)
-            local = local_copier(streaming)
-
-            def bind_mapped(spans: Spans) -> ChunkRunner:
-                if remote_is_src:
-                    return local(Spans(spans.src + delta, spans.dst, spans.length))
-                return local(Spans(spans.src, spans.dst + delta, spans.length))
-
-            return bind_mapped
+            delta = (self._local_base(identity) - remote_base) % 2**64
+            if remote_is_src:
+                return CopySpec(0, streaming=streaming, src_delta=delta)
+            return CopySpec(0, streaming=streaming, dst_delta=delta)
         if self.caps.can_pvm:
             return pvm_copier(self.caps.pid, remote_is_src=remote_is_src)
         raise OSError(0, _unreachable_reason(self.caps, segment))

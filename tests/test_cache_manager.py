@@ -12,13 +12,14 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from conftest import fill_random, next_cluster_id, tensor_bytes
 
-import aiodatadist.cache_manager as cache_manager_module
+import aiodatadist.executor as executor_module
 from aiodatadist import (
     BlocksCacheKey,
     Cache,
@@ -35,6 +36,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
+from aiodatadist.executor import CopyExecutor
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
 NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
@@ -967,41 +969,42 @@ class SlowCopier:
         else:
             self.gate.wait(10.0)
 
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """Patch the factory ``CacheManager`` uses for local copies (``copier_for_local(total_bytes)``,
-        which returns ``bind(spans) -> run(lo, hi)``)."""
-        real = cache_manager_module.copier_for_local
+    def install(self, monkeypatch: pytest.MonkeyPatch, manager: CacheManager) -> CopyExecutor:
+        """Give ``manager`` its own Python executor whose chunk runners pause first (the native pool runs no
+        Python per chunk, so its timing cannot be steered this way)."""
+        real = executor_module.bind_runner
 
-        def factory(total_bytes: int) -> Any:
-            bind_real = real(total_bytes)
+        def bind(spec: Any, spans: Any) -> Any:
+            run_real = real(spec, spans)
 
-            def bind(spans: Any) -> Any:
-                run_real = bind_real(spans)
+            def run(lo: int, hi: int, stop: Any) -> None:
+                self.before_chunk()
+                run_real(lo, hi, stop)
 
-                def run(lo: int, hi: int) -> None:
-                    self.before_chunk()
-                    run_real(lo, hi)
+            return run
 
-                return run
-
-            return bind
-
-        monkeypatch.setattr(cache_manager_module, "copier_for_local", factory)
+        monkeypatch.setattr(executor_module, "bind_runner", bind)
+        executor = CopyExecutor()
+        monkeypatch.setattr(manager, "_executor", executor)
+        return executor
 
 
 @pytest.fixture
-def slow_copier(monkeypatch: pytest.MonkeyPatch) -> SlowCopier:
+def slow_copier(monkeypatch: pytest.MonkeyPatch, cache_manager: CacheManager) -> Iterator[SlowCopier]:
     copier = SlowCopier(0.1)
-    copier.install(monkeypatch)
-    return copier
+    executor = copier.install(monkeypatch, cache_manager)
+    yield copier
+    copier.gate.set()
+    executor.shutdown()
 
 
 @pytest.fixture
-def paced_copier(monkeypatch: pytest.MonkeyPatch) -> SlowCopier:
-    """The real copier, 4 ms pause before each chunk: a 128 MiB copy takes over 100 ms."""
-    copier = SlowCopier(0.004)
-    copier.install(monkeypatch)
-    return copier
+def paced_copier(monkeypatch: pytest.MonkeyPatch, cache_manager: CacheManager) -> Iterator[SlowCopier]:
+    """The real copier, 15 ms pause before each chunk (<= 16 MiB): a 128 MiB copy takes over 100 ms."""
+    copier = SlowCopier(0.015)
+    executor = copier.install(monkeypatch, cache_manager)
+    yield copier
+    executor.shutdown()
 
 
 def edges(views: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
@@ -1105,11 +1108,12 @@ async def test_finalize_fails_queued_copy_with_llm_exception(monkeypatch: pytest
     """Regression: finalize cancelled the internal future of a job with no chunk in flight, so the copy
     coroutine raised CancelledError although nobody had cancelled it."""
     copier = SlowCopier(None)  # chunks block on copier.gate
-    copier.install(monkeypatch)
     busy = LLMDataDist(LLMRole.PROMPT, next_cluster_id())
     victim = LLMDataDist(LLMRole.DECODER, next_cluster_id())
     await busy.init(LLMConfig().generate_options())
     await victim.init(LLMConfig().generate_options())
+    executor = copier.install(monkeypatch, busy.cache_manager)  # one slowed executor for both instances
+    monkeypatch.setattr(victim.cache_manager, "_executor", executor)
     try:
         # occupy every worker of the shared executor with chunks that wait on the gate
         big = busy.cache_manager.allocate_blocks_cache(host_desc(*MID_DESC))
@@ -1128,3 +1132,4 @@ async def test_finalize_fails_queued_copy_with_llm_exception(monkeypatch: pytest
         await asyncio.gather(blocker, return_exceptions=True)
         await victim.finalize()
         await busy.finalize()
+        executor.shutdown()

@@ -1,0 +1,182 @@
+"""The native executor: span copies run on POSIX threads of the compiled helper, never holding the GIL.
+
+Python only submits a job (span arrays, chunk boundaries, a :class:`~aiodatadist.native.CopySpec`) and learns
+about its end through an eventfd watched by the event loop, so copies overlap with the loop's work instead of
+contending with it for the interpreter lock.  Same contract as :class:`~aiodatadist.executor.CopyExecutor`:
+cancelling stops the job at its next span and ``wait`` returns only when no worker touches its memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .executor import MAX_CHUNK, MIN_CHUNK, PIECE, SINGLE_CHUNK, split_spans, wait_stopped
+from .layout import Spans
+from .native import CopySpec, native_pool
+
+__all__ = ["NativeExecutor", "NativeJob"]
+
+
+class NativeJob:
+    """A job in the native pool; its arrays stay referenced here until the pool is done with them."""
+
+    def __init__(self, executor: NativeExecutor, spans: Spans, spec: CopySpec, chunk_bytes: int,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        spans, bounds = split_spans(spec.translate(spans), chunk_bytes, min(PIECE, chunk_bytes))
+        self._arrays = (np.ascontiguousarray(spans.dst, dtype=np.uint64),
+                        np.ascontiguousarray(spans.src, dtype=np.uint64),
+                        np.ascontiguousarray(spans.length, dtype=np.uint64),
+                        np.ascontiguousarray(bounds, dtype=np.int64))
+        self.spans = spans
+        self.num_chunks = len(bounds) - 1
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.spec = spec
+        self.handle: int | None = None
+        self._executor = executor
+
+    def wait_stopped_sync(self, timeout: float) -> bool:
+        """Block until the pool is done with the job (bounded by one span per worker)."""
+        deadline = time.monotonic() + timeout
+        while not self.stopped.is_set() and not self._executor._poll(self):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
+
+class _Notifier:
+    """The eventfd of one event loop and the jobs it waits for."""
+
+    def __init__(self, executor: NativeExecutor, loop: asyncio.AbstractEventLoop) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.loop = loop
+        self.jobs: set[NativeJob] = set()
+        loop.add_reader(self.fd, executor._on_ready, self)
+
+    def close(self) -> None:
+        try:
+            if not self.loop.is_closed():
+                self.loop.remove_reader(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+class NativeExecutor:
+    """A pool of native worker threads shared by every instance in the process."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        lib = native_pool()
+        if lib is None:
+            raise RuntimeError("the native helper is not built")
+        self._lib = lib
+        self.workers = workers or max(2, min(8, os.cpu_count() or 2))
+        self._pool = lib.adt_pool_new(self.workers)
+        self._notifiers: dict[asyncio.AbstractEventLoop, _Notifier] = {}
+        self._lock = threading.Lock()
+
+    def chunk_bytes_for(self, total: int) -> int:
+        if total <= SINGLE_CHUNK:
+            return max(total, 1)
+        return int(min(MAX_CHUNK, max(MIN_CHUNK, total // (2 * self.workers))))
+
+    def _notifier(self, loop: asyncio.AbstractEventLoop) -> _Notifier:
+        notifier = self._notifiers.get(loop)
+        if notifier is None:
+            notifier = self._notifiers[loop] = _Notifier(self, loop)
+        return notifier
+
+    def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> NativeJob:
+        """Queue a job (from the event loop thread); await it with :meth:`wait`."""
+        loop = asyncio.get_running_loop()
+        job = NativeJob(self, spans, copier, chunk_bytes or self.chunk_bytes_for(spans.total_bytes), loop)
+        notifier = self._notifier(loop)
+        dst, src, length, bounds = job._arrays
+        handle = self._lib.adt_job_submit(
+            self._pool, dst.ctypes.data, src.ctypes.data, length.ctypes.data, bounds.ctypes.data,
+            job.num_chunks, copier.mode, copier.pid, int(copier.streaming), notifier.fd)
+        if not handle:
+            raise MemoryError("cannot queue a copy job")
+        job.handle = handle
+        notifier.jobs.add(job)
+        return job
+
+    async def wait(self, job: NativeJob) -> None:
+        """Await a job; if the caller is cancelled, stop the job and wait until its workers are done."""
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            self.cancel(job)
+            await wait_stopped(job)  # type: ignore[arg-type]
+            raise
+
+    async def run(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> None:
+        await self.wait(self.start(spans, copier, chunk_bytes=chunk_bytes))
+
+    def cancel(self, job: NativeJob, error: BaseException | None = None) -> None:
+        """Stop the job at its next span; with ``error`` its waiter gets that exception."""
+        if job.stopped.is_set() or job.handle is None:
+            return
+        job.cancelled = True
+        if error is not None and job.error is None:
+            job.error = error
+        self._lib.adt_job_cancel(self._pool, job.handle)
+
+    def _poll(self, job: NativeJob) -> bool:
+        """Whether the pool is done with ``job`` (and, if so, finish it)."""
+        if job.handle is None:
+            return True
+        err = ctypes.c_int(0)
+        state = self._lib.adt_job_state(self._pool, job.handle, ctypes.byref(err))
+        if state == 0:
+            return False
+        if err.value and job.error is None:
+            job.error = OSError(err.value, f"copy failed: {os.strerror(err.value)}")
+        self._lib.adt_job_free(job.handle)
+        job.handle = None
+        job.stopped.set()
+        notifier = self._notifiers.get(job.future.get_loop())
+        if notifier is not None:
+            notifier.jobs.discard(job)
+        if not job.future.done():
+            if job.error is not None:
+                job.future.set_exception(job.error)
+            else:
+                job.future.set_result(None)
+        return True
+
+    def _on_ready(self, notifier: _Notifier) -> None:
+        try:
+            os.eventfd_read(notifier.fd)
+        except BlockingIOError:
+            return
+        for job in list(notifier.jobs):
+            self._poll(job)
+
+    def shutdown(self) -> None:
+        """Join the worker threads (blocking: call it off the event loop, after every job ended)."""
+        self._lib.adt_pool_free(self._pool)
+        for notifier in self._notifiers.values():
+            if notifier.loop.is_closed() or notifier.loop.is_running() is False:
+                notifier.close()
+            else:
+                notifier.loop.call_soon_threadsafe(notifier.close)
+        self._notifiers.clear()
+
+
+def make_executor() -> Any:
+    """The native executor where the helper is built (unless ``AIODATADIST_EXECUTOR=python``)."""
+    from .executor import CopyExecutor
+
+    if native_pool() is not None and os.environ.get("AIODATADIST_EXECUTOR", "native") != "python":
+        return NativeExecutor()
+    return CopyExecutor()
