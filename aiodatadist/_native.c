@@ -55,45 +55,68 @@ long adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *le
 /* ---------------------------------------------------------------------------------------------------------
  * A native worker pool.  Jobs are span lists cut into chunks; POSIX threads take chunks round-robin across
  * jobs and never touch Python, so copies overlap with the event loop instead of contending for the GIL.  A
- * finished (or stopped) job is announced by writing to the job's eventfd; the event loop then reads
- * adt_job_state().  Modes: 0 = memcpy within this process, 1 = process_vm_readv (remote source),
+ * finished (or stopped) job is announced by writing its address to the job's notify pipe; the event loop
+ * then reads adt_job_state() of exactly the jobs that ended.  Modes: 0 = memcpy within this process, 1 = process_vm_readv (remote source),
  * 2 = process_vm_writev (remote destination).
  * --------------------------------------------------------------------------------------------------------- */
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdlib.h>
 #include <errno.h>
 #include <unistd.h>
 #include <sys/uio.h>
+#include <sched.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 
+#ifndef ADT_WORKER_NICE
+#define ADT_WORKER_NICE 0
+#endif
+
+/* Submitting and cancelling never take the workers' mutex: jobs are pushed on a lock-free stack and workers are
+ * woken through a semaphore.  On a small, oversubscribed machine a worker preempted while holding a lock would
+ * otherwise stall the event loop in every submit. */
 typedef struct adt_job {
     const uint64_t *dst, *src, *len;   /* span arrays, kept alive by the caller until the job is freed */
     const int64_t *bounds;             /* nchunks + 1 chunk boundaries into the span arrays */
-    size_t nchunks, next_chunk;
+    size_t nchunks, next_chunk;        /* next_chunk, inflight: under the workers' mutex */
     int mode, pid, streaming, notify_fd;
-    volatile int32_t stop;
-    int inflight, error, done;
-    struct adt_job *next;              /* ready list */
+    volatile int32_t stop;             /* set by anyone (atomically), polled between spans */
+    int inflight, error;
+    int done;                          /* published with release semantics once no worker touches the job */
+    struct adt_job *next;              /* ready list (workers' mutex) */
+    struct adt_job *next_in;           /* incoming stack (lock-free) */
 } adt_job;
 
 typedef struct adt_pool {
     pthread_mutex_t lock;
-    pthread_cond_t wake;
-    adt_job *head, *tail;
+    sem_t work;
+    adt_job *incoming;                 /* lock-free stack of submitted jobs */
+    adt_job *head, *tail;              /* ready list, round-robin */
     int shutdown, nthreads;
     pthread_t threads[64];
 } adt_pool;
 
 #define PVM_BATCH 1024
 
+/* A finished job is announced by writing its address (8 bytes: atomic on a pipe) to its notify pipe, so the
+ * event loop learns which jobs ended without polling the others. */
+static void announce(int fd, adt_job *j)
+{
+    uint64_t id = (uint64_t)(uintptr_t)j;
+    ssize_t r;
+    do { r = write(fd, &id, sizeof id); } while (r < 0 && errno == EINTR);
+}
+
 static int run_pvm(adt_job *j, int64_t lo, int64_t hi)
 {
     struct iovec local[PVM_BATCH], remote[PVM_BATCH];
+    const uint64_t *l = j->mode == 1 ? j->dst : j->src, *r = j->mode == 1 ? j->src : j->dst;
     for (int64_t a = lo; a < hi; a += PVM_BATCH) {
         if (j->stop) return 0;
         int64_t b = a + PVM_BATCH < hi ? a + PVM_BATCH : hi;
         size_t want = 0;
         for (int64_t i = a; i < b; i++) {
-            const uint64_t *l = j->mode == 1 ? j->dst : j->src, *r = j->mode == 1 ? j->src : j->dst;
             local[i - a].iov_base = (void *)(uintptr_t)l[i];
             remote[i - a].iov_base = (void *)(uintptr_t)r[i];
             local[i - a].iov_len = remote[i - a].iov_len = (size_t)j->len[i];
@@ -107,18 +130,63 @@ static int run_pvm(adt_job *j, int64_t lo, int64_t hi)
     return 0;
 }
 
+static void take_incoming(adt_pool *p)   /* under the mutex: append submitted jobs in submission order */
+{
+    adt_job *stack = __atomic_exchange_n(&p->incoming, NULL, __ATOMIC_ACQUIRE), *rev = NULL;
+    while (stack) { adt_job *n = stack->next_in; stack->next_in = rev; rev = stack; stack = n; }
+    while (rev) {
+        adt_job *n = rev->next_in;
+        rev->next = NULL;
+        if (p->tail) p->tail->next = rev; else p->head = rev;
+        p->tail = rev;
+        rev = n;
+    }
+}
+
+static void unlink_head(adt_pool *p, adt_job *j)   /* under the mutex; j is p->head */
+{
+    p->head = j->next;
+    if (!p->head) p->tail = NULL;
+    j->next = NULL;
+}
+
+static int finish_if_idle(adt_job *j)   /* under the mutex; returns 1 if the caller must announce it */
+{
+    if (j->next_chunk >= j->nchunks && j->inflight == 0 && !__atomic_load_n(&j->done, __ATOMIC_RELAXED)) {
+        __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
+        return 1;
+    }
+    return 0;
+}
+
 static void *worker(void *arg)
 {
     adt_pool *p = (adt_pool *)arg;
-    pthread_mutex_lock(&p->lock);
+    /* Copies yield to the event loop: batch scheduling (a woken worker does not preempt the loop) and a lower
+     * priority.  Idle cores are still used in full; only contention is resolved in the loop's favour. */
+    struct sched_param none = {0};
+    pthread_setschedparam(pthread_self(), SCHED_BATCH, &none);
+    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), ADT_WORKER_NICE);
     for (;;) {
-        while (!p->head && !p->shutdown) pthread_cond_wait(&p->wake, &p->lock);
-        if (!p->head) break;
+        pthread_mutex_lock(&p->lock);
+        take_incoming(p);
         adt_job *j = p->head;
+        if (!j) {
+            int stop_now = __atomic_load_n(&p->shutdown, __ATOMIC_ACQUIRE);
+            pthread_mutex_unlock(&p->lock);
+            if (stop_now) break;
+            while (sem_wait(&p->work) < 0 && errno == EINTR) {}
+            continue;
+        }
+        unlink_head(p, j);
+        if (__atomic_load_n(&j->stop, __ATOMIC_ACQUIRE)) {   /* cancelled or failed: drop what is left */
+            j->next_chunk = j->nchunks;
+            int fd = j->notify_fd, ann = finish_if_idle(j);
+            pthread_mutex_unlock(&p->lock);
+            if (ann) announce(fd, j);
+            continue;
+        }
         size_t c = j->next_chunk++;
-        p->head = j->next;
-        if (!p->head) p->tail = NULL;
-        j->next = NULL;
         if (j->next_chunk < j->nchunks) {     /* round-robin: the job goes to the back of the line */
             if (p->tail) p->tail->next = j; else p->head = j;
             p->tail = j;
@@ -137,22 +205,18 @@ static void *worker(void *arg)
         j->inflight--;
         if (err && !j->error) {
             j->error = err;
-            j->stop = 1;
+            __atomic_store_n(&j->stop, 1, __ATOMIC_RELEASE);
         }
-        if (j->stop && j->next_chunk < j->nchunks) {   /* drop pending chunks and leave the ready list */
-            j->next_chunk = j->nchunks;
+        if (__atomic_load_n(&j->stop, __ATOMIC_ACQUIRE) && j->next_chunk < j->nchunks) {
+            j->next_chunk = j->nchunks;       /* pending chunks are dropped; leave the ready list */
             adt_job **pp = &p->head, *prev = NULL;
             while (*pp && *pp != j) { prev = *pp; pp = &(*pp)->next; }
             if (*pp) { *pp = j->next; if (p->tail == j) p->tail = prev; j->next = NULL; }
         }
-        if (j->next_chunk >= j->nchunks && j->inflight == 0 && !j->done) {
-            j->done = 1;
-            uint64_t one = 1;
-            ssize_t ignored = write(j->notify_fd, &one, sizeof one);
-            (void)ignored;
-        }
+        int fd = j->notify_fd, ann = finish_if_idle(j);
+        pthread_mutex_unlock(&p->lock);
+        if (ann) announce(fd, j);
     }
-    pthread_mutex_unlock(&p->lock);
     return NULL;
 }
 
@@ -161,7 +225,7 @@ void *adt_pool_new(int nthreads)
     adt_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     pthread_mutex_init(&p->lock, NULL);
-    pthread_cond_init(&p->wake, NULL);
+    sem_init(&p->work, 0, 0);
     if (nthreads > 64) nthreads = 64;
     for (int i = 0; i < nthreads; i++)
         if (pthread_create(&p->threads[p->nthreads], NULL, worker, p) == 0) p->nthreads++;
@@ -172,12 +236,10 @@ void *adt_pool_new(int nthreads)
 void adt_pool_free(void *pool)
 {
     adt_pool *p = (adt_pool *)pool;
-    pthread_mutex_lock(&p->lock);
-    p->shutdown = 1;
-    pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->lock);
+    __atomic_store_n(&p->shutdown, 1, __ATOMIC_RELEASE);
+    for (int i = 0; i < p->nthreads; i++) sem_post(&p->work);
     for (int i = 0; i < p->nthreads; i++) pthread_join(p->threads[i], NULL);
-    pthread_cond_destroy(&p->wake);
+    sem_destroy(&p->work);
     pthread_mutex_destroy(&p->lock);
     free(p);
 }
@@ -190,53 +252,37 @@ void *adt_job_submit(void *pool, const uint64_t *dst, const uint64_t *src, const
     if (!j) return NULL;
     j->dst = dst; j->src = src; j->len = len; j->bounds = bounds; j->nchunks = nchunks;
     j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd;
-    pthread_mutex_lock(&p->lock);
     if (nchunks == 0) {
-        j->done = 1;
-        uint64_t one = 1;
-        ssize_t ignored = write(notify_fd, &one, sizeof one);
-        (void)ignored;
-    } else {
-        if (p->tail) p->tail->next = j; else p->head = j;
-        p->tail = j;
-        pthread_cond_broadcast(&p->wake);
+        __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
+        announce(notify_fd, j);
+        return j;
     }
-    pthread_mutex_unlock(&p->lock);
+    adt_job *top = __atomic_load_n(&p->incoming, __ATOMIC_RELAXED);
+    do { j->next_in = top; } while (!__atomic_compare_exchange_n(&p->incoming, &top, j, 1, __ATOMIC_RELEASE,
+                                                                  __ATOMIC_RELAXED));
+    size_t wake = nchunks < (size_t)p->nthreads ? nchunks : (size_t)p->nthreads;
+    for (size_t i = 0; i < wake; i++) sem_post(&p->work);
     return j;
 }
 
-/* Stop a job: no new chunk starts, running ones stop at their next span; completion is announced as usual. */
+/* Stop a job: no new chunk starts and running ones stop at their next span; the end is announced as usual
+ * (by the worker that meets the job next, or that finishes its running chunk). */
 void adt_job_cancel(void *pool, void *job)
 {
     adt_pool *p = (adt_pool *)pool;
     adt_job *j = (adt_job *)job;
-    pthread_mutex_lock(&p->lock);
-    j->stop = 1;
-    if (j->next_chunk < j->nchunks) {
-        j->next_chunk = j->nchunks;
-        adt_job **pp = &p->head, *prev = NULL;
-        while (*pp && *pp != j) { prev = *pp; pp = &(*pp)->next; }
-        if (*pp) { *pp = j->next; if (p->tail == j) p->tail = prev; j->next = NULL; }
-    }
-    if (j->inflight == 0 && !j->done) {
-        j->done = 1;
-        uint64_t one = 1;
-        ssize_t ignored = write(j->notify_fd, &one, sizeof one);
-        (void)ignored;
-    }
-    pthread_mutex_unlock(&p->lock);
+    __atomic_store_n(&j->stop, 1, __ATOMIC_RELEASE);
+    sem_post(&p->work);
 }
 
 /* 0 = running, 1 = finished, 2 = stopped early; *error receives the errno of a failed chunk (0 if none). */
 int adt_job_state(void *pool, void *job, int *error)
 {
-    adt_pool *p = (adt_pool *)pool;
+    (void)pool;
     adt_job *j = (adt_job *)job;
-    pthread_mutex_lock(&p->lock);
-    int state = !j->done ? 0 : (j->stop ? 2 : 1);
+    if (!__atomic_load_n(&j->done, __ATOMIC_ACQUIRE)) return 0;
     *error = j->error;
-    pthread_mutex_unlock(&p->lock);
-    return state;
+    return __atomic_load_n(&j->stop, __ATOMIC_RELAXED) ? 2 : 1;
 }
 
 void adt_job_free(void *job) { free(job); }

@@ -24,6 +24,21 @@ from .native import CopySpec, native_pool
 __all__ = ["NativeExecutor", "NativeJob"]
 
 
+class _Flag:
+    """Set once, from the event loop thread (cheaper than a threading.Event)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class NativeJob:
     """A job in the native pool; its arrays stay referenced here until the pool is done with them."""
 
@@ -37,7 +52,7 @@ class NativeJob:
         self.spans = spans
         self.num_chunks = len(bounds) - 1
         self.future: asyncio.Future[None] = loop.create_future()
-        self.stopped = threading.Event()
+        self.stopped = _Flag()
         self.error: BaseException | None = None
         self.cancelled = False
         self.spec = spec
@@ -55,19 +70,21 @@ class NativeJob:
 
 
 class _Notifier:
-    """The eventfd of one event loop and the jobs it waits for."""
+    """The notify pipe of one event loop (workers write the addresses of finished jobs) and its jobs."""
 
     def __init__(self, executor: NativeExecutor, loop: asyncio.AbstractEventLoop) -> None:
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.read_fd, self.fd = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self.read_fd, False)
         self.loop = loop
-        self.jobs: set[NativeJob] = set()
-        loop.add_reader(self.fd, executor._on_ready, self)
+        self.jobs: dict[int, NativeJob] = {}
+        loop.add_reader(self.read_fd, executor._on_ready, self)
 
     def close(self) -> None:
         try:
             if not self.loop.is_closed():
-                self.loop.remove_reader(self.fd)
+                self.loop.remove_reader(self.read_fd)
         finally:
+            os.close(self.read_fd)
             os.close(self.fd)
 
 
@@ -107,7 +124,7 @@ class NativeExecutor:
         if not handle:
             raise MemoryError("cannot queue a copy job")
         job.handle = handle
-        notifier.jobs.add(job)
+        notifier.jobs[handle] = job
         return job
 
     async def wait(self, job: NativeJob) -> None:
@@ -141,12 +158,12 @@ class NativeExecutor:
             return False
         if err.value and job.error is None:
             job.error = OSError(err.value, f"copy failed: {os.strerror(err.value)}")
+        notifier = self._notifiers.get(job.future.get_loop())
+        if notifier is not None:
+            notifier.jobs.pop(job.handle, None)
         self._lib.adt_job_free(job.handle)
         job.handle = None
         job.stopped.set()
-        notifier = self._notifiers.get(job.future.get_loop())
-        if notifier is not None:
-            notifier.jobs.discard(job)
         if not job.future.done():
             if job.error is not None:
                 job.future.set_exception(job.error)
@@ -156,11 +173,13 @@ class NativeExecutor:
 
     def _on_ready(self, notifier: _Notifier) -> None:
         try:
-            os.eventfd_read(notifier.fd)
+            data = os.read(notifier.read_fd, 8 * 4096)
         except BlockingIOError:
             return
-        for job in list(notifier.jobs):
-            self._poll(job)
+        for handle in np.frombuffer(data[: len(data) - len(data) % 8], dtype=np.uint64).tolist():
+            job = notifier.jobs.get(handle)
+            if job is not None:
+                self._poll(job)
 
     def shutdown(self) -> None:
         """Join the worker threads (blocking: call it off the event loop, after every job ended)."""

@@ -108,24 +108,26 @@ def mostly(valid, bad):
 
 
 @st.composite
-def corrupted(draw, blocks: list[int], upper: int, *, unique_ok: bool = True):
-    """``blocks`` (valid indices of a cache with ``upper`` blocks) with at most one rule broken."""
-    kind = draw(st.sampled_from(["keep"] * 5 + ["dup", "bad", "drop", "extra", "empty"]))
+def corrupted(draw, blocks: list[int], upper: int, kind: str):
+    """``blocks`` (valid, unique indices of a cache with ``upper`` blocks) with one rule broken by ``kind``."""
     out = list(blocks)
-    if kind == "dup" and len(out) >= 2:
-        i, j = draw(st.permutations(range(len(out))))[:2]
-        out[i] = out[j]
-    elif kind == "dup" and out:
-        out.append(out[0])
-    elif kind == "bad" and out:
+    if kind == "dup":  # keeps the length when it can
+        if len(out) >= 2:
+            i, j = draw(st.permutations(range(len(out))))[:2]
+            out[i] = out[j]
+        else:
+            out.append(out[0])
+    elif kind == "bad":
         out[draw(st.integers(0, len(out) - 1))] = draw(bad_index(upper))
-    elif kind == "drop" and out:
+    elif kind == "drop":
         out.pop(draw(st.integers(0, len(out) - 1)))
     elif kind == "extra":
-        free = [b for b in range(upper) if b not in out] if unique_ok else list(range(upper))
-        out.append(draw(st.sampled_from(free)) if free else draw(st.integers(0, upper - 1)))
+        free = [b for b in range(upper) if b not in out]
+        out.append(draw(st.sampled_from(free)) if free else out[0])
     elif kind == "empty":
         out = []
+    else:
+        assert kind == "nothing"
     return out
 
 
@@ -431,17 +433,21 @@ def b2b_inputs(draw):
     s_stride, d_stride = draw(stride_pairs())
     src = draw(geometries(stride=s_stride))
     dst = draw(geometries(stride=d_stride))
-    k = draw(st.integers(1, min(src.slots, dst.slots)))
+    side, kind = draw(st.sampled_from([("src", "nothing"), ("dst", "nothing"), ("src", "dup"), ("dst", "dup"),
+                                       ("src", "bad"), ("dst", "bad"), ("src", "drop"), ("dst", "extra"),
+                                       ("src", "empty"), ("dst", "empty")]))
+    k_min = 2 if kind == "dup" and min(src.slots, dst.slots) >= 2 else 1
+    k = draw(st.integers(k_min, min(src.slots, dst.slots)))
     if draw(st.booleans()):
         a, b = draw(st.integers(0, src.slots - k)), draw(st.integers(0, dst.slots - k))
         src_blocks, dst_blocks = list(range(a, a + k)), list(range(b, b + k))
     else:
-        src_blocks = draw(st.lists(st.integers(0, src.slots - 1), min_size=k, max_size=k))
+        src_blocks = draw(st.lists(st.integers(0, src.slots - 1), min_size=k, max_size=k, unique=True))
         dst_blocks = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
-    if draw(st.booleans()):
-        src_blocks = draw(corrupted(src_blocks, src.slots, unique_ok=False))
+    if side == "src":
+        src_blocks = draw(corrupted(src_blocks, src.slots, kind))  # duplicate *source* blocks are fine
     else:
-        dst_blocks = draw(corrupted(dst_blocks, dst.slots))
+        dst_blocks = draw(corrupted(dst_blocks, dst.slots, kind))
     return src, dst, src_blocks, dst_blocks
 
 
@@ -478,17 +484,23 @@ def ref_c2b(src_slot, src: CacheGeometry, dst_blocks, dst: CacheGeometry):
 
 @st.composite
 def c2b_inputs(draw):
-    dst = draw(geometries(slots=draw(st.integers(1, 8))))
-    src = draw(geometries(stride=draw(st.integers(1, dst.tensor_size + 2)), is_blocks=False))
+    kind = draw(st.sampled_from(["nothing", "nothing", "slot", "dup", "bad", "extra", "empty"]))
+    if kind == "extra":  # one block more than the slot fills: the slot must fill fewer blocks than exist
+        dst = draw(geometries(slots=draw(st.integers(2, 8))))
+        src = draw(geometries(stride=draw(st.integers(1, dst.tensor_size - dst.stride)), is_blocks=False))
+    else:
+        dst = draw(geometries(slots=draw(st.integers(1, 8))))
+        src = draw(geometries(stride=draw(st.integers(1, dst.tensor_size + 2)), is_blocks=False))
     chunks = -(-src.stride // dst.stride)
-    slot = draw(mostly(st.integers(0, src.slots - 1), bad_index(src.slots)))
-    k = draw(st.one_of(st.just(min(chunks, dst.slots)), st.integers(1, min(chunks, dst.slots))))
+    slot = draw(bad_index(src.slots) if kind == "slot" else st.integers(0, src.slots - 1))
+    k_max = min(chunks, dst.slots)
+    k = k_max if kind == "extra" else draw(st.one_of(st.just(k_max), st.integers(1, k_max)))
     if draw(st.booleans()):
         b = draw(st.integers(0, dst.slots - k))
         dst_blocks = list(range(b, b + k))
     else:
         dst_blocks = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
-    return src, dst, slot, draw(corrupted(dst_blocks, dst.slots))
+    return src, dst, slot, draw(corrupted(dst_blocks, dst.slots, "nothing" if kind == "slot" else kind))
 
 
 @SETTINGS
@@ -611,10 +623,14 @@ def copy_blocks_inputs(draw):
     info: dict[int, list[int]] = {s: [] for s in sources}
     for d in dests:
         info[draw(st.sampled_from(sources))].append(d)
-    info = {s: v for s, v in info.items() if v} if draw(st.booleans()) else info
-    kind = draw(st.sampled_from(["keep"] * 4 + ["dst_is_src", "dup_dst", "bad_src", "bad_dst", "empty", "wild"]))
+    info = {s: v for s, v in info.items() if v}
+    kind = draw(st.sampled_from(["nothing", "nothing", "dst_is_src", "dup_dst", "bad_src", "bad_dst", "empty_list",
+                                 "empty", "wild"]))
     keys = list(info)
-    if kind == "dst_is_src":
+    if kind == "empty_list":
+        free = [b for b in range(g.slots) if b not in info and all(b not in v for v in info.values())]
+        info[draw(st.sampled_from(free)) if free else keys[0]] = []
+    elif kind == "dst_is_src":
         info[draw(st.sampled_from(keys))].append(draw(st.sampled_from(keys)))
     elif kind == "dup_dst":
         all_dst = [d for v in info.values() for d in v]
@@ -665,7 +681,7 @@ def swap_inputs(draw):
     k = draw(st.integers(1, min(src.slots, dst.slots)))
     keys = draw(st.lists(st.integers(0, src.slots - 1), min_size=k, max_size=k, unique=True))
     values = draw(st.lists(st.integers(0, dst.slots - 1), min_size=k, max_size=k, unique=True))
-    kind = draw(st.sampled_from(["keep"] * 4 + ["dup_dst", "bad_src", "bad_dst", "empty", "wild"]))
+    kind = draw(st.sampled_from(["nothing", "nothing", "dup_dst", "bad_src", "bad_dst", "empty", "wild"]))
     if kind == "dup_dst":
         keys.append(draw(st.integers(0, src.slots - 1)))
         values.append(draw(st.sampled_from(values)))
@@ -691,6 +707,83 @@ def test_swap_blocks_runs(inputs, data):
     ref_runs, runs = result
     pairs = [(t, t) for t in range(src.num_tensors)]
     check_plan(data, runs, src, dst, pairs, ref_runs)
+
+
+G4x8 = geometry(2, 4, 8)  # 2 tensors, 4 blocks/slots of 8 bytes
+G4x4 = geometry(2, 4, 4)
+G3x8 = geometry(3, 4, 8)
+C2x20 = geometry(2, 2, 20, is_blocks=False)  # a 20-byte slot fills 3 blocks of 8 bytes (the last partly)
+
+BOUNDARY_CASES = [
+    # (id, reference, implementation)
+    ("b2b-ok", lambda: ref_b2b([0, 1, 3], [3, 2, 0], G4x8, G4x8), lambda: b2b_runs([0, 1, 3], [3, 2, 0], G4x8, G4x8)),
+    ("b2b-dup-src-ok", lambda: ref_b2b([1, 1], [0, 2], G4x8, G4x8), lambda: b2b_runs([1, 1], [0, 2], G4x8, G4x8)),
+    ("b2b-dup-dst", lambda: ref_b2b([0, 1], [2, 2], G4x8, G4x8), lambda: b2b_runs([0, 1], [2, 2], G4x8, G4x8)),
+    ("b2b-len", lambda: ref_b2b([0, 1], [2], G4x8, G4x8), lambda: b2b_runs([0, 1], [2], G4x8, G4x8)),
+    ("b2b-empty-src", lambda: ref_b2b([], [2], G4x8, G4x8), lambda: b2b_runs([], [2], G4x8, G4x8)),
+    ("b2b-empty-both", lambda: ref_b2b([], [], G4x8, G4x8), lambda: b2b_runs([], [], G4x8, G4x8)),
+    ("b2b-src-range", lambda: ref_b2b([4], [0], G4x8, G4x8), lambda: b2b_runs([4], [0], G4x8, G4x8)),
+    ("b2b-dst-range", lambda: ref_b2b([0], [4], G4x8, G4x8), lambda: b2b_runs([0], [4], G4x8, G4x8)),
+    ("b2b-negative", lambda: ref_b2b([-1], [0], G4x8, G4x8), lambda: b2b_runs([-1], [0], G4x8, G4x8)),
+    ("b2b-block-size", lambda: ref_b2b([0], [0], G4x8, G4x4), lambda: b2b_runs([0], [0], G4x8, G4x4)),
+    ("c2b-ok-partial", lambda: ref_c2b(1, C2x20, [3, 0, 1], G4x8), lambda: c2b_runs(1, C2x20, [3, 0, 1], G4x8)),
+    ("c2b-prefix", lambda: ref_c2b(0, C2x20, [2], G4x8), lambda: c2b_runs(0, C2x20, [2], G4x8)),
+    ("c2b-too-many", lambda: ref_c2b(0, C2x20, [0, 1, 2, 3], G4x8), lambda: c2b_runs(0, C2x20, [0, 1, 2, 3], G4x8)),
+    ("c2b-slot", lambda: ref_c2b(2, C2x20, [0], G4x8), lambda: c2b_runs(2, C2x20, [0], G4x8)),
+    ("c2b-empty", lambda: ref_c2b(0, C2x20, [], G4x8), lambda: c2b_runs(0, C2x20, [], G4x8)),
+    ("c2b-dup", lambda: ref_c2b(0, C2x20, [1, 1], G4x8), lambda: c2b_runs(0, C2x20, [1, 1], G4x8)),
+    ("c2b-range", lambda: ref_c2b(0, C2x20, [4], G4x8), lambda: c2b_runs(0, C2x20, [4], G4x8)),
+    ("slot-ok", lambda: ref_slot(1, C2x20, 0, C2x20, -1), lambda: slot_run(1, C2x20, 0, C2x20, -1)),
+    ("slot-size", lambda: ref_slot(1, C2x20, 0, C2x20, 20), lambda: slot_run(1, C2x20, 0, C2x20, 20)),
+    ("slot-size+1", lambda: ref_slot(1, C2x20, 0, C2x20, 21), lambda: slot_run(1, C2x20, 0, C2x20, 21)),
+    ("slot-size0", lambda: ref_slot(1, C2x20, 0, C2x20, 0), lambda: slot_run(1, C2x20, 0, C2x20, 0)),
+    ("slot-size-2", lambda: ref_slot(1, C2x20, 0, C2x20, -2), lambda: slot_run(1, C2x20, 0, C2x20, -2)),
+    ("slot-src", lambda: ref_slot(2, C2x20, 0, C2x20, -1), lambda: slot_run(2, C2x20, 0, C2x20, -1)),
+    ("slot-dst", lambda: ref_slot(0, C2x20, 2, C2x20, -1), lambda: slot_run(0, C2x20, 2, C2x20, -1)),
+    ("slot-small-src", lambda: ref_slot(0, G4x4, 0, G4x8, -1), lambda: slot_run(0, G4x4, 0, G4x8, -1)),
+    ("slot-small-src-size", lambda: ref_slot(0, G4x4, 0, G4x8, 5), lambda: slot_run(0, G4x4, 0, G4x8, 5)),
+    ("slot-small-dst", lambda: ref_slot(0, G4x8, 0, G4x4, -1), lambda: slot_run(0, G4x8, 0, G4x4, -1)),
+    ("copy_cache-ok", lambda: ref_copy_cache(C2x20, 0, 1, 5, 7), lambda: copy_cache_run(C2x20, 0, 1, 5, 7)),
+    ("copy_cache-rest", lambda: ref_copy_cache(C2x20, 0, 1, 19, -1), lambda: copy_cache_run(C2x20, 0, 1, 19, -1)),
+    ("copy_cache-offset", lambda: ref_copy_cache(C2x20, 0, 1, 20, -1), lambda: copy_cache_run(C2x20, 0, 1, 20, -1)),
+    ("copy_cache-end", lambda: ref_copy_cache(C2x20, 0, 1, 5, 15), lambda: copy_cache_run(C2x20, 0, 1, 5, 15)),
+    ("copy_cache-end+1", lambda: ref_copy_cache(C2x20, 0, 1, 5, 16), lambda: copy_cache_run(C2x20, 0, 1, 5, 16)),
+    ("copy_cache-size0", lambda: ref_copy_cache(C2x20, 0, 1, 0, 0), lambda: copy_cache_run(C2x20, 0, 1, 0, 0)),
+    ("copy_cache-size-2", lambda: ref_copy_cache(C2x20, 0, 1, 4, -2), lambda: copy_cache_run(C2x20, 0, 1, 4, -2)),
+    ("copy_cache-src", lambda: ref_copy_cache(C2x20, 0, 2, 0, -1), lambda: copy_cache_run(C2x20, 0, 2, 0, -1)),
+    ("copy_cache-dst", lambda: ref_copy_cache(C2x20, 2, 0, 0, -1), lambda: copy_cache_run(C2x20, 2, 0, 0, -1)),
+    ("copy_blocks-ok", lambda: ref_copy_blocks({0: [2, 3]}, G4x8), lambda: copy_blocks_runs({0: [2, 3]}, G4x8)),
+    ("copy_blocks-empty-list", lambda: ref_copy_blocks({0: [2], 1: []}, G4x8),
+     lambda: copy_blocks_runs({0: [2], 1: []}, G4x8)),
+    ("copy_blocks-empty", lambda: ref_copy_blocks({}, G4x8), lambda: copy_blocks_runs({}, G4x8)),
+    ("copy_blocks-chain", lambda: ref_copy_blocks({0: [1], 1: [2]}, G4x8),
+     lambda: copy_blocks_runs({0: [1], 1: [2]}, G4x8)),
+    ("copy_blocks-self", lambda: ref_copy_blocks({0: [0]}, G4x8), lambda: copy_blocks_runs({0: [0]}, G4x8)),
+    ("copy_blocks-dup", lambda: ref_copy_blocks({0: [2], 1: [2]}, G4x8),
+     lambda: copy_blocks_runs({0: [2], 1: [2]}, G4x8)),
+    ("copy_blocks-range", lambda: ref_copy_blocks({0: [4]}, G4x8), lambda: copy_blocks_runs({0: [4]}, G4x8)),
+    ("copy_blocks-src-range", lambda: ref_copy_blocks({4: [0]}, G4x8), lambda: copy_blocks_runs({4: [0]}, G4x8)),
+    ("swap-ok", lambda: ref_swap_blocks({3: 0, 0: 3}, G4x8, G4x8), lambda: swap_blocks_runs({3: 0, 0: 3}, G4x8, G4x8)),
+    ("swap-dup", lambda: ref_swap_blocks({0: 1, 2: 1}, G4x8, G4x8), lambda: swap_blocks_runs({0: 1, 2: 1}, G4x8, G4x8)),
+    ("swap-empty", lambda: ref_swap_blocks({}, G4x8, G4x8), lambda: swap_blocks_runs({}, G4x8, G4x8)),
+    ("swap-range", lambda: ref_swap_blocks({0: 4}, G4x8, G4x8), lambda: swap_blocks_runs({0: 4}, G4x8, G4x8)),
+    ("swap-src-range", lambda: ref_swap_blocks({4: 0}, G4x8, G4x8), lambda: swap_blocks_runs({4: 0}, G4x8, G4x8)),
+    ("swap-block-size", lambda: ref_swap_blocks({0: 0}, G4x8, G4x4), lambda: swap_blocks_runs({0: 0}, G4x8, G4x4)),
+    ("swap-num-tensors", lambda: ref_swap_blocks({0: 0}, G4x8, G3x8), lambda: swap_blocks_runs({0: 0}, G4x8, G3x8)),
+]
+
+
+@pytest.mark.parametrize(("reference", "implementation"), [pytest.param(r, i, id=n) for n, r, i in BOUNDARY_CASES])
+def test_boundary_cases(reference, implementation):
+    """Hand-picked edges of every rule, so that each is checked on every run, not only when hypothesis finds it."""
+    result = compare(reference, implementation)
+    if result is not None:
+        ref_runs, runs = result
+        got = sorted(zip(runs.src_offset.tolist(), runs.dst_offset.tolist(), runs.length.tolist()))
+        # compare byte maps (the implementation may merge or reorder runs)
+        def bytes_of(triples):
+            return sorted((s + i, d + i) for s, d, n in triples for i in range(n))
+        assert bytes_of(got) == bytes_of(ref_runs)
 
 
 @pytest.mark.parametrize(
@@ -829,25 +922,41 @@ def expand(spans: Spans) -> list[tuple[int, int]]:
     return out
 
 
+@st.composite
+def chunk_and_piece(draw):
+    """``chunk_bytes`` and ``piece_bytes`` (None = the default, ``chunk_bytes``; else at most ``chunk_bytes``)."""
+    chunk = draw(st.integers(1, 64))
+    return chunk, draw(st.one_of(st.none(), st.integers(1, chunk)))
+
+
+def call_split(spans: Spans, chunk: int, piece: int | None):
+    return split_spans(spans, chunk) if piece is None else split_spans(spans, chunk, piece)
+
+
 @SETTINGS
-@given(raw_spans(max_len=60), st.integers(1, 64))
-@example(([], [], []), 8)
-@example(([0, 100], [0, 100], [8, 8]), 8)
-@example(([0], [0], [1]), 1)
-def test_split_spans(spans, chunk):
+@given(raw_spans(max_len=60), chunk_and_piece())
+@example(([], [], []), (8, None))
+@example(([0, 100], [0, 100], [8, 8]), (8, None))
+@example(([0], [0], [16]), (8, None))
+@example(([0], [0], [1]), (1, None))
+@example(([0], [0], [5]), (8, 2))
+@example(([0, 100], [0, 100], [8, 8]), (8, 4))
+def test_split_spans(spans, chunk_piece):
+    chunk, piece = chunk_piece
+    limit = chunk if piece is None else piece
     src, dst, length = spans
     original = Spans(np.asarray(src, dtype=np.uint64), np.asarray(dst, dtype=np.uint64),
                      np.asarray(length, dtype=np.uint64))
-    pieces, bounds = split_spans(original, chunk)
+    pieces, bounds = call_split(original, chunk, piece)
     n = len(pieces)
     assert pieces.src.dtype == pieces.dst.dtype == pieces.length.dtype == np.uint64
     # same bytes, same order: the split is a refinement of the original span list
     assert expand(pieces) == expand(original)
     assert pieces.total_bytes == original.total_bytes
     lengths = pieces.length.tolist()
-    assert all(0 < x <= chunk for x in lengths)
-    assert n == sum(-(-x // chunk) for x in length)
-    # boundaries: start at 0, end at n, strictly increasing (so every span is in exactly one chunk)
+    assert all(0 < x <= limit for x in lengths)
+    assert n == sum(-(-x // limit) for x in length)  # each span cut into as few pieces as the limit allows
+    # boundaries: start at 0, end at n, strictly increasing (so every piece is in exactly one chunk)
     b = bounds.tolist()
     assert b[0] == 0 and b[-1] == n
     assert all(x < y for x, y in zip(b, b[1:]))
@@ -859,7 +968,7 @@ def test_split_spans(spans, chunk):
     ends = np.cumsum([0] + lengths).tolist()
     for lo, hi in zip(b, b[1:]):
         size = ends[hi] - ends[lo]
-        assert size < chunk + max_piece, (lo, hi, size)
+        assert size < chunk + max_piece, (lo, hi, size)  # so a chunk is < 2 * chunk_bytes
         if hi < n:
             # an inner boundary follows the piece that reaches a multiple of chunk_bytes
             assert ends[hi] // chunk > ends[hi - 1] // chunk, (lo, hi)
@@ -870,8 +979,9 @@ def test_split_spans(spans, chunk):
 
 
 @SETTINGS
-@given(b2b_inputs(), st.integers(1, 32), st.data())
-def test_split_spans_of_real_plan(inputs, chunk, data):
+@given(b2b_inputs(), chunk_and_piece(), st.data())
+def test_split_spans_of_real_plan(inputs, chunk_piece, data):
+    chunk, piece = chunk_piece
     src, dst, src_blocks, dst_blocks = inputs
     try:
         runs = b2b_runs(src_blocks, dst_blocks, src, dst)
@@ -881,8 +991,8 @@ def test_split_spans_of_real_plan(inputs, chunk, data):
     plan = make_plan(np.asarray(pairs[0]), np.asarray(pairs[1]), runs)
     spans = plan_to_spans(plan, data.draw(address_lists(src.num_tensors, src.tensor_size)),
                           data.draw(address_lists(dst.num_tensors, dst.tensor_size)))
-    pieces, bounds = split_spans(spans, chunk)
+    pieces, bounds = call_split(spans, chunk, piece)
     assert expand(pieces) == expand(spans)
-    assert all(0 < x <= chunk for x in pieces.length.tolist())
+    assert all(0 < x <= (piece or chunk) for x in pieces.length.tolist())
     b = bounds.tolist()
     assert b[0] == 0 and b[-1] == len(pieces) and all(x < y for x, y in zip(b, b[1:]))
