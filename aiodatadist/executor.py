@@ -62,6 +62,14 @@ def split_spans(spans: Spans, chunk_bytes: int, piece_bytes: int | None = None) 
     return spans, bounds
 
 
+def default_workers() -> int:
+    """Copy threads: ``AIODATADIST_COPY_THREADS`` if set, else one per core (2 to 8)."""
+    value = os.environ.get("AIODATADIST_COPY_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return min(64, int(value))
+    return max(2, min(8, os.cpu_count() or 2))
+
+
 class CopyJob:
     """One transfer's spans and its progress; completion is signalled to the owning event loop."""
 
@@ -107,7 +115,7 @@ class CopyExecutor:
     """Worker threads that execute :class:`CopyJob` chunks round-robin."""
 
     def __init__(self, workers: int | None = None) -> None:
-        self.workers = workers or max(2, min(8, os.cpu_count() or 2))
+        self.workers = workers or default_workers()
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiodatadist-copy")
         self._lock = threading.Lock()
         self._ready: deque[CopyJob] = deque()

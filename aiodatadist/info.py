@@ -10,6 +10,7 @@ import numpy as np
 import zmq
 
 from . import __version__
+from .executor import default_workers
 from .native import native_available
 from .peer import allowed_mechanisms
 
@@ -21,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         f"aiodatadist {__version__} (Python {platform.python_version()}, numpy {np.__version__}, "
         f"pyzmq {zmq.pyzmq_version()}, libzmq {zmq.zmq_version()})",
         f"native span copier: {'built' if native_available() else 'not built (ctypes fallback)'}",
+        f"copy executor: {_executor()} with {default_workers()} threads (AIODATADIST_EXECUTOR, "
+        "AIODATADIST_COPY_THREADS)",
         f"same-host mechanisms allowed: {', '.join(sorted(allowed_mechanisms())) or 'none'}",
         f"ptrace scope: {_read('/proc/sys/kernel/yama/ptrace_scope') or 'n/a'}",
         "data planes: shm (same host)",
@@ -29,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
+
+
+def _executor() -> str:
+    if native_available() and os.environ.get("AIODATADIST_EXECUTOR", "native") != "python":
+        return "native pool"
+    return "Python threads"
 
 
 def _read(path: str) -> str:

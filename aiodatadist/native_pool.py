@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .executor import MAX_CHUNK, MIN_CHUNK, PIECE, SINGLE_CHUNK, split_spans, wait_stopped
+from .executor import MAX_CHUNK, MIN_CHUNK, PIECE, SINGLE_CHUNK, default_workers, split_spans, wait_stopped
 from .layout import Spans
 from .native import CopySpec, native_pool
 
@@ -96,7 +96,7 @@ class NativeExecutor:
         if lib is None:
             raise RuntimeError("the native helper is not built")
         self._lib = lib
-        self.workers = workers or max(2, min(8, os.cpu_count() or 2))
+        self.workers = workers or default_workers()
         self._pool = lib.adt_pool_new(self.workers)
         self._notifiers: dict[asyncio.AbstractEventLoop, _Notifier] = {}
         self._lock = threading.Lock()
