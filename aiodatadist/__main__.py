@@ -10,7 +10,7 @@ USAGE = """usage: python -m aiodatadist {demo,bench,info} [options]
 
   demo   a prompt and a decoder process move a paged KV cache; prints what happened
   bench  throughput and latency against the machine's own limits (see: bench --help)
-  info   version, data planes, native copier, GPU
+  info   version, data planes, copy executor and threads, GPU
 """
 
 

@@ -162,8 +162,8 @@ static int finish_if_idle(adt_job *j)   /* under the mutex; returns 1 if the cal
 static void *worker(void *arg)
 {
     adt_pool *p = (adt_pool *)arg;
-    /* Copies yield to the event loop: batch scheduling (a woken worker does not preempt the loop) and a lower
-     * priority.  Idle cores are still used in full; only contention is resolved in the loop's favour. */
+    /* Copies yield to the event loop: batch scheduling, so that a woken worker does not preempt the loop thread
+     * (ADT_WORKER_NICE can lower their priority too; 0 by default).  Idle cores are still used in full. */
     struct sched_param none = {0};
     pthread_setschedparam(pthread_self(), SCHED_BATCH, &none);
     setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), ADT_WORKER_NICE);

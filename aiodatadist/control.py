@@ -23,6 +23,8 @@ __all__ = ["Channel", "RequestHandler", "Server", "TaskSet", "connect_dealer", "
 
 log = logging.getLogger("aiodatadist.control")
 
+FRAME_MESSAGES = 256  # messages per frame (receivers accept up to protocol.MAX_BATCH)
+
 RequestHandler = Callable[["Channel", dict[str, Any]], Awaitable[dict[str, Any] | None]]
 """Handles a request; returns the reply body (``None``: no reply)."""
 
@@ -99,7 +101,8 @@ class Channel:
             return
         messages, self._outbox = self._outbox, []
         try:
-            self._send(encode_batch(messages))
+            for start in range(0, len(messages), FRAME_MESSAGES):
+                self._send(encode_batch(messages[start:start + FRAME_MESSAGES]))
         except LLMException as exc:
             self.close(exc)
 

@@ -1,7 +1,7 @@
 """The native executor: span copies run on POSIX threads of the compiled helper, never holding the GIL.
 
 Python only submits a job (span arrays, chunk boundaries, a :class:`~aiodatadist.native.CopySpec`) and learns
-about its end through an eventfd watched by the event loop, so copies overlap with the loop's work instead of
+about its end through a pipe watched by the event loop (workers write the addresses of finished jobs), so copies overlap with the loop's work instead of
 contending with it for the interpreter lock.  Same contract as :class:`~aiodatadist.executor.CopyExecutor`:
 cancelling stops the job at its next span and ``wait`` returns only when no worker touches its memory.
 """
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .executor import MAX_CHUNK, MIN_CHUNK, PIECE, SINGLE_CHUNK, default_workers, split_spans, wait_stopped
+from .errors import LLMException, LLMStatusCode
 from .layout import Spans
 from .native import CopySpec, native_pool
 
@@ -122,7 +123,7 @@ class NativeExecutor:
             self._pool, dst.ctypes.data, src.ctypes.data, length.ctypes.data, bounds.ctypes.data,
             job.num_chunks, copier.mode, copier.pid, int(copier.streaming), notifier.fd)
         if not handle:
-            raise MemoryError("cannot queue a copy job")
+            raise LLMException("cannot queue a copy job: out of memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         job.handle = handle
         notifier.jobs[handle] = job
         return job

@@ -40,7 +40,7 @@ __all__ = [
     "segment_to_wire",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: batched frames, segments announced at link time
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_LIST_ITEMS = 1 << 22
 MAX_BATCH = 4096
