@@ -10,6 +10,7 @@ space (every tensor has a fake base address) filled with random non-zero bytes.
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import numpy as np
 import pytest
@@ -366,12 +367,12 @@ def check_indices(result):
 @CHEAP
 @given(layer_inputs())
 @example((4, 4, None, None, 2))
-@example((4, 4, range(0, 0), range(3, 1), 2))
+@example((4, 4, range(0), range(3, 1), 2))
 @example((8, 4, range(2, 4), None, 2))
 @example((4, 8, None, range(2, 4), 2))
-@example((4, 6, None, range(0, 2), 3))
-@example((6, 4, range(0, 1), range(0, 1), 3))
-@example((8, 8, range(0, 2), range(0, 3), 2))
+@example((4, 6, None, range(2), 3))
+@example((6, 4, range(1), range(1), 3))
+@example((8, 8, range(2), range(3), 2))
 @example((8, 8, None, range(1, 3), 2))
 def test_pull_tensor_indices(inputs):
     src_nt, dst_nt, src_range, dst_range, n = inputs
@@ -384,7 +385,7 @@ def test_pull_tensor_indices(inputs):
 @given(layer_inputs())
 @example((4, 4, None, None, 2))
 @example((4, 8, None, range(2, 4), 2))
-@example((4, 8, range(0, 0), None, 2))
+@example((4, 8, range(0), None, 2))
 @example((4, 6, range(1, 2), range(1, 2), 2))
 @example((4, 5, range(1, 2), range(1, 2), 2))
 @example((4, 5, range(1, 3), range(1, 3), 2))
@@ -959,14 +960,14 @@ def test_split_spans(spans, chunk_piece):
     # boundaries: start at 0, end at n, strictly increasing (so every piece is in exactly one chunk)
     b = bounds.tolist()
     assert b[0] == 0 and b[-1] == n
-    assert all(x < y for x, y in zip(b, b[1:]))
+    assert all(x < y for x, y in itertools.pairwise(b))
     total = sum(length)
     if n == 0:
         assert b == [0]
     assert len(b) - 1 <= -(-total // chunk)
     max_piece = max(lengths, default=0)
     ends = np.cumsum([0] + lengths).tolist()
-    for lo, hi in zip(b, b[1:]):
+    for lo, hi in itertools.pairwise(b):
         size = ends[hi] - ends[lo]
         assert size < chunk + max_piece, (lo, hi, size)  # so a chunk is < 2 * chunk_bytes
         if hi < n:
@@ -995,4 +996,4 @@ def test_split_spans_of_real_plan(inputs, chunk_piece, data):
     assert expand(pieces) == expand(spans)
     assert all(0 < x <= (piece or chunk) for x in pieces.length.tolist())
     b = bounds.tolist()
-    assert b[0] == 0 and b[-1] == len(pieces) and all(x < y for x, y in zip(b, b[1:]))
+    assert b[0] == 0 and b[-1] == len(pieces) and all(x < y for x, y in itertools.pairwise(b))
