@@ -6,7 +6,7 @@ Type errors raise ``TypeError``, integers out of their C range raise ``ValueErro
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -88,11 +88,3 @@ def check_layer_range(name: str, value: Any, *, allow_empty: bool) -> range | No
     result: range = value
     return result
 
-
-def unique(values: Iterable[int]) -> bool:
-    seen: set[int] = set()
-    for v in values:
-        if v in seen:
-            return False
-        seen.add(v)
-    return True

@@ -33,12 +33,10 @@ __all__ = [
     "native_pool",
     "local_copier",
     "pvm_copier",
-    "copy_local",
     "native_available",
     "populate",
     "advise_hugepages",
     "process_vm_read",
-    "process_vm_write",
 ]
 
 log = logging.getLogger("aiodatadist.native")
@@ -91,21 +89,6 @@ def native_available() -> bool:
 def _ptr(array: UInt64Array) -> int:
     return int(array.ctypes.data)
 
-
-def copy_local(src: UInt64Array, dst: UInt64Array, length: UInt64Array, streaming: bool = False) -> None:
-    """Copy spans between addresses mapped in this process (``memmove`` semantics per span)."""
-    n = len(length)
-    if n == 0:
-        return
-    src = np.ascontiguousarray(src, dtype=np.uint64)
-    dst = np.ascontiguousarray(dst, dtype=np.uint64)
-    length = np.ascontiguousarray(length, dtype=np.uint64)
-    if _NATIVE is not None:
-        _NATIVE.adt_copy_spans(_ptr(dst), _ptr(src), _ptr(length), n, 1 if streaming else 0, None)
-        return
-    move = ctypes.memmove
-    for s, d, k in zip(src.tolist(), dst.tolist(), length.tolist()):
-        move(d, s, k)
 
 
 class StopFlag:
@@ -268,8 +251,3 @@ def _process_vm(call: Any, pid: int, local: UInt64Array, remote: UInt64Array,
 def process_vm_read(pid: int, remote_src: UInt64Array, local_dst: UInt64Array, length: UInt64Array) -> None:
     """Copy spans from process ``pid`` into this process (``process_vm_readv``, 1024 spans per call)."""
     _process_vm(_libc.process_vm_readv, pid, local_dst, remote_src, length)
-
-
-def process_vm_write(pid: int, local_src: UInt64Array, remote_dst: UInt64Array, length: UInt64Array) -> None:
-    """Copy spans from this process into process ``pid`` (``process_vm_writev``, 1024 spans per call)."""
-    _process_vm(_libc.process_vm_writev, pid, local_src, remote_dst, length)

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .executor import MAX_CHUNK, MIN_CHUNK, PIECE, SINGLE_CHUNK, default_workers, split_spans, wait_stopped
 from .errors import LLMException, LLMStatusCode
+from .executor import MAX_CHUNK, MIN_CHUNK, PIECE, SINGLE_CHUNK, default_workers, split_spans, wait_stopped
 from .layout import Spans
 from .native import CopySpec, native_pool
 

@@ -164,9 +164,6 @@ class PeerMemory:
                 tasks.append(task)
         return tasks
 
-    def can_reach(self, segment: tuple[SegmentIdentity, int] | None) -> bool:
-        return (segment is not None and self.caps.can_map) or self.caps.can_pvm
-
     def copier(self, *, remote_is_src: bool, segment: tuple[SegmentIdentity, int] | None,
                streaming: bool) -> CopySpec:
         """How to copy spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -65,8 +65,6 @@ class CacheEntry:
     def placement(self) -> Placement:
         return self.desc.placement
 
-    def describe(self) -> dict[str, Any]:
-        return {"cache_id": self.cache_id, "num_tensors": self.desc.num_tensors, "blocks": self.is_blocks}
 
 
 def not_exist(message: str) -> LLMException:
