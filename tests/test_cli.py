@@ -49,3 +49,15 @@ def test_example_runs(example: str) -> None:
     result = run(str(ROOT / "examples" / example), timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS" in result.stdout
+
+
+def test_native_helper_is_built_where_a_compiler_exists() -> None:
+    """The C helper (native pool, span copier) must be in use wherever it can be built: a silent fallback to the
+    Python executor would leave it untested (install with ``pip install -e .`` to build it in place)."""
+    import shutil
+
+    from aiodatadist.native import native_available
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the Python fallback is expected")
+    assert native_available()
