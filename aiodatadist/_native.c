@@ -1,7 +1,8 @@
-/* Batched span copies for aiodatadist, called through ctypes (which releases the GIL).
+/* The native half of aiodatadist's copy engine, used through ctypes: a span copier (adt_copy_spans) and a
+ * pool of worker threads that runs copy jobs without the GIL (adt_pool_*, adt_job_*).
  *
  * adt_copy_spans copies n spans dst[i] <- src[i] of len[i] bytes, checking a stop flag between spans, so that
- * one call can cover many spans (few GIL round trips) and still stop promptly.  With `streaming` set, spans of 4 KiB and
+ * one call can cover many spans and still stop promptly.  With `streaming` set, spans of 4 KiB and
  * more use non-temporal stores: bulk KV-cache transfers are far bigger than the caches, and skipping the
  * read-for-ownership of the destination is what makes scattered 32 KiB blocks copy as fast as one big memcpy.
  */
@@ -98,6 +99,7 @@ typedef struct adt_pool {
 } adt_pool;
 
 #define PVM_BATCH 1024
+#define PVM_BYTES (1u << 20)
 
 /* A finished job is announced by writing its address (8 bytes: atomic on a pipe) to its notify pipe, so the
  * event loop learns which jobs ended without polling the others. */
@@ -112,20 +114,24 @@ static int run_pvm(adt_job *j, int64_t lo, int64_t hi)
 {
     struct iovec local[PVM_BATCH], remote[PVM_BATCH];
     const uint64_t *l = j->mode == 1 ? j->dst : j->src, *r = j->mode == 1 ? j->src : j->dst;
-    for (int64_t a = lo; a < hi; a += PVM_BATCH) {
+    int64_t a = lo;
+    while (a < hi) {
         if (j->stop) return 0;
-        int64_t b = a + PVM_BATCH < hi ? a + PVM_BATCH : hi;
+        /* One call moves at most PVM_BATCH spans and about PVM_BYTES: stops are polled between calls. */
+        int64_t b = a;
         size_t want = 0;
-        for (int64_t i = a; i < b; i++) {
-            local[i - a].iov_base = (void *)(uintptr_t)l[i];
-            remote[i - a].iov_base = (void *)(uintptr_t)r[i];
-            local[i - a].iov_len = remote[i - a].iov_len = (size_t)j->len[i];
-            want += (size_t)j->len[i];
+        while (b < hi && b - a < PVM_BATCH && (b == a || want < PVM_BYTES)) {
+            local[b - a].iov_base = (void *)(uintptr_t)l[b];
+            remote[b - a].iov_base = (void *)(uintptr_t)r[b];
+            local[b - a].iov_len = remote[b - a].iov_len = (size_t)j->len[b];
+            want += (size_t)j->len[b];
+            b++;
         }
         ssize_t got = j->mode == 1 ? process_vm_readv(j->pid, local, b - a, remote, b - a, 0)
                                    : process_vm_writev(j->pid, local, b - a, remote, b - a, 0);
         if (got < 0) return errno ? errno : EIO;
         if ((size_t)got != want) return EFAULT;  /* a remote range is not mapped (any more) */
+        a = b;
     }
     return 0;
 }
@@ -166,7 +172,8 @@ static void *worker(void *arg)
      * (ADT_WORKER_NICE can lower their priority too; 0 by default).  Idle cores are still used in full. */
     struct sched_param none = {0};
     pthread_setschedparam(pthread_self(), SCHED_BATCH, &none);
-    setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), ADT_WORKER_NICE);
+    if (ADT_WORKER_NICE)
+        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), getpriority(PRIO_PROCESS, 0) + ADT_WORKER_NICE);
     for (;;) {
         pthread_mutex_lock(&p->lock);
         take_incoming(p);
@@ -225,10 +232,11 @@ void *adt_pool_new(int nthreads)
     adt_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     pthread_mutex_init(&p->lock, NULL);
-    sem_init(&p->work, 0, 0);
     if (nthreads > 64) nthreads = 64;
+    if (sem_init(&p->work, 0, 0) != 0) { pthread_mutex_destroy(&p->lock); free(p); return NULL; }
     for (int i = 0; i < nthreads; i++)
         if (pthread_create(&p->threads[p->nthreads], NULL, worker, p) == 0) p->nthreads++;
+    if (p->nthreads == 0) { sem_destroy(&p->work); pthread_mutex_destroy(&p->lock); free(p); return NULL; }
     return p;
 }
 

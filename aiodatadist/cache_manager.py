@@ -137,7 +137,8 @@ class CacheManager(TransferMixin):
         for job in jobs:
             self._executor.cancel(job, LLMException(reason, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST))
         for job in jobs:
-            job.wait_stopped_sync(5.0)
+            if not job.wait_stopped_sync(5.0):
+                log.error("a copy on released memory did not stop within 5 s; the memory may still be written")
 
     # -- allocation ------------------------------------------------------------------------------------------
     def _allocate(self, desc: CacheDesc, *, is_blocks: bool, keys: list[CacheKey],
@@ -319,12 +320,12 @@ class CacheManager(TransferMixin):
         """Stop running copies and release every cache (``LLMDataDist.finalize``)."""
         if self._closed:
             return
+        self._closed = True  # no new copy may start while the running ones are stopped
         for job in list(self._jobs):
             self._executor.cancel(job, LLMException("LLMDataDist was finalized during the transfer",
                                                     status_code=LLMStatusCode.LLM_FAILED))
         for job in list(self._jobs):
             await wait_stopped(job)
-        self._closed = True
         self._registry.close_all()
 
     def __repr__(self) -> str:

@@ -72,10 +72,10 @@ class LLMDataDist:
         if self._settings is not None:
             return
         settings = parse_options(options)
-        self._settings = settings
         executor = shared_executor()
         links: LinkManager | None = None
         try:
+            self._settings = settings
             self._cache_manager = CacheManager(self, executor)
             links = LinkManager(self)
             links.on_request = self._transfers.handle

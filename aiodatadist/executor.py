@@ -162,7 +162,8 @@ class CopyExecutor:
             self._pool.submit(self._drain)
 
     def cancel(self, job: CopyJob, error: BaseException | None = None) -> None:
-        """Drop the job's pending chunks and stop its running ones at their next piece (<= 1 MiB).
+        """Drop the job's pending chunks and stop its running ones at their next piece (<= 1 MiB; between
+        ``process_vm_*`` calls for peer memory).
 
         With ``error`` the job's waiter gets that exception instead of a plain early stop.
         """
@@ -216,15 +217,18 @@ async def wait_stopped(job: CopyJob) -> None:
 
     The job's future is resolved right after its last chunk stopped, so waiting for it is waiting for that.
     """
+    cancelled = False
     while not job.future.done():
         try:
             await asyncio.shield(job.future)
         except asyncio.CancelledError:
-            continue
+            cancelled = True  # keep waiting: the memory must be free of workers first
         except BaseException:
             break
     if not job.future.cancelled():
         job.future.exception()  # mark retrieved
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 _shared: CopyExecutor | None = None

@@ -56,6 +56,7 @@ class Link:
     memory: PeerMemory = field(init=False)
     leases: dict[int, Lease] = field(default_factory=dict)
     jobs: dict[int, CopyJob] = field(default_factory=dict)  # requester side, by transfer id
+    running: set[int] = field(default_factory=set)  # requester side: transfers between BEGIN and their end
     aborted: set[int] = field(default_factory=set)  # requester side: ABORTs that came before the copy started
     closed: bool = False
 
@@ -242,6 +243,10 @@ class LinkManager:
             log.info("link %d -> %d (%s) failed: %s", self._dd.cluster_id, remote_id, endpoint,
                      exc or "no answer in time")
             return code
+        except BaseException:  # cancelled (or a bug): leave no socket or reader behind
+            reader.cancel()
+            sock.close(linger=0)
+            raise
         finally:
             self._linking.discard(remote_id)
         peer_transport = _transport_of(reply.get("transport"))
@@ -303,15 +308,17 @@ class LinkManager:
         if self.links.get(link.remote_cluster_id) is link:
             del self.links[link.remote_cluster_id]
         link.channel.close(error)
-        if self.on_link_closed is not None:
-            await self.on_link_closed(link, error)
-        await link.memory.close()
-        if link.routing_id is not None and self._server is not None:
-            self._server.channels.pop(link.routing_id, None)
-        if link.reader is not None:
-            link.reader.cancel()
-        if link.sock is not None:
-            link.sock.close(linger=100)
+        try:
+            if self.on_link_closed is not None:
+                await self.on_link_closed(link, error)
+            await link.memory.close()
+        finally:
+            if link.routing_id is not None and self._server is not None:
+                self._server.channels.pop(link.routing_id, None)
+            if link.reader is not None:
+                link.reader.cancel()
+            if link.sock is not None:
+                link.sock.close(linger=100)
         log.info("cluster %d dropped link to %d: %s", self._dd.cluster_id, link.remote_cluster_id, error)
 
     # -- requests from peers ---------------------------------------------------------------------------------

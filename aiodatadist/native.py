@@ -49,8 +49,13 @@ def _load_native() -> ctypes.CDLL | None:
     if spec is None or spec.origin is None:
         log.info("native span copier not built; using ctypes.memmove per span")
         return None
-    lib = ctypes.CDLL(spec.origin)
-    fn = lib.adt_copy_spans
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        fn = lib.adt_copy_spans
+        lib.adt_pool_new  # noqa: B018 - a stale build without the pool is not used
+    except (OSError, AttributeError) as exc:
+        log.warning("native helper %s unusable (%s); using the Python fallback", spec.origin, exc)
+        return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                    ctypes.c_void_p]
     fn.restype = ctypes.c_long

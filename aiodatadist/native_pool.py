@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
-import threading
 import time
 from typing import Any
 
@@ -98,9 +97,10 @@ class NativeExecutor:
             raise RuntimeError("the native helper is not built")
         self._lib = lib
         self.workers = workers or default_workers()
-        self._pool = lib.adt_pool_new(self.workers)
+        self._pool: int | None = lib.adt_pool_new(self.workers)
+        if not self._pool:
+            raise LLMException("cannot start the native copy threads", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         self._notifiers: dict[asyncio.AbstractEventLoop, _Notifier] = {}
-        self._lock = threading.Lock()
 
     def chunk_bytes_for(self, total: int) -> int:
         if total <= SINGLE_CHUNK:
@@ -110,13 +110,22 @@ class NativeExecutor:
     def _notifier(self, loop: asyncio.AbstractEventLoop) -> _Notifier:
         notifier = self._notifiers.get(loop)
         if notifier is None:
+            for old in [n for n in self._notifiers.values() if n.loop.is_closed()]:  # loops that went away
+                del self._notifiers[old.loop]
+                old.close()
             notifier = self._notifiers[loop] = _Notifier(self, loop)
         return notifier
 
     def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> NativeJob:
         """Queue a job (from the event loop thread); await it with :meth:`wait`."""
+        if self._pool is None:
+            raise LLMException("the copy executor was shut down", status_code=LLMStatusCode.LLM_FAILED)
         loop = asyncio.get_running_loop()
         job = NativeJob(self, spans, copier, chunk_bytes or self.chunk_bytes_for(spans.total_bytes), loop)
+        if job.num_chunks == 0:  # nothing to copy: done at once, without the pool
+            job.stopped.set()
+            job.future.set_result(None)
+            return job
         notifier = self._notifier(loop)
         dst, src, length, bounds = job._arrays
         handle = self._lib.adt_job_submit(
@@ -184,7 +193,14 @@ class NativeExecutor:
 
     def shutdown(self) -> None:
         """Join the worker threads (blocking: call it off the event loop, after every job ended)."""
-        self._lib.adt_pool_free(self._pool)
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        self._lib.adt_pool_free(pool)
+        for notifier in self._notifiers.values():  # announced but never read: nobody waits for them any more
+            for handle in list(notifier.jobs):
+                self._lib.adt_job_free(handle)
+            notifier.jobs.clear()
         for notifier in self._notifiers.values():
             if notifier.loop.is_closed() or notifier.loop.is_running() is False:
                 notifier.close()

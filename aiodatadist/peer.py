@@ -107,7 +107,7 @@ def probe_peer(info: Any) -> PeerCapabilities:
                 can_map = mapping[:NONCE_BYTES] == nonce
             finally:
                 mapping.close()
-        except (OSError, ValueError) as exc:
+        except (OSError, OverflowError, ValueError) as exc:
             log.debug("cannot map peer %d's memory: %s", pid, exc)
     if "pvm" in allowed:
         buf = ctypes.create_string_buffer(NONCE_BYTES)
@@ -116,7 +116,7 @@ def probe_peer(info: Any) -> PeerCapabilities:
                             np.array([ctypes.addressof(buf)], dtype=np.uint64),
                             np.array([NONCE_BYTES], dtype=np.uint64))
             can_pvm = buf.raw == nonce
-        except OSError as exc:
+        except (OSError, OverflowError, ValueError) as exc:
             log.debug("process_vm_readv on peer %d refused: %s", pid, exc)
     return PeerCapabilities(can_map or can_pvm, can_map, can_pvm, pid)
 

@@ -134,6 +134,7 @@ class TransferService:
         tid = next(self._tids)
         wkey = wire_key(key)
         ok = False
+        link.running.add(tid)
         with manager.registry.lease(local):
             try:
                 reply = await link.channel.request(Kind.BEGIN, {
@@ -154,11 +155,14 @@ class TransferService:
                     link.jobs.pop(tid, None)
                 ok = True
             except OSError as exc:
+                if isinstance(exc, LLMException):  # LLMTimeoutError / LLMLinkError are OSErrors too
+                    raise
                 raise LLMLinkError(f"copy with cluster {key.cluster_id} failed: {exc}") from exc
             finally:
                 # Always end the transfer on the owner (it may have taken a lease even if we never saw the
                 # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
                 link.aborted.discard(tid)
+                link.running.discard(tid)
                 if not (ok and params.op == "pull" and wkey.kind in ("req", "prefix")):
                     links._spawn_notify(link, Kind.END, {"tid": tid, "ok": ok})
         if ok and params.op == "pull" and wkey.kind in ("req", "prefix"):
@@ -242,7 +246,8 @@ class TransferService:
         job = link.jobs.get(tid)
         manager = self._dd._cache_manager
         if job is None:
-            link.aborted.add(tid)  # the copy has not started yet: it must not start at all
+            if tid in link.running:
+                link.aborted.add(tid)  # the copy has not started yet: it must not start at all
         elif manager is not None:
             manager.executor.cancel(job, LLMException(
                 f"cluster {link.remote_cluster_id} released the cache during the transfer",
