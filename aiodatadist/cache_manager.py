@@ -30,7 +30,7 @@ from .layout import (
     swap_blocks_runs,
 )
 from .memory import SharedSegment
-from .native import Copier, local_copier
+from .native import CopySpec, local_copier
 from .registry import CacheEntry, CacheRegistry, geometry_of
 from .transfer_api import TransferMixin
 from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
@@ -45,7 +45,7 @@ STREAMING_THRESHOLD = 8 << 20
 MAX_SHAPE_RANK = 32
 
 
-def copier_for_local(total_bytes: int) -> Copier:
+def copier_for_local(total_bytes: int) -> CopySpec:
     """The copier for spans mapped in this process; large transfers bypass the CPU caches."""
     return local_copier(streaming=total_bytes >= STREAMING_THRESHOLD)
 
@@ -105,7 +105,7 @@ class CacheManager(TransferMixin):
     def executor(self) -> CopyExecutor:
         return self._executor
 
-    def start_job(self, spans: Spans, copier: Copier | None, entries: tuple[CacheEntry, ...]) -> CopyJob:
+    def start_job(self, spans: Spans, copier: CopySpec | None, entries: tuple[CacheEntry, ...]) -> CopyJob:
         """Queue a copy of ``spans`` touching ``entries`` (callers hold leases on them)."""
         self._check_open()
         job = self._executor.start(spans, copier or copier_for_local(spans.total_bytes))

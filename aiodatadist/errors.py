@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar
 
 __all__ = [
     "LLMException",
@@ -11,7 +11,6 @@ __all__ = [
     "LLMNotInitializedError",
     "LLMStatusCode",
     "LLMTimeoutError",
-    "raise_status",
 ]
 
 _BASE = 0x5010B000
@@ -130,7 +129,3 @@ LLMException._by_code.update(
     }
 )
 
-
-def raise_status(code: LLMStatusCode, message: str) -> NoReturn:
-    """Raise the exception class registered for ``code`` with ``message``."""
-    raise LLMException(message, status_code=code)

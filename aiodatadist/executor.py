@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .layout import Spans
-from .native import Copier, StopFlag, bind_runner
+from .native import CopySpec, StopFlag, bind_runner
 
 __all__ = ["CopyExecutor", "CopyJob", "release_shared_executor", "shared_executor"]
 
@@ -73,7 +73,7 @@ def default_workers() -> int:
 class CopyJob:
     """One transfer's spans and its progress; completion is signalled to the owning event loop."""
 
-    def __init__(self, spans: Spans, copier: Copier, chunk_bytes: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, spans: Spans, copier: CopySpec, chunk_bytes: int, loop: asyncio.AbstractEventLoop) -> None:
         self.spans, bounds = split_spans(spans, chunk_bytes, min(PIECE, chunk_bytes))
         self.stop_flag = StopFlag()
         self._pending: deque[tuple[int, int]] = deque(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
@@ -83,7 +83,6 @@ class CopyJob:
         self.stopped = threading.Event()
         self.inflight = 0
         self.error: BaseException | None = None
-        self.cancelled = False
 
     @property
     def num_chunks(self) -> int:
@@ -125,7 +124,7 @@ class CopyExecutor:
             return max(total, 1)
         return int(min(MAX_CHUNK, max(MIN_CHUNK, total // (2 * self.workers))))
 
-    async def run(self, spans: Spans, copier: Copier, *, chunk_bytes: int | None = None) -> None:
+    async def run(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> None:
         """Copy ``spans`` with ``copier``; on cancellation stop early and return only once no worker runs.
 
         After a cancellation the destination holds an unspecified mix of old and new bytes, but nothing is
@@ -133,7 +132,7 @@ class CopyExecutor:
         """
         await self.wait(self.start(spans, copier, chunk_bytes=chunk_bytes))
 
-    def start(self, spans: Spans, copier: Copier, *, chunk_bytes: int | None = None) -> CopyJob:
+    def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> CopyJob:
         """Queue a job (call from the event loop thread); await it with :meth:`wait`."""
         job = CopyJob(spans, copier, chunk_bytes or self.chunk_bytes_for(spans.total_bytes),
                       asyncio.get_running_loop())
@@ -169,7 +168,6 @@ class CopyExecutor:
         """
         job.stop_flag.set()  # running native copies stop at their next piece
         with self._lock:
-            job.cancelled = True
             if error is not None and job.error is None and not job.stopped.is_set():
                 job.error = error
             job._pending.clear()

@@ -28,7 +28,6 @@ __all__ = [
     "StopFlag",
     "ChunkRunner",
     "CopySpec",
-    "Copier",
     "bind_runner",
     "native_pool",
     "local_copier",
@@ -134,8 +133,6 @@ class CopySpec:
 
         return _Spans(spans.src + np.uint64(self.src_delta), spans.dst + np.uint64(self.dst_delta), spans.length)
 
-
-Copier = CopySpec
 
 
 def local_copier(streaming: bool = False) -> CopySpec:

@@ -54,7 +54,6 @@ class NativeJob:
         self.future: asyncio.Future[None] = loop.create_future()
         self.stopped = _Flag()
         self.error: BaseException | None = None
-        self.cancelled = False
         self.spec = spec
         self.handle: int | None = None
         self._executor = executor
@@ -153,7 +152,6 @@ class NativeExecutor:
         """Stop the job at its next span; with ``error`` its waiter gets that exception."""
         if job.stopped.is_set() or job.handle is None:
             return
-        job.cancelled = True
         if error is not None and job.error is None:
             job.error = error
         self._lib.adt_job_cancel(self._pool, job.handle)

@@ -21,7 +21,7 @@ from .cache import Cache
 from .errors import LLMException, LLMStatusCode
 from .layout import CacheGeometry
 from .memory import SharedSegment
-from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
+from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex
 
 if TYPE_CHECKING:
     from .executor import CopyJob
@@ -61,9 +61,6 @@ class CacheEntry:
         """True when aiodatadist allocated the memory (False for caller-registered memory)."""
         return self.segment is not None
 
-    @property
-    def placement(self) -> Placement:
-        return self.desc.placement
 
 
 
