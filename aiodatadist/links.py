@@ -57,6 +57,7 @@ class Link:
     leases: dict[int, Lease] = field(default_factory=dict)
     jobs: dict[int, CopyJob] = field(default_factory=dict)  # requester side, by transfer id
     running: set[int] = field(default_factory=set)  # requester side: transfers between BEGIN and their end
+    descriptors: dict[int, Any] = field(default_factory=dict)  # requester side: the peer's caches, by cache id
     aborted: set[int] = field(default_factory=set)  # requester side: ABORTs that came before the copy started
     closed: bool = False
 

@@ -80,6 +80,18 @@ def params_from_wire(m: dict[str, Any]) -> TransferParams:
     )
 
 
+def _parse_descriptor(value: Any) -> tuple[Any, Any, Any]:
+    """An owner's cache descriptor: geometry, tensor addresses (inside its segment, if any), segment."""
+    if not isinstance(value, dict):
+        raise ProtocolError("invalid cache descriptor")
+    geometry = geometry_from_wire(value.get("geometry"))
+    addrs = uint64_array(value, "addrs")
+    segment = segment_from_wire(value.get("segment"))
+    if len(addrs) != geometry.num_tensors or not _addrs_inside(addrs, geometry.tensor_size, segment):
+        raise ProtocolError("the owner announced addresses outside its cache")
+    return geometry, addrs, segment
+
+
 def _addrs_inside(addrs: np.ndarray, tensor_size: int, segment: tuple[Any, int] | None) -> bool:
     if segment is None:
         return True
@@ -139,9 +151,9 @@ class TransferService:
             try:
                 reply = await link.channel.request(Kind.BEGIN, {
                     "tid": tid, "key": wkey.to_wire(), "peer": geometry_to_wire(local.geometry),
-                    **params_to_wire(params),
+                    "known": list(link.descriptors), **params_to_wire(params),
                 })
-                spans, segment = self._plan_from_reply(reply, local, params)
+                spans, segment = self._plan_from_reply(link, reply, local, params)
                 if tid in link.aborted:
                     raise LLMException(f"cluster {key.cluster_id} released the cache before the copy started",
                                        status_code=S.LLM_KV_CACHE_NOT_EXIST)
@@ -169,17 +181,20 @@ class TransferService:
             return link.channel.request(Kind.END, {"tid": tid, "ok": True})
         return None
 
-    def _plan_from_reply(self, reply: dict[str, Any], local: CacheEntry,
+    def _plan_from_reply(self, link: Link, reply: dict[str, Any], local: CacheEntry,
                          params: TransferParams) -> tuple[Spans, Any]:
         try:
-            owner_geometry = geometry_from_wire(reply.get("geometry"))
             owner_slot = int_field(reply, "slot", 0, 2**32 - 1)
-            addrs = uint64_array(reply, "addrs")
-            segment = segment_from_wire(reply.get("segment"))
+            cid = int_field(reply, "cid", 1, 2**63 - 1)
+            described = reply.get("desc")
+            if described is not None:
+                link.descriptors[cid] = _parse_descriptor(described)
+            descriptor = link.descriptors.get(cid)
+            if descriptor is None:
+                raise ProtocolError(f"no descriptor for cache {cid}")
         except ProtocolError as exc:
             raise LLMLinkError(f"malformed reply from the owner: {exc}") from None
-        if len(addrs) != owner_geometry.num_tensors or not _addrs_inside(addrs, owner_geometry.tensor_size, segment):
-            raise LLMLinkError("the owner announced addresses outside its cache")
+        owner_geometry, addrs, segment = descriptor
         plan = transfer_plan(params, local.geometry, owner_geometry, owner_slot)
         if params.op == "pull":
             return plan_to_spans(plan, addrs, local.addrs), segment
@@ -203,6 +218,7 @@ class TransferService:
         key = WireKey.from_wire(message.get("key"))
         params = params_from_wire(message)
         peer_geometry = geometry_from_wire(message.get("peer"))
+        known = set(opt_int_list(message, "known", 1, 2**63 - 1))
         require(tid not in link.leases, f"transfer {tid} is already running.")
         registry = self._dd.cache_manager.registry
         entry, slot = registry.resolve_wire(key.kind, key.a, key.b)
@@ -221,11 +237,14 @@ class TransferService:
         from .links import Lease
 
         link.leases[tid] = Lease(entry, release_key)
-        return {
-            "geometry": geometry_to_wire(entry.geometry), "slot": slot, "addrs": entry.addrs.tolist(),
-            "segment": segment_to_wire(entry.segment.identity if entry.segment else None,
-                                       entry.segment.address if entry.segment else 0),
-        }
+        reply: dict[str, Any] = {"cid": entry.cache_id, "slot": slot}
+        if entry.cache_id not in known:  # a cache's layout never changes: described once per requester
+            reply["desc"] = {
+                "geometry": geometry_to_wire(entry.geometry), "addrs": entry.addrs.tolist(),
+                "segment": segment_to_wire(entry.segment.identity if entry.segment else None,
+                                           entry.segment.address if entry.segment else 0),
+            }
+        return reply
 
     def _end(self, link: Link, message: dict[str, Any]) -> None:
         tid = int_field(message, "tid", 0)
