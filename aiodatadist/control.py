@@ -130,8 +130,8 @@ class Channel:
                                status_code=LLMStatusCode.from_code(code if isinstance(code, int) else -1))
         return reply
 
-    async def notify(self, kind: str, body: dict[str, Any]) -> None:
-        """Send a request whose reply nobody awaits (replies to unknown ids are dropped)."""
+    def notify(self, kind: str, body: dict[str, Any]) -> None:
+        """Queue a request whose reply nobody awaits (replies to unknown ids are dropped)."""
         if self.closed is None:
             self._post({**body, "k": kind, "i": next(self._ids)})
 

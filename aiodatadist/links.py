@@ -254,7 +254,7 @@ class LinkManager:
         forced = {self._dd.settings.transport, peer_transport}
         if Transport.SHM in forced and not caps.same_host:
             with contextlib.suppress(LLMException):
-                await channel.notify(Kind.BYE, {})  # the server admitted us: let it drop its end
+                channel.notify(Kind.BYE, {})  # the server admitted us: let it drop its end
             reader.cancel()
             sock.close(linger=100)
             return S.LLM_LINK_FAILED
@@ -281,7 +281,7 @@ class LinkManager:
         code = S.LLM_SUCCESS
         if force:
             try:  # tell the peer without waiting for it (zmq queues the message at once)
-                await link.channel.notify(Kind.BYE, {})
+                link.channel.notify(Kind.BYE, {})
             except LLMException:
                 pass
         else:
@@ -293,13 +293,10 @@ class LinkManager:
         await self.drop(link, LLMLinkError(f"cluster {remote_id} was unlinked"))
         return code
 
-    def _spawn_notify(self, link: Link, kind: str, body: dict[str, Any]) -> None:
-        async def send() -> None:
-            try:
-                await link.channel.notify(kind, body)
-            except LLMException:
-                pass
-        self._tasks.spawn(send(), name=f"notify-{kind}")
+    @staticmethod
+    def notify(link: Link, kind: str, body: dict[str, Any]) -> None:
+        """Queue a message that needs no answer (sent with the channel's next frame)."""
+        link.channel.notify(kind, body)
 
     async def drop(self, link: Link, error: LLMException) -> None:
         """Tear a link down locally: fail its requests, stop its copies, release its leases."""
@@ -343,7 +340,7 @@ class LinkManager:
         """Unlink everything (peers are told), stop listening and free the sockets and context."""
         for link in list(self.links.values()):
             try:
-                await link.channel.notify(Kind.BYE, {})
+                link.channel.notify(Kind.BYE, {})
             except LLMException:
                 pass
             await self.drop(link, LLMLinkError(f"cluster {self._dd.cluster_id} was finalized"))

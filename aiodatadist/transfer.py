@@ -176,7 +176,7 @@ class TransferService:
                 link.aborted.discard(tid)
                 link.running.discard(tid)
                 if not (ok and params.op == "pull" and wkey.kind in ("req", "prefix")):
-                    links._spawn_notify(link, Kind.END, {"tid": tid, "ok": ok})
+                    links.notify(link, Kind.END, {"tid": tid, "ok": ok})
         if ok and params.op == "pull" and wkey.kind in ("req", "prefix"):
             return link.channel.request(Kind.END, {"tid": tid, "ok": True})
         return None
@@ -280,7 +280,7 @@ class TransferService:
         for link in links.links.values():
             for tid, lease in link.leases.items():
                 if lease.entry is entry:
-                    links._spawn_notify(link, Kind.ABORT, {"tid": tid})
+                    links.notify(link, Kind.ABORT, {"tid": tid})
 
     async def on_link_closed(self, link: Link, error: LLMException) -> None:
         """Stop the requester-side copies on this link and drop the owner-side leases."""
