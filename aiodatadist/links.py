@@ -52,6 +52,7 @@ class Link:
     plane: str = "shm"
     sock: zmq.asyncio.Socket | None = None
     reader: asyncio.Task[Any] | None = None
+    watcher: asyncio.Task[Any] | None = None
     routing_id: bytes | None = None
     memory: PeerMemory = field(init=False)
     leases: dict[int, Lease] = field(default_factory=dict)
@@ -264,6 +265,7 @@ class LinkManager:
                     plane=_plane_for(caps, transport), sock=sock, reader=reader)
         channel.context = link
         self.links[remote_id] = link
+        link.watcher = self._tasks.spawn(self._watch(link), name=f"watch-{remote_id}")
         # Map the peer's caches now, and give their page tables the rest of the link timeout to fill in, so that
         # the first transfers do not pay for it (what is left continues in the background).
         populating = link.memory.premap(reply.get("segs"))
@@ -298,6 +300,23 @@ class LinkManager:
         """Queue a message that needs no answer (sent with the channel's next frame)."""
         link.channel.notify(kind, body)
 
+    async def _watch(self, link: Link) -> None:
+        """Client side: a broken connection (the server died or closed) drops the link at once, so that waiting
+        requests fail fast with a link error instead of running into their deadline."""
+        assert link.sock is not None
+        monitor = link.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()  # only disconnect events are subscribed
+                if not link.closed:
+                    await self.drop(link, LLMLinkError(
+                        f"the connection to cluster {link.remote_cluster_id} broke (peer gone)"))
+                return
+        finally:
+            if link.sock is not None and not link.sock.closed:
+                link.sock.disable_monitor()
+            monitor.close(linger=0)
+
     async def drop(self, link: Link, error: LLMException) -> None:
         """Tear a link down locally: fail its requests, stop its copies, release its leases."""
         if link.closed:
@@ -315,6 +334,9 @@ class LinkManager:
                 self._server.channels.pop(link.routing_id, None)
             if link.reader is not None:
                 link.reader.cancel()
+            if link.watcher is not None and link.watcher is not asyncio.current_task():
+                link.watcher.cancel()
+                await asyncio.gather(link.watcher, return_exceptions=True)  # it closes its monitor socket
             if link.sock is not None:
                 link.sock.close(linger=100)
         log.info("cluster %d dropped link to %d: %s", self._dd.cluster_id, link.remote_cluster_id, error)
