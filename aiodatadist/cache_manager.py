@@ -18,7 +18,7 @@ from ._checks import (
 )
 from .cache import Cache
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
-from .executor import CopyExecutor, CopyJob, wait_stopped
+from .executor import CopyJob, ExecutorBase, wait_stopped
 from .layout import (
     CacheGeometry,
     Spans,
@@ -81,7 +81,7 @@ class CacheManager(TransferMixin):
     Bookkeeping methods are plain (they never block on I/O); copies and transfers are coroutines.
     """
 
-    def __init__(self, datadist: LLMDataDist, executor: CopyExecutor) -> None:
+    def __init__(self, datadist: LLMDataDist, executor: ExecutorBase) -> None:
         self._datadist = datadist
         self._executor = executor
         self._registry = CacheRegistry()
@@ -102,13 +102,13 @@ class CacheManager(TransferMixin):
         return self._registry
 
     @property
-    def executor(self) -> CopyExecutor:
+    def executor(self) -> ExecutorBase:
         return self._executor
 
     def start_job(self, spans: Spans, copier: CopySpec | None, entries: tuple[CacheEntry, ...]) -> CopyJob:
         """Queue a copy of ``spans`` touching ``entries`` (callers hold leases on them)."""
         self._check_open()
-        job = self._executor.start(spans, copier or copier_for_local(spans.total_bytes))
+        job: CopyJob = self._executor.start(spans, copier or copier_for_local(spans.total_bytes))
         self._jobs.add(job)
         for entry in entries:
             entry.jobs.add(job)

@@ -13,6 +13,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -20,7 +21,7 @@ import numpy.typing as npt
 from .layout import Spans
 from .native import CopySpec, StopFlag, bind_runner
 
-__all__ = ["CopyExecutor", "CopyJob", "release_shared_executor", "shared_executor"]
+__all__ = ["CopyExecutor", "ExecutorBase", "CopyJob", "release_shared_executor", "shared_executor"]
 
 UInt64Array = npt.NDArray[np.uint64]
 
@@ -110,19 +111,24 @@ class CopyJob:
             self.future.set_result(None)
 
 
-class CopyExecutor:
-    """Worker threads that execute :class:`CopyJob` chunks round-robin."""
+class ExecutorBase:
+    """What both executors share: chunk sizing, awaiting a job, and ``run`` = ``start`` + ``wait``.
 
-    def __init__(self, workers: int | None = None) -> None:
-        self.workers = workers or default_workers()
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiodatadist-copy")
-        self._lock = threading.Lock()
-        self._ready: deque[CopyJob] = deque()
+    Subclasses provide ``workers``, ``start(spans, copier, chunk_bytes=...)`` and ``cancel(job, error=None)``.
+    """
+
+    workers: int
 
     def chunk_bytes_for(self, total: int) -> int:
         if total <= SINGLE_CHUNK:
             return max(total, 1)
         return int(min(MAX_CHUNK, max(MIN_CHUNK, total // (2 * self.workers))))
+
+    def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> Any:
+        raise NotImplementedError
+
+    def cancel(self, job: Any, error: BaseException | None = None) -> None:
+        raise NotImplementedError
 
     async def run(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> None:
         """Copy ``spans`` with ``copier``; on cancellation stop early and return only once no worker runs.
@@ -131,6 +137,25 @@ class CopyExecutor:
         written into it after this coroutine has returned or raised.
         """
         await self.wait(self.start(spans, copier, chunk_bytes=chunk_bytes))
+
+    async def wait(self, job: Any) -> None:
+        """Await a job; if the caller is cancelled, stop the job and wait until its workers are done."""
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            self.cancel(job)
+            await wait_stopped(job)
+            raise
+
+
+class CopyExecutor(ExecutorBase):
+    """Worker threads that execute :class:`CopyJob` chunks round-robin (the fallback without the C helper)."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = workers or default_workers()
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="aiodatadist-copy")
+        self._lock = threading.Lock()
+        self._ready: deque[CopyJob] = deque()
 
     def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> CopyJob:
         """Queue a job (call from the event loop thread); await it with :meth:`wait`."""
@@ -142,15 +167,6 @@ class CopyExecutor:
         else:
             self.submit(job)
         return job
-
-    async def wait(self, job: CopyJob) -> None:
-        """Await a job; if the caller is cancelled, stop the job and wait until its workers are done."""
-        try:
-            await asyncio.shield(job.future)
-        except asyncio.CancelledError:
-            self.cancel(job)
-            await wait_stopped(job)
-            raise
 
     def submit(self, job: CopyJob) -> None:
         with self._lock:

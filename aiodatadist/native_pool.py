@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .errors import LLMException, LLMStatusCode
-from .executor import MAX_CHUNK, MIN_CHUNK, PIECE, SINGLE_CHUNK, default_workers, split_spans, wait_stopped
+from .executor import PIECE, ExecutorBase, default_workers, split_spans
 from .layout import Spans
 from .native import CopySpec, native_pool
 
@@ -87,7 +87,7 @@ class _Notifier:
             os.close(self.fd)
 
 
-class NativeExecutor:
+class NativeExecutor(ExecutorBase):
     """A pool of native worker threads shared by every instance in the process."""
 
     def __init__(self, workers: int | None = None) -> None:
@@ -100,11 +100,6 @@ class NativeExecutor:
         if not self._pool:
             raise LLMException("cannot start the native copy threads", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         self._notifiers: dict[asyncio.AbstractEventLoop, _Notifier] = {}
-
-    def chunk_bytes_for(self, total: int) -> int:
-        if total <= SINGLE_CHUNK:
-            return max(total, 1)
-        return int(min(MAX_CHUNK, max(MIN_CHUNK, total // (2 * self.workers))))
 
     def _notifier(self, loop: asyncio.AbstractEventLoop) -> _Notifier:
         notifier = self._notifiers.get(loop)
@@ -135,18 +130,6 @@ class NativeExecutor:
         job.handle = handle
         notifier.jobs[handle] = job
         return job
-
-    async def wait(self, job: NativeJob) -> None:
-        """Await a job; if the caller is cancelled, stop the job and wait until its workers are done."""
-        try:
-            await asyncio.shield(job.future)
-        except asyncio.CancelledError:
-            self.cancel(job)
-            await wait_stopped(job)  # type: ignore[arg-type]
-            raise
-
-    async def run(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> None:
-        await self.wait(self.start(spans, copier, chunk_bytes=chunk_bytes))
 
     def cancel(self, job: NativeJob, error: BaseException | None = None) -> None:
         """Stop the job at its next span; with ``error`` its waiter gets that exception."""
