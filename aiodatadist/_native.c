@@ -70,10 +70,6 @@ long adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *le
 #include <sys/resource.h>
 #include <sys/syscall.h>
 
-#ifndef ADT_WORKER_NICE
-#define ADT_WORKER_NICE 0
-#endif
-
 /* Submitting and cancelling never take the workers' mutex: jobs are pushed on a lock-free stack and workers are
  * woken through a semaphore.  On a small, oversubscribed machine a worker preempted while holding a lock would
  * otherwise stall the event loop in every submit. */
@@ -87,6 +83,7 @@ typedef struct adt_job {
     int done;                          /* published with release semantics once no worker touches the job */
     struct adt_job *next;              /* ready list (workers' mutex) */
     struct adt_job *next_in;           /* incoming stack (lock-free) */
+    void *owned;                       /* span arrays built here (adt_job_submit_grid), freed with the job */
 } adt_job;
 
 typedef struct adt_pool {
@@ -94,7 +91,7 @@ typedef struct adt_pool {
     sem_t work;
     adt_job *incoming;                 /* lock-free stack of submitted jobs */
     adt_job *head, *tail;              /* ready list, round-robin */
-    int shutdown, nthreads;
+    int shutdown, nthreads, nice;
     pthread_t threads[64];
 } adt_pool;
 
@@ -168,12 +165,13 @@ static int finish_if_idle(adt_job *j)   /* under the mutex; returns 1 if the cal
 static void *worker(void *arg)
 {
     adt_pool *p = (adt_pool *)arg;
-    /* Copies yield to the event loop: batch scheduling, so that a woken worker does not preempt the loop thread
-     * (ADT_WORKER_NICE can lower their priority too; 0 by default).  Idle cores are still used in full. */
+    /* Copies yield to the event loop: batch scheduling, so that a woken worker does not preempt the loop thread,
+     * and a lower priority (pool->nice), so that the loop is not starved where copies occupy every core.  Idle
+     * cores are still used in full. */
     struct sched_param none = {0};
     pthread_setschedparam(pthread_self(), SCHED_BATCH, &none);
-    if (ADT_WORKER_NICE)
-        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), getpriority(PRIO_PROCESS, 0) + ADT_WORKER_NICE);
+    if (p->nice > 0)
+        setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), getpriority(PRIO_PROCESS, 0) + p->nice);
     for (;;) {
         pthread_mutex_lock(&p->lock);
         take_incoming(p);
@@ -227,10 +225,11 @@ static void *worker(void *arg)
     return NULL;
 }
 
-void *adt_pool_new(int nthreads)
+void *adt_pool_new(int nthreads, int nice)
 {
     adt_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
+    p->nice = nice;
     pthread_mutex_init(&p->lock, NULL);
     if (nthreads > 64) nthreads = 64;
     if (sem_init(&p->work, 0, 0) != 0) { pthread_mutex_destroy(&p->lock); free(p); return NULL; }
@@ -252,25 +251,79 @@ void adt_pool_free(void *pool)
     free(p);
 }
 
-void *adt_job_submit(void *pool, const uint64_t *dst, const uint64_t *src, const uint64_t *len,
-                     const int64_t *bounds, size_t nchunks, int mode, int pid, int streaming, int notify_fd)
+static void *submit(adt_pool *p, adt_job *j)
 {
-    adt_pool *p = (adt_pool *)pool;
-    adt_job *j = calloc(1, sizeof *j);
-    if (!j) return NULL;
-    j->dst = dst; j->src = src; j->len = len; j->bounds = bounds; j->nchunks = nchunks;
-    j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd;
-    if (nchunks == 0) {
+    if (j->nchunks == 0) {
         __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
-        announce(notify_fd, j);
+        announce(j->notify_fd, j);
         return j;
     }
     adt_job *top = __atomic_load_n(&p->incoming, __ATOMIC_RELAXED);
     do { j->next_in = top; } while (!__atomic_compare_exchange_n(&p->incoming, &top, j, 1, __ATOMIC_RELEASE,
                                                                   __ATOMIC_RELAXED));
-    size_t wake = nchunks < (size_t)p->nthreads ? nchunks : (size_t)p->nthreads;
+    size_t wake = j->nchunks < (size_t)p->nthreads ? j->nchunks : (size_t)p->nthreads;
     for (size_t i = 0; i < wake; i++) sem_post(&p->work);
     return j;
+}
+
+void *adt_job_submit(void *pool, const uint64_t *dst, const uint64_t *src, const uint64_t *len,
+                     const int64_t *bounds, size_t nchunks, int mode, int pid, int streaming, int notify_fd)
+{
+    adt_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    j->dst = dst; j->src = src; j->len = len; j->bounds = bounds; j->nchunks = nchunks;
+    j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd;
+    return submit((adt_pool *)pool, j);
+}
+
+/* A job from a (tensor x run) grid, built here so that the caller does no per-span work: span (t, r) copies
+ * run_len[r] bytes from src_base[t] + run_src[r] + src_delta to dst_base[t] + run_dst[r] + dst_delta, tensor-major.
+ * Spans that continue each other on both sides are merged, then cut into pieces of at most `piece` bytes (the
+ * stop flag is polled between pieces) and grouped into chunks of about `chunk` bytes. */
+typedef struct { uint64_t *src, *dst, *len; int64_t *bounds; size_t n, nb; uint64_t acc, chunk, piece; } grid_out;
+
+static void grid_emit(grid_out *o, uint64_t s, uint64_t d, uint64_t l)
+{
+    while (l > 0) {
+        uint64_t k = l < o->piece ? l : o->piece;
+        o->src[o->n] = s; o->dst[o->n] = d; o->len[o->n] = k; o->n++;
+        s += k; d += k; l -= k;
+        o->acc += k;
+        if (o->acc >= o->chunk) { o->bounds[o->nb++] = (int64_t)o->n; o->acc = 0; }
+    }
+}
+
+void *adt_job_submit_grid(void *pool, const uint64_t *src_base, const uint64_t *dst_base, size_t nt,
+                          const uint64_t *run_src, const uint64_t *run_dst, const uint64_t *run_len, size_t nr,
+                          uint64_t src_delta, uint64_t dst_delta, uint64_t chunk, uint64_t piece,
+                          int mode, int pid, int streaming, int notify_fd)
+{
+    if (piece == 0 || chunk == 0) return NULL;
+    size_t per_tensor = 0;
+    for (size_t r = 0; r < nr; r++) per_tensor += (size_t)((run_len[r] + piece - 1) / piece);
+    size_t cap = nt * per_tensor;   /* merging never needs more pieces than its parts */
+    adt_job *j = calloc(1, sizeof *j);
+    char *mem = malloc(cap * 3 * sizeof(uint64_t) + (cap + 1) * sizeof(int64_t) + 8);
+    if (!j || !mem) { free(j); free(mem); return NULL; }
+    grid_out o = {(uint64_t *)mem, (uint64_t *)mem + cap, (uint64_t *)mem + 2 * cap,
+                  (int64_t *)((uint64_t *)mem + 3 * cap), 0, 1, 0, chunk, piece};
+    o.bounds[0] = 0;
+    uint64_t cs = 0, cd = 0, cl = 0;
+    for (size_t t = 0; t < nt; t++) {
+        uint64_t sb = src_base[t] + src_delta, db = dst_base[t] + dst_delta;
+        for (size_t r = 0; r < nr; r++) {
+            uint64_t s = sb + run_src[r], d = db + run_dst[r], l = run_len[r];
+            if (l == 0) continue;
+            if (cl && cs + cl == s && cd + cl == d) { cl += l; continue; }
+            if (cl) grid_emit(&o, cs, cd, cl);
+            cs = s; cd = d; cl = l;
+        }
+    }
+    if (cl) grid_emit(&o, cs, cd, cl);
+    if (o.bounds[o.nb - 1] != (int64_t)o.n) o.bounds[o.nb++] = (int64_t)o.n;
+    j->src = o.src; j->dst = o.dst; j->len = o.len; j->bounds = o.bounds; j->nchunks = o.nb - 1;
+    j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd; j->owned = mem;
+    return submit((adt_pool *)pool, j);
 }
 
 /* Stop a job: no new chunk starts and running ones stop at their next span; the end is announced as usual
@@ -293,7 +346,7 @@ int adt_job_state(void *pool, void *job, int *error)
     return __atomic_load_n(&j->stop, __ATOMIC_RELAXED) ? 2 : 1;
 }
 
-void adt_job_free(void *job) { free(job); }
+void adt_job_free(void *job) { adt_job *j = (adt_job *)job; free(j->owned); free(j); }
 
 /* Importable as a module so that the build and the loader can find it; the work is done through ctypes. */
 static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native", "aiodatadist span copier", -1, NULL};

@@ -17,16 +17,16 @@ from ._checks import (
     require,
 )
 from .cache import Cache
+from .directory import CacheDirectory
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
 from .executor import CopyJob, ExecutorBase, wait_stopped
 from .layout import (
     CacheGeometry,
-    Spans,
+    CopyPlan,
     all_tensor_indices,
     copy_blocks_runs,
     copy_cache_run,
     make_plan,
-    plan_to_spans,
     swap_blocks_runs,
 )
 from .memory import SharedSegment
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["CacheManager"]
 
 log = logging.getLogger("aiodatadist.cache")
-STREAMING_THRESHOLD = 8 << 20
+STREAMING_THRESHOLD = 1 << 20
 MAX_SHAPE_RANK = 32
 
 
@@ -84,7 +84,7 @@ class CacheManager(TransferMixin):
     def __init__(self, datadist: LLMDataDist, executor: ExecutorBase) -> None:
         self._datadist = datadist
         self._executor = executor
-        self._registry = CacheRegistry()
+        self._registry = CacheRegistry(CacheDirectory())
         self._jobs: set[CopyJob] = set()
         self._closed = False
 
@@ -105,10 +105,13 @@ class CacheManager(TransferMixin):
     def executor(self) -> ExecutorBase:
         return self._executor
 
-    def start_job(self, spans: Spans, copier: CopySpec | None, entries: tuple[CacheEntry, ...]) -> CopyJob:
-        """Queue a copy of ``spans`` touching ``entries`` (callers hold leases on them)."""
+    def start_job(self, plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: CopySpec | None,
+                  entries: tuple[CacheEntry, ...]) -> CopyJob:
+        """Queue the copy of ``plan`` from tensors at ``src_addrs`` to ``dst_addrs``, touching ``entries``
+        (callers hold leases on them); ``copier`` None = both ends in this process."""
         self._check_open()
-        job: CopyJob = self._executor.start(spans, copier or copier_for_local(spans.total_bytes))
+        job: CopyJob = self._executor.start_plan(plan, src_addrs, dst_addrs,
+                                                 copier or copier_for_local(plan.total_bytes))
         self._jobs.add(job)
         for entry in entries:
             entry.jobs.add(job)
@@ -126,11 +129,12 @@ class CacheManager(TransferMixin):
     async def wait_stopped(self, job: CopyJob) -> None:
         await wait_stopped(job)
 
-    async def run_copy(self, entries: tuple[CacheEntry, ...], spans: Spans) -> None:
-        """Copy local spans while holding leases on ``entries``; cancellable at chunk boundaries."""
+    async def run_copy(self, plan: CopyPlan, src: CacheEntry, dst: CacheEntry) -> None:
+        """Copy a plan between two local caches while holding leases on them; cancellable at chunk boundaries."""
         self._check_open()
+        entries = (dst,) if src is dst else (dst, src)
         with self._registry.lease(*entries):
-            await self.wait_job(self.start_job(spans, None, entries), entries)
+            await self.wait_job(self.start_job(plan, src.addrs, dst.addrs, None, entries), entries)
 
     def _abort_jobs(self, jobs: list[CopyJob], reason: str) -> None:
         """Stop jobs that use caller-owned memory being released; waits at most one chunk per job."""
@@ -269,9 +273,8 @@ class CacheManager(TransferMixin):
         require(dst_entry.desc == src_entry.desc and dst_entry.desc.data_type == src_entry.desc.data_type,
                 "copy_cache needs caches with the same CacheDesc.")
         runs = copy_cache_run(dst_entry.geometry, dst_slot, src_slot, off, nbytes)
-        spans = plan_to_spans(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
-                              src_entry.addrs, dst_entry.addrs)
-        await self.run_copy((dst_entry, src_entry), spans)
+        await self.run_copy(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
+                            src_entry, dst_entry)
 
     async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, list[int]]) -> None:
         """Within one blocks cache, copy each source block to each of its destination blocks."""
@@ -285,8 +288,7 @@ class CacheManager(TransferMixin):
         require(entry.is_blocks, "copy_blocks needs a blocks cache.")
         geometry: CacheGeometry = entry.geometry
         runs = copy_blocks_runs(info, geometry)
-        spans = plan_to_spans(make_plan(*all_tensor_indices(geometry, geometry), runs), entry.addrs, entry.addrs)
-        await self.run_copy((entry,), spans)
+        await self.run_copy(make_plan(*all_tensor_indices(geometry, geometry), runs), entry, entry)
 
     async def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Mapping[int, int]) -> None:
         """Copy block ``k`` of ``src_cache`` to block ``src_to_dst[k]`` of ``dst_cache`` (equal block sizes).
@@ -305,9 +307,8 @@ class CacheManager(TransferMixin):
             require(not set(mapping.values()) & set(mapping.keys()),
                     "a destination block is also a source block of the same swap.")
         runs = swap_blocks_runs(mapping, src_entry.geometry, dst_entry.geometry)
-        plan = make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs)
-        spans = plan_to_spans(plan, src_entry.addrs, dst_entry.addrs)
-        await self.run_copy((src_entry, dst_entry), spans)
+        await self.run_copy(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
+                            src_entry, dst_entry)
 
     def _swap_entry(self, name: str, cache: Any) -> CacheEntry:
         check_isinstance(name, cache, Cache)
@@ -327,6 +328,8 @@ class CacheManager(TransferMixin):
         for job in list(self._jobs):
             await wait_stopped(job)
         self._registry.close_all()
+        if self._registry.directory is not None:
+            self._registry.directory.close()
 
     def __repr__(self) -> str:
         return f"CacheManager(cluster_id={self._datadist.cluster_id}, caches={len(self._registry.entries())})"

@@ -18,18 +18,20 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .layout import Spans
+from .layout import CopyPlan, Spans, plan_to_spans
 from .native import CopySpec, StopFlag, bind_runner
 
-__all__ = ["CopyExecutor", "ExecutorBase", "CopyJob", "release_shared_executor", "shared_executor"]
+__all__ = ["CopyExecutor", "CopyJob", "ExecutorBase", "release_shared_executor", "shared_executor"]
 
 UInt64Array = npt.NDArray[np.uint64]
 
 # Spans are cut into pieces of at most PIECE bytes: native copies poll the stop flag between pieces, so a stop
 # takes effect within ~0.1 ms.  Pieces are grouped into chunks (the units workers take, round-robin across
-# jobs): small transfers are one chunk (one thread hand-off), big ones are split for parallelism and fairness.
+# jobs): tiny transfers are one chunk (one thread hand-off), small ones one chunk per worker (latency), big ones
+# chunks of 4-16 MiB for parallelism and fairness.
 PIECE = 1 << 20
-SINGLE_CHUNK = 4 << 20
+SINGLE_CHUNK = 512 << 10
+SMALL = 4 << 20
 MIN_CHUNK = 4 << 20
 MAX_CHUNK = 16 << 20
 
@@ -61,6 +63,13 @@ def split_spans(spans: Spans, chunk_bytes: int, piece_bytes: int | None = None) 
     cuts = np.searchsorted(ends, marks, side="left") + 1
     bounds = np.unique(np.concatenate(([0], cuts, [len(spans)]))).astype(np.int64)
     return spans, bounds
+
+
+def worker_nice() -> int:
+    """How much lower the native copy threads' priority is than the process's: ``AIODATADIST_COPY_NICE``
+    (0-19, default 10), so that bulk copies never starve the event loop where they occupy every core."""
+    value = os.environ.get("AIODATADIST_COPY_NICE", "")
+    return min(19, int(value)) if value.isdigit() else 10
 
 
 def default_workers() -> int:
@@ -122,10 +131,17 @@ class ExecutorBase:
     def chunk_bytes_for(self, total: int) -> int:
         if total <= SINGLE_CHUNK:
             return max(total, 1)
+        if total <= SMALL:
+            return -(-total // self.workers)
         return int(min(MAX_CHUNK, max(MIN_CHUNK, total // (2 * self.workers))))
 
     def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> Any:
         raise NotImplementedError
+
+    def start_plan(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec, *,
+                   chunk_bytes: int | None = None) -> Any:
+        """Queue the copy of a plan between two caches' tensors (``copier`` translates and streams)."""
+        return self.start(plan_to_spans(plan, src_addrs, dst_addrs), copier, chunk_bytes=chunk_bytes)
 
     def cancel(self, job: Any, error: BaseException | None = None) -> None:
         raise NotImplementedError

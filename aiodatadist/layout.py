@@ -111,13 +111,15 @@ def coalesce(src: npt.NDArray[np.integer], dst: npt.NDArray[np.integer], length:
     if len(length) <= 1:
         return src, dst, length
     cont = (src[:-1] + length[:-1] == src[1:]) & (dst[:-1] + length[:-1] == dst[1:])
+    if not cont.any():  # the common case for scattered blocks: nothing to merge
+        return src, dst, length
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     return src[starts], dst[starts], np.add.reduceat(length, starts)
 
 
 def _runs(src_offset: Int64Array, dst_offset: Int64Array, length: Int64Array) -> Runs:
     s, d, n = coalesce(src_offset, dst_offset, length)
-    return Runs(s.astype(np.int64), d.astype(np.int64), n.astype(np.int64))
+    return Runs(s.astype(np.int64, copy=False), d.astype(np.int64, copy=False), n.astype(np.int64, copy=False))
 
 
 # -- layer ranges -> tensor indices ----------------------------------------------------------------------------
@@ -234,6 +236,8 @@ def b2b_runs(
     dst: CacheGeometry,
 ) -> Runs:
     """Block ``src_blocks[i]`` -> block ``dst_blocks[i]``; both caches are blocks caches of equal block size."""
+    if isinstance(src_blocks, (list, tuple)) and isinstance(dst_blocks, (list, tuple)) and len(dst_blocks) <= 64:
+        return _b2b_runs_short(list(src_blocks), list(dst_blocks), src, dst)
     s, d = _i64(src_blocks), _i64(dst_blocks)
     require(len(s) > 0, "src_blocks must not be empty.")
     require(len(d) > 0, "dst_blocks must not be empty.")
@@ -244,6 +248,30 @@ def b2b_runs(
     _check_unique("dst_blocks", d)
     stride = dst.stride
     return _runs(s * stride, d * stride, np.full(len(s), stride, dtype=np.int64))
+
+
+def _b2b_runs_short(s: list[int], d: list[int], src: CacheGeometry, dst: CacheGeometry) -> Runs:
+    """:func:`b2b_runs` for short Python lists: the same checks and runs without numpy's per-call overhead."""
+    require(len(s) > 0, "src_blocks must not be empty.")
+    require(len(d) > 0, "dst_blocks must not be empty.")
+    require(len(s) == len(d), f"number of src_blocks ({len(s)}) mismatches number of dst_blocks ({len(d)}).")
+    require(src.stride == dst.stride, f"block size mismatch: source {src.stride} bytes, destination {dst.stride}.")
+    for name, blocks, geometry in (("src_blocks", s, src), ("dst_blocks", d, dst)):
+        require(min(blocks) >= 0, f"{name} has a negative block index.")
+        high = max(blocks)
+        require(high < geometry.slots, f"{name} has block index {high} >= num_blocks {geometry.slots}.")
+    require(len(set(d)) == len(d), "dst_blocks contains duplicate block indices.")
+    stride = dst.stride
+    starts_s, starts_d, counts = [s[0]], [d[0]], [1]
+    for a, b in zip(s[1:], d[1:]):
+        if a == starts_s[-1] + counts[-1] and b == starts_d[-1] + counts[-1]:
+            counts[-1] += 1
+        else:
+            starts_s.append(a)
+            starts_d.append(b)
+            counts.append(1)
+    return Runs(np.array(starts_s, dtype=np.int64) * stride, np.array(starts_d, dtype=np.int64) * stride,
+                np.array(counts, dtype=np.int64) * stride)
 
 
 def c2b_runs(
@@ -349,7 +377,7 @@ def plan_to_spans(plan: CopyPlan, src_addrs: npt.ArrayLike, dst_addrs: npt.Array
     length = np.empty((len(plan.src_tensor), len(runs.length)), dtype=np.uint64)
     length[:] = runs.length.view(np.uint64)
     s, d, n = coalesce(src, dst, length.ravel())
-    return Spans(s.astype(np.uint64), d.astype(np.uint64), n.astype(np.uint64))
+    return Spans(s.astype(np.uint64, copy=False), d.astype(np.uint64, copy=False), n.astype(np.uint64, copy=False))
 
 
 # -- transfers between two caches -----------------------------------------------------------------------------

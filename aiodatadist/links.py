@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from .control import Channel, Server, TaskSet, connect_dealer, dealer_sender, new_context, read_dealer
+from .directory import DirectoryView, Resolved
 from .errors import LLMException, LLMLinkError, LLMStatusCode
 from .executor import CopyJob
 from .peer import HostProbe, PeerCapabilities, PeerMemory, probe_peer
@@ -39,6 +41,11 @@ class Lease:
     release_key: tuple[str, int, int] | None
 
 
+def no_directory() -> bool:
+    """``AIODATADIST_DIRECTORY=0`` makes every transfer resolve its key through the owner (for diagnosis)."""
+    return os.environ.get("AIODATADIST_DIRECTORY", "1") == "0"
+
+
 @dataclass(eq=False)
 class Link:
     """One link to a remote cluster (client or server side)."""
@@ -60,10 +67,17 @@ class Link:
     running: set[int] = field(default_factory=set)  # requester side: transfers between BEGIN and their end
     descriptors: dict[int, Any] = field(default_factory=dict)  # requester side: the peer's caches, by cache id
     aborted: set[int] = field(default_factory=set)  # requester side: ABORTs that came before the copy started
+    directory: DirectoryView | None = None  # requester side: the peer's cache directory, when mappable
+    resolved: dict[tuple[str, int, int], Resolved] = field(default_factory=dict)  # requester side, by wire key
     closed: bool = False
 
     def __post_init__(self) -> None:
         self.memory = PeerMemory(self.caps)
+
+    def map_directory(self, announced: Any) -> None:
+        """Map the peer's cache directory (same host, mapping allowed); without it every transfer asks."""
+        if self.plane == "shm" and self.caps.can_map and not no_directory():
+            self.directory = DirectoryView.from_wire(announced, self.caps.pid)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -146,6 +160,7 @@ class LinkManager:
             "host": self._probe.to_wire(),
             "transport": self._dd.settings.transport.value,
             "segs": self._segments(),
+            "dir": self._directory(),
         }
 
     def _segments(self) -> list[Any]:
@@ -155,6 +170,12 @@ class LinkManager:
             return []
         return [segment_to_wire(e.segment.identity, e.segment.address)
                 for e in manager.registry.entries() if e.segment is not None and e.remote_accessible]
+
+    def _directory(self) -> list[int] | None:
+        manager = self._dd._cache_manager
+        if manager is None or manager.registry.directory is None:
+            return None
+        return manager.registry.directory.to_wire()
 
     async def _on_hello(self, routing_id: bytes, message: dict[str, Any]) -> None:
         assert self._server is not None
@@ -191,7 +212,9 @@ class LinkManager:
         server.channels[routing_id] = channel
         await channel.reply(req_id, {"cluster": self._dd.cluster_id, "role": int(self._dd.role),
                                      "host": self._probe.to_wire(),
-                                     "transport": self._dd.settings.transport.value, "segs": self._segments()})
+                                     "transport": self._dd.settings.transport.value, "segs": self._segments(),
+                                     "dir": self._directory()})
+        link.map_directory(message.get("dir"))
         link.memory.premap(message.get("segs"))  # in the background: nobody waits for it
         log.info("cluster %d accepted link from %d (%s)", self._dd.cluster_id, cluster, link.plane)
 
@@ -268,6 +291,7 @@ class LinkManager:
         link.watcher = self._tasks.spawn(self._watch(link), name=f"watch-{remote_id}")
         # Map the peer's caches now, and give their page tables the rest of the link timeout to fill in, so that
         # the first transfers do not pay for it (what is left continues in the background).
+        link.map_directory(reply.get("dir"))
         populating = link.memory.premap(reply.get("segs"))
         remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
         if populating and remaining > 0:
@@ -330,6 +354,8 @@ class LinkManager:
                 await self.on_link_closed(link, error)
             await link.memory.close()
         finally:
+            if link.directory is not None:
+                link.directory.close()
             if link.routing_id is not None and self._server is not None:
                 self._server.channels.pop(link.routing_id, None)
             if link.reader is not None:

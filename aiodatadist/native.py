@@ -25,17 +25,17 @@ ChunkRunner = Callable[[int, int, "StopFlag"], None]
 
 __all__ = [
     "IOV_MAX",
-    "StopFlag",
     "ChunkRunner",
     "CopySpec",
-    "bind_runner",
-    "native_pool",
-    "local_copier",
-    "pvm_copier",
-    "native_available",
-    "populate",
+    "StopFlag",
     "advise_hugepages",
+    "bind_runner",
+    "local_copier",
+    "native_available",
+    "native_pool",
+    "populate",
     "process_vm_read",
+    "pvm_copier",
 ]
 
 log = logging.getLogger("aiodatadist.native")
@@ -51,7 +51,7 @@ def _load_native() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(spec.origin)
         fn = lib.adt_copy_spans
-        lib.adt_pool_new  # noqa: B018 - a stale build without the pool is not used
+        lib.adt_job_submit_grid  # noqa: B018 - a stale build without it is not used
     except (OSError, AttributeError) as exc:
         log.warning("native helper %s unusable (%s); using the Python fallback", spec.origin, exc)
         return None
@@ -66,10 +66,14 @@ _NATIVE = _load_native()
 
 def _bind_pool(lib: ctypes.CDLL) -> None:
     vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-    lib.adt_pool_new.argtypes, lib.adt_pool_new.restype = [c_int], vp
+    lib.adt_pool_new.argtypes, lib.adt_pool_new.restype = [c_int, c_int], vp
     lib.adt_pool_free.argtypes, lib.adt_pool_free.restype = [vp], None
     lib.adt_job_submit.argtypes = [vp, vp, vp, vp, vp, sz, c_int, c_int, c_int, c_int]
     lib.adt_job_submit.restype = vp
+    u64 = ctypes.c_uint64
+    lib.adt_job_submit_grid.argtypes = [vp, vp, vp, sz, vp, vp, vp, sz, u64, u64, u64, u64, c_int, c_int, c_int,
+                                        c_int]
+    lib.adt_job_submit_grid.restype = vp
     lib.adt_job_cancel.argtypes, lib.adt_job_cancel.restype = [vp, vp], None
     lib.adt_job_state.argtypes, lib.adt_job_state.restype = [vp, vp, ctypes.POINTER(c_int)], c_int
     lib.adt_job_free.argtypes, lib.adt_job_free.restype = [vp], None
@@ -167,7 +171,7 @@ def bind_runner(spec: CopySpec, spans: Spans) -> ChunkRunner:
 
     def run(lo: int, hi: int, stop: StopFlag) -> None:
         # One native call for the whole chunk; the arrays stay alive through this closure.
-        _keep = (src, dst, length)  # noqa: F841
+        _keep = (src, dst, length)
         fn(pd + 8 * lo, ps + 8 * lo, pl + 8 * lo, hi - lo, flag, stop.address)
 
     return run
@@ -182,7 +186,7 @@ def _pvm_runner(spec: CopySpec, src: UInt64Array, dst: UInt64Array, length: UInt
     pli, pri, pid = _ptr(local_iov), _ptr(remote_iov), spec.pid
 
     def run(lo: int, hi: int, stop: StopFlag) -> None:
-        _keep = (local_iov, remote_iov)  # noqa: F841
+        _keep = (local_iov, remote_iov)
         for a in range(lo, hi, PVM_SPANS_PER_CALL):
             if stop.is_set():
                 return

@@ -15,13 +15,16 @@ import time
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .errors import LLMException, LLMStatusCode
-from .executor import PIECE, ExecutorBase, default_workers, split_spans
-from .layout import Spans
+from .executor import PIECE, ExecutorBase, default_workers, split_spans, worker_nice
+from .layout import CopyPlan, Spans
 from .native import CopySpec, native_pool
 
 __all__ = ["NativeExecutor", "NativeJob"]
+
+UInt64Array = npt.NDArray[np.uint64]
 
 
 class _Flag:
@@ -40,22 +43,17 @@ class _Flag:
 
 
 class NativeJob:
-    """A job in the native pool; its arrays stay referenced here until the pool is done with them."""
+    """A job in the native pool; arrays it was given stay referenced here until the pool is done with them."""
 
-    def __init__(self, executor: NativeExecutor, spans: Spans, spec: CopySpec, chunk_bytes: int,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        spans, bounds = split_spans(spec.translate(spans), chunk_bytes, min(PIECE, chunk_bytes))
-        self._arrays = (np.ascontiguousarray(spans.dst, dtype=np.uint64),
-                        np.ascontiguousarray(spans.src, dtype=np.uint64),
-                        np.ascontiguousarray(spans.length, dtype=np.uint64),
-                        np.ascontiguousarray(bounds, dtype=np.int64))
-        self.spans = spans
-        self.num_chunks = len(bounds) - 1
+    __slots__ = ("_executor", "error", "future", "handle", "keepalive", "spec", "stopped")
+
+    def __init__(self, executor: NativeExecutor, spec: CopySpec, loop: asyncio.AbstractEventLoop) -> None:
         self.future: asyncio.Future[None] = loop.create_future()
         self.stopped = _Flag()
         self.error: BaseException | None = None
         self.spec = spec
         self.handle: int | None = None
+        self.keepalive: tuple[Any, ...] = ()
         self._executor = executor
 
     def wait_stopped_sync(self, timeout: float) -> bool:
@@ -96,7 +94,7 @@ class NativeExecutor(ExecutorBase):
             raise RuntimeError("the native helper is not built")
         self._lib = lib
         self.workers = workers or default_workers()
-        self._pool: int | None = lib.adt_pool_new(self.workers)
+        self._pool: int | None = lib.adt_pool_new(self.workers, worker_nice())
         if not self._pool:
             raise LLMException("cannot start the native copy threads", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         self._notifiers: dict[asyncio.AbstractEventLoop, _Notifier] = {}
@@ -112,22 +110,42 @@ class NativeExecutor(ExecutorBase):
 
     def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> NativeJob:
         """Queue a job (from the event loop thread); await it with :meth:`wait`."""
+        chunk = chunk_bytes or self.chunk_bytes_for(spans.total_bytes)
+        spans, bounds = split_spans(copier.translate(spans), chunk, min(PIECE, chunk))
+        arrays = (np.ascontiguousarray(spans.dst, dtype=np.uint64), np.ascontiguousarray(spans.src, dtype=np.uint64),
+                  np.ascontiguousarray(spans.length, dtype=np.uint64), np.ascontiguousarray(bounds, dtype=np.int64))
+        dst, src, length, bounds = arrays
+        return self._submit(copier, arrays, lambda fd: self._lib.adt_job_submit(
+            self._pool, dst.ctypes.data, src.ctypes.data, length.ctypes.data, bounds.ctypes.data,
+            len(bounds) - 1, copier.mode, copier.pid, int(copier.streaming), fd))
+
+    def start_plan(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec, *,
+                   chunk_bytes: int | None = None) -> NativeJob:
+        """Queue a plan's copy; the helper builds the spans itself (no per-span work in Python)."""
+        runs = plan.runs
+        arrays = (np.ascontiguousarray(src_addrs[plan.src_tensor], dtype=np.uint64),
+                  np.ascontiguousarray(dst_addrs[plan.dst_tensor], dtype=np.uint64),
+                  np.ascontiguousarray(runs.src_offset).view(np.uint64),
+                  np.ascontiguousarray(runs.dst_offset).view(np.uint64),
+                  np.ascontiguousarray(runs.length).view(np.uint64))
+        src_base, dst_base, run_src, run_dst, run_len = arrays
+        chunk = chunk_bytes or self.chunk_bytes_for(plan.total_bytes)
+        return self._submit(copier, arrays, lambda fd: self._lib.adt_job_submit_grid(
+            self._pool, src_base.ctypes.data, dst_base.ctypes.data, len(src_base), run_src.ctypes.data,
+            run_dst.ctypes.data, run_len.ctypes.data, len(run_len), copier.src_delta, copier.dst_delta, chunk,
+            min(PIECE, chunk), copier.mode, copier.pid, int(copier.streaming), fd))
+
+    def _submit(self, copier: CopySpec, keepalive: tuple[Any, ...], submit: Any) -> NativeJob:
         if self._pool is None:
             raise LLMException("the copy executor was shut down", status_code=LLMStatusCode.LLM_FAILED)
         loop = asyncio.get_running_loop()
-        job = NativeJob(self, spans, copier, chunk_bytes or self.chunk_bytes_for(spans.total_bytes), loop)
-        if job.num_chunks == 0:  # nothing to copy: done at once, without the pool
-            job.stopped.set()
-            job.future.set_result(None)
-            return job
+        job = NativeJob(self, copier, loop)
         notifier = self._notifier(loop)
-        dst, src, length, bounds = job._arrays
-        handle = self._lib.adt_job_submit(
-            self._pool, dst.ctypes.data, src.ctypes.data, length.ctypes.data, bounds.ctypes.data,
-            job.num_chunks, copier.mode, copier.pid, int(copier.streaming), notifier.fd)
+        handle = submit(notifier.fd)
         if not handle:
             raise LLMException("cannot queue a copy job: out of memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         job.handle = handle
+        job.keepalive = keepalive
         notifier.jobs[handle] = job
         return job
 

@@ -26,18 +26,18 @@ __all__ = [
     "WireKey",
     "decode",
     "decode_batch",
-    "encode_batch",
     "encode",
+    "encode_batch",
     "field",
     "geometry_from_wire",
     "geometry_to_wire",
     "int_field",
     "opt_int_list",
-    "uint64_array",
     "range_from_wire",
     "range_to_wire",
     "segment_from_wire",
     "segment_to_wire",
+    "uint64_array",
 ]
 
 PROTOCOL_VERSION = 2  # 2: batched frames, segments announced at link time

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from ._checks import require
 from .cache import Cache
+from .directory import CacheDirectory
 from .errors import LLMException, LLMStatusCode
 from .layout import CacheGeometry
 from .memory import SharedSegment
@@ -51,6 +52,7 @@ class CacheEntry:
     released: bool = False
     leases: int = 0
     jobs: set[CopyJob] = field(default_factory=set)
+    published: tuple[int, int] | None = None  # (row, stamp) in the cache directory
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -71,7 +73,8 @@ def not_exist(message: str) -> LLMException:
 class CacheRegistry:
     """Indexes: by id (from 1), by ``CacheKey`` (req/prefix id + model id) and blocks caches by ``model_id``."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: CacheDirectory | None = None) -> None:
+        self.directory = directory
         self._next_id = 1
         self._by_id: dict[int, CacheEntry] = {}
         self._by_key: dict[IndexKey, tuple[CacheEntry, int]] = {}
@@ -119,8 +122,15 @@ class CacheRegistry:
         for index, slot in keys:
             self._by_key[index] = (entry, slot)
             entry.keys.add(index)
+        model = -1
         if blocks_key is not None:
+            previous = self._by_model.get(blocks_key.model_id)
+            if previous is not None and previous.published is not None and self.directory is not None:
+                self.directory.set_model(previous.published[0], -1)
             self._by_model[blocks_key.model_id] = entry  # last wins, as in the reference
+            model = blocks_key.model_id if blocks_key.model_id < 2**63 else -1
+        if segment is not None and remote_accessible and self.directory is not None:
+            entry.published = self.directory.publish(cache_id, model)
         if segment is None:
             self._registered_addrs += len(addrs)
         return entry.handle
@@ -183,6 +193,9 @@ class CacheRegistry:
                 del self._by_model[model]
         if entry.handle is not None:
             entry.handle._invalidate()
+        if entry.published is not None and self.directory is not None:
+            self.directory.withdraw(entry.published[0])
+            entry.published = None
         if not entry.owned:
             for index in list(entry.keys):
                 self._by_key.pop(index, None)

@@ -19,8 +19,9 @@ import numpy as np
 
 from ._checks import check_int, require
 from .cache_manager import STREAMING_THRESHOLD
+from .directory import Resolved
 from .errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
-from .layout import Spans, TransferParams, plan_to_spans, transfer_plan
+from .layout import CacheGeometry, CopyPlan, TransferParams, transfer_plan
 from .protocol import (
     Kind,
     ProtocolError,
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 __all__ = ["TransferService", "wire_key"]
 
 log = logging.getLogger("aiodatadist.transfer")
+Descriptor = tuple[CacheGeometry, "np.ndarray[Any, np.dtype[np.uint64]]", Any]
+"""An owner's cache as the requester knows it: geometry, tensor addresses, shared-memory segment (or None)."""
 END_ACK_TIMEOUT = 1.0
 S = LLMStatusCode
 
@@ -80,7 +83,7 @@ def params_from_wire(m: dict[str, Any]) -> TransferParams:
     )
 
 
-def _parse_descriptor(value: Any) -> tuple[Any, Any, Any]:
+def _parse_descriptor(value: Any) -> Descriptor:
     """An owner's cache descriptor: geometry, tensor addresses (inside its segment, if any), segment."""
     if not isinstance(value, dict):
         raise ProtocolError("invalid cache descriptor")
@@ -90,6 +93,12 @@ def _parse_descriptor(value: Any) -> tuple[Any, Any, Any]:
     if len(addrs) != geometry.num_tensors or not _addrs_inside(addrs, geometry.tensor_size, segment):
         raise ProtocolError("the owner announced addresses outside its cache")
     return geometry, addrs, segment
+
+
+def _published_from_wire(value: Any) -> tuple[int, int]:
+    if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)):
+        raise ProtocolError("invalid directory entry")
+    return value[0], value[1]
 
 
 def _addrs_inside(addrs: np.ndarray, tensor_size: int, segment: tuple[Any, int] | None) -> bool:
@@ -142,9 +151,13 @@ class TransferService:
             raise LLMException(
                 f"the link to cluster {key.cluster_id} needs the TCP data plane ({link.caps.describe()}), "
                 "which this version does not provide yet", status_code=S.LLM_FEATURE_NOT_ENABLED)
+        wkey = wire_key(key)
+        resolved = self._published(link, wkey)
+        if resolved is not None:
+            await self._run_published(link, wkey, resolved, local, params)
+            return None
         manager = self._dd.cache_manager
         tid = next(self._tids)
-        wkey = wire_key(key)
         ok = False
         link.running.add(tid)
         with manager.registry.lease(local):
@@ -153,23 +166,12 @@ class TransferService:
                     "tid": tid, "key": wkey.to_wire(), "peer": geometry_to_wire(local.geometry),
                     "known": list(link.descriptors), **params_to_wire(params),
                 })
-                spans, segment = self._plan_from_reply(link, reply, local, params)
+                plan, descriptor = self._plan_from_reply(link, wkey, reply, local, params)
                 if tid in link.aborted:
                     raise LLMException(f"cluster {key.cluster_id} released the cache before the copy started",
                                        status_code=S.LLM_KV_CACHE_NOT_EXIST)
-                copy = link.memory.copier(remote_is_src=params.op == "pull", segment=segment,
-                                          streaming=spans.total_bytes >= STREAMING_THRESHOLD)
-                job = manager.start_job(spans, copy, (local,))
-                link.jobs[tid] = job
-                try:
-                    await manager.wait_job(job, (local,))
-                finally:
-                    link.jobs.pop(tid, None)
+                await self._copy(link, tid, plan, descriptor, local, params)
                 ok = True
-            except OSError as exc:
-                if isinstance(exc, LLMException):  # LLMTimeoutError / LLMLinkError are OSErrors too
-                    raise
-                raise LLMLinkError(f"copy with cluster {key.cluster_id} failed: {exc}") from exc
             finally:
                 # Always end the transfer on the owner (it may have taken a lease even if we never saw the
                 # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
@@ -181,8 +183,55 @@ class TransferService:
             return link.channel.request(Kind.END, {"tid": tid, "ok": True})
         return None
 
-    def _plan_from_reply(self, link: Link, reply: dict[str, Any], local: CacheEntry,
-                         params: TransferParams) -> tuple[Spans, Any]:
+    async def _copy(self, link: Link, tid: int, plan: CopyPlan, descriptor: Descriptor, local: CacheEntry,
+                    params: TransferParams) -> None:
+        """Move the bytes (the caller holds a lease on ``local``); link closure cancels the job."""
+        manager = self._dd.cache_manager
+        _, remote_addrs, segment = descriptor
+        pull = params.op == "pull"
+        try:
+            copy = link.memory.copier(remote_is_src=pull, segment=segment,
+                                      streaming=plan.total_bytes >= STREAMING_THRESHOLD)
+            src, dst = (remote_addrs, local.addrs) if pull else (local.addrs, remote_addrs)
+            job = manager.start_job(plan, src, dst, copy, (local,))
+            link.jobs[tid] = job
+            try:
+                await manager.wait_job(job, (local,))
+            finally:
+                link.jobs.pop(tid, None)
+        except OSError as exc:
+            if isinstance(exc, LLMException):  # LLMTimeoutError / LLMLinkError are OSErrors too
+                raise
+            raise LLMLinkError(f"copy with cluster {link.remote_cluster_id} failed: {exc}") from exc
+
+    @staticmethod
+    def _published(link: Link, wkey: WireKey) -> Resolved | None:
+        """The owner's cache for ``wkey`` if an earlier transfer resolved it and the directory says it is live."""
+        if link.directory is None:
+            return None
+        resolved = link.resolved.get((wkey.kind, wkey.a, wkey.b))
+        if resolved is None:
+            return None
+        if link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id):
+            return resolved
+        del link.resolved[(wkey.kind, wkey.a, wkey.b)]  # released or re-keyed: ask the owner again
+        return None
+
+    async def _run_published(self, link: Link, wkey: WireKey, resolved: Resolved, local: CacheEntry,
+                             params: TransferParams) -> None:
+        """A transfer on a published cache: validated here against the owner's descriptor, no round trip."""
+        descriptor = link.descriptors[resolved.cache_id]
+        plan = transfer_plan(params, local.geometry, descriptor[0], resolved.slot)
+        with self._dd.cache_manager.registry.lease(local):
+            await self._copy(link, next(self._tids), plan, descriptor, local, params)
+        assert link.directory is not None
+        if not link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, None):
+            link.resolved.pop((wkey.kind, wkey.a, wkey.b), None)
+            raise LLMException(f"cluster {link.remote_cluster_id} released cache {resolved.cache_id} during the "
+                               "transfer", status_code=S.LLM_KV_CACHE_NOT_EXIST)
+
+    def _plan_from_reply(self, link: Link, wkey: WireKey, reply: dict[str, Any], local: CacheEntry,
+                         params: TransferParams) -> tuple[CopyPlan, Descriptor]:
         try:
             owner_slot = int_field(reply, "slot", 0, 2**32 - 1)
             cid = int_field(reply, "cid", 1, 2**63 - 1)
@@ -192,13 +241,14 @@ class TransferService:
             descriptor = link.descriptors.get(cid)
             if descriptor is None:
                 raise ProtocolError(f"no descriptor for cache {cid}")
+            published = reply.get("pub")
+            if published is not None and link.directory is not None and wkey.kind in ("id", "blocks"):
+                row, stamp = _published_from_wire(published)
+                model = wkey.a if wkey.kind == "blocks" else None
+                link.resolved[(wkey.kind, wkey.a, wkey.b)] = Resolved(cid, owner_slot, row, stamp, model)
         except ProtocolError as exc:
             raise LLMLinkError(f"malformed reply from the owner: {exc}") from None
-        owner_geometry, addrs, segment = descriptor
-        plan = transfer_plan(params, local.geometry, owner_geometry, owner_slot)
-        if params.op == "pull":
-            return plan_to_spans(plan, addrs, local.addrs), segment
-        return plan_to_spans(plan, local.addrs, addrs), segment
+        return transfer_plan(params, local.geometry, descriptor[0], owner_slot), descriptor
 
     # -- owner side ------------------------------------------------------------------------------------------
     async def handle(self, link: Link, message: dict[str, Any]) -> dict[str, Any] | None:
@@ -238,6 +288,8 @@ class TransferService:
 
         link.leases[tid] = Lease(entry, release_key)
         reply: dict[str, Any] = {"cid": entry.cache_id, "slot": slot}
+        if entry.published is not None:
+            reply["pub"] = list(entry.published)
         if entry.cache_id not in known:  # a cache's layout never changes: described once per requester
             reply["desc"] = {
                 "geometry": geometry_to_wire(entry.geometry), "addrs": entry.addrs.tolist(),

@@ -453,11 +453,16 @@ def b2b_inputs(draw):
 
 
 @SETTINGS
-@given(b2b_inputs(), st.data())
-def test_b2b_runs(inputs, data):
+@given(b2b_inputs(), st.data(), st.sampled_from(["list", "tuple", "array"]))
+def test_b2b_runs(inputs, data, container):
+    """Short lists take a pure-Python path, arrays the vectorised one: both must match the reference."""
     src, dst, src_blocks, dst_blocks = inputs
+    def as_array(values: list[int]) -> object:
+        return np.asarray(values, dtype=np.int64) if all(-2**63 <= v < 2**63 for v in values) else values
+
+    wrap = {"list": list, "tuple": tuple, "array": as_array}[container]
     result = compare(lambda: ref_b2b(src_blocks, dst_blocks, src, dst),
-                     lambda: b2b_runs(src_blocks, dst_blocks, src, dst))
+                     lambda: b2b_runs(wrap(src_blocks), wrap(dst_blocks), src, dst))
     if result is None:
         return
     ref_runs, runs = result

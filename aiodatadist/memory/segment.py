@@ -97,20 +97,21 @@ class SharedSegment:
             pass  # numpy views exist: CPython unmaps when the last one is released
 
 
-def map_peer_segment(identity: SegmentIdentity) -> mmap.mmap:
+def map_peer_segment(identity: SegmentIdentity, *, writable: bool = True) -> mmap.mmap:
     """Map a segment owned by another process on this host, verifying it is the announced one.
 
     The mapping is lazy (cheap at any size); see :func:`aiodatadist.native.populate` to pre-fault it.
     """
     path = f"/proc/{identity.pid}/fd/{identity.fd}"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot open peer segment {path}: {exc.strerror}") from exc
     try:
         st = os.fstat(fd)
         if (st.st_ino, st.st_dev) != (identity.inode, identity.device) or st.st_size < identity.size:
             raise OSError(0, f"peer segment {path} is not the announced one (released or recycled)")
-        return mmap.mmap(fd, identity.size, flags=mmap.MAP_SHARED)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return mmap.mmap(fd, identity.size, flags=mmap.MAP_SHARED, prot=prot)
     finally:
         os.close(fd)

@@ -1,0 +1,124 @@
+"""The cache directory: which of an instance's shared-memory caches are live, readable by same-host peers.
+
+An owner publishes each remote-accessible shared-memory cache in a row of a small ``memfd`` table that its
+same-host peers map read-only.  A row holds the cache id, the ``model_id`` the cache currently answers to as a
+``BlocksCacheKey`` (-1 if none) and a *stamp*: a number never used twice by this owner while the cache is
+live, 0 once it was released.  A requester that already resolved a key through the owner (one round trip,
+which also brings the cache's descriptor) keeps ``(row, stamp)``; later transfers by the same key check the row
+instead of asking again, copy, and check the stamp once more afterwards: a cache released in between fails the
+transfer with ``LLM_KV_CACHE_NOT_EXIST`` exactly as the round-trip path does.
+
+This is safe because a peer's shared-memory cache stays mapped in the requester for the life of the link: a
+copy that races a release touches pages that nobody else uses, never the owner's other memory.
+Caller-registered memory is never published (only ``process_vm_readv``/``writev`` reach it, and its pages go
+back to the caller on release), so transfers on it always go through the owner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .memory import SegmentIdentity, SharedSegment, map_peer_segment
+
+__all__ = ["DIRECTORY_ROWS", "CacheDirectory", "DirectoryView", "Resolved"]
+
+DIRECTORY_ROWS = 4096
+_WORDS = 4  # stamp, cache_id, model_id, reserved
+_STAMP, _CACHE, _MODEL = 0, 1, 2
+
+
+class CacheDirectory:
+    """Owner side: the table of published caches (written only from the owner's event loop thread)."""
+
+    def __init__(self, rows: int = DIRECTORY_ROWS) -> None:
+        self.segment = SharedSegment(rows * _WORDS * 8, name="aiodatadist-directory")
+        self._words = self.segment.array().view(np.int64)
+        self._free = list(range(rows - 1, -1, -1))
+        self._stamps = itertools.count(1)
+
+    def publish(self, cache_id: int, model_id: int = -1) -> tuple[int, int] | None:
+        """Publish a live cache; returns ``(row, stamp)``, or ``None`` when the table is full."""
+        if not self._free:
+            return None
+        row = self._free.pop()
+        base = row * _WORDS
+        self._words[base + _CACHE] = cache_id
+        self._words[base + _MODEL] = model_id
+        stamp = next(self._stamps)
+        self._words[base + _STAMP] = stamp  # last: a reader that sees the stamp sees the fields (x86 TSO / seqlock)
+        return row, stamp
+
+    def set_model(self, row: int, model_id: int) -> None:
+        self._words[row * _WORDS + _MODEL] = model_id
+
+    def withdraw(self, row: int) -> None:
+        """The cache was released: its row stops matching any stamp at once."""
+        self._words[row * _WORDS + _STAMP] = 0
+        self._free.append(row)
+
+    def to_wire(self) -> list[int]:
+        ident = self.segment.identity
+        return [ident.pid, ident.fd, ident.inode, ident.device, ident.size]
+
+    def close(self) -> None:
+        self._words = np.empty(0, dtype=np.int64)  # the view would keep the mapping alive
+        self._free.clear()
+        self.segment.close()
+
+
+class DirectoryView:
+    """Requester side: a read-only mapping of a same-host peer's directory."""
+
+    def __init__(self, identity: SegmentIdentity) -> None:
+        self._map: mmap.mmap | None = map_peer_segment(identity, writable=False)
+        self._words = np.frombuffer(self._map, dtype=np.int64)
+        self.rows = len(self._words) // _WORDS
+
+    @classmethod
+    def from_wire(cls, value: Any, pid: int) -> DirectoryView | None:
+        """Map the directory a peer announced; ``None`` when it is absent, malformed or not mappable."""
+        if not (isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value)):
+            return None
+        identity = SegmentIdentity(*value)
+        if identity.pid != pid or not 0 < identity.size <= DIRECTORY_ROWS * _WORDS * 8 * 16:
+            return None
+        try:
+            return cls(identity)
+        except (OSError, OverflowError, ValueError):
+            return None
+
+    def live(self, row: int, stamp: int, cache_id: int, model_id: int | None) -> bool:
+        """Whether the cache published as ``(row, stamp)`` is still live (and still answers to ``model_id``)."""
+        if not 0 <= row < self.rows:
+            return False
+        base = row * _WORDS
+        words = self._words
+        if words[base + _STAMP] != stamp or words[base + _CACHE] != cache_id:
+            return False
+        return model_id is None or words[base + _MODEL] == model_id
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._words = np.empty(0, dtype=np.int64)
+            self.rows = 0
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+            self._map = None
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A key the owner resolved to a published cache: later transfers check the directory instead of asking."""
+
+    cache_id: int
+    slot: int
+    row: int
+    stamp: int
+    model_id: int | None  # checked too for BlocksCacheKey: another cache may take the model id over
