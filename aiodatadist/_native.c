@@ -348,6 +348,120 @@ int adt_job_state(void *pool, void *job, int *error)
 
 void adt_job_free(void *job) { adt_job *j = (adt_job *)job; free(j->owned); free(j); }
 
+/* ---------------------------------------------------------------------------------------------------------
+ * TCP data plane: frames on blocking stream sockets, moved straight between the socket and cache memory.  A
+ * frame is a fixed header followed by a payload that is a contiguous slice of a transfer's byte stream (its spans
+ * in plan order).  Called from the data plane's I/O threads through ctypes (the GIL is released).
+ * --------------------------------------------------------------------------------------------------------- */
+#include <sys/socket.h>
+
+#define IOV_CAP 512
+#define RECV_PIECE (1u << 20)
+
+/* Send `hlen` header bytes, then spans [lo, hi) with sendmsg (gathering up to IOV_CAP spans per call).
+ * Returns 0, or the errno that ended the connection. */
+int adt_send_frame(int fd, const uint8_t *header, size_t hlen, const uint64_t *addr, const uint64_t *len,
+                   int64_t lo, int64_t hi)
+{
+    struct iovec iov[IOV_CAP];
+    size_t hdone = 0;
+    int64_t i = lo;
+    uint64_t ioff = 0;
+    while (i < hi && len[i] == 0) i++;
+    while (hdone < hlen || i < hi) {
+        int n = 0;
+        if (hdone < hlen) { iov[n].iov_base = (void *)(header + hdone); iov[n].iov_len = hlen - hdone; n++; }
+        for (int64_t k = i; k < hi && n < IOV_CAP; k++) {
+            uint64_t off = k == i ? ioff : 0;
+            iov[n].iov_base = (void *)(uintptr_t)(addr[k] + off);
+            iov[n].iov_len = (size_t)(len[k] - off);
+            n++;
+        }
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = iov;
+        m.msg_iovlen = (size_t)n;
+        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return errno ? errno : EIO;
+        }
+        size_t left = (size_t)w;
+        if (hdone < hlen) {
+            size_t t = hlen - hdone < left ? hlen - hdone : left;
+            hdone += t;
+            left -= t;
+        }
+        while (left > 0 && i < hi) {
+            uint64_t rem = len[i] - ioff;
+            if (left >= rem) { left -= (size_t)rem; i++; ioff = 0; }
+            else { ioff += left; left = 0; }
+        }
+        while (i < hi && len[i] == ioff) { i++; ioff = 0; }
+    }
+    return 0;
+}
+
+/* Receive a frame's `nbytes` payload into the destination spans, starting at byte `off` of the transfer's stream
+ * (`ends` = running sums of `len`, n spans).  At most RECV_PIECE bytes per recvmsg, so a stop (*stop set) takes
+ * effect within one piece: from then on, and for bytes beyond the spans, the rest of the frame is read into
+ * `scratch` and dropped, so the stream stays in sync and nothing more lands in the destination.
+ * Returns the bytes written into the destination, or -errno (-ECONNRESET when the peer closed the stream). */
+long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uint64_t *ends, size_t n,
+                    uint64_t off, uint64_t nbytes, const volatile int32_t *stop, uint8_t *scratch,
+                    size_t scratch_len)
+{
+    size_t lo = 0, hi = n;
+    while (lo < hi) {   /* the first span that ends after `off` */
+        size_t mid = lo + (hi - lo) / 2;
+        if (ends[mid] > off) hi = mid; else lo = mid + 1;
+    }
+    size_t k = lo;
+    uint64_t inner = k < n ? off - (ends[k] - len[k]) : 0;
+    uint64_t left = nbytes, written = 0;
+    struct iovec iov[IOV_CAP];
+    while (left > 0) {
+        ssize_t r;
+        if ((stop && *stop) || k >= n) {
+            size_t want = left < scratch_len ? (size_t)left : scratch_len;
+            r = recv(fd, scratch, want, 0);
+            if (r == 0) return -ECONNRESET;
+            if (r < 0) { if (errno == EINTR) continue; return -(errno ? errno : EIO); }
+            left -= (uint64_t)r;
+            continue;
+        }
+        int m = 0;
+        uint64_t budget = left < RECV_PIECE ? left : RECV_PIECE, in = inner;
+        for (size_t kk = k; budget > 0 && kk < n && m < IOV_CAP; kk++) {
+            uint64_t take = len[kk] - in;
+            if (take > budget) take = budget;
+            if (take) {
+                iov[m].iov_base = (void *)(uintptr_t)(addr[kk] + in);
+                iov[m].iov_len = (size_t)take;
+                m++;
+            }
+            budget -= take;
+            in = 0;
+        }
+        struct msghdr mh;
+        memset(&mh, 0, sizeof mh);
+        mh.msg_iov = iov;
+        mh.msg_iovlen = (size_t)m;
+        r = recvmsg(fd, &mh, 0);
+        if (r == 0) return -ECONNRESET;
+        if (r < 0) { if (errno == EINTR) continue; return -(errno ? errno : EIO); }
+        uint64_t got = (uint64_t)r;
+        left -= got;
+        written += got;
+        while (k < n && (got > 0 || len[k] == inner)) {
+            uint64_t rem = len[k] - inner;
+            if (got >= rem) { got -= rem; k++; inner = 0; }
+            else { inner += got; got = 0; }
+        }
+    }
+    return (long)written;
+}
+
 /* Importable as a module so that the build and the loader can find it; the work is done through ctypes. */
 static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native", "aiodatadist span copier", -1, NULL};
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

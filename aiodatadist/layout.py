@@ -28,6 +28,7 @@ __all__ = [
     "copy_blocks_runs",
     "copy_cache_run",
     "make_plan",
+    "plan_side_spans",
     "plan_to_spans",
     "pull_tensor_indices",
     "push_tensor_indices",
@@ -378,6 +379,20 @@ def plan_to_spans(plan: CopyPlan, src_addrs: npt.ArrayLike, dst_addrs: npt.Array
     length[:] = runs.length.view(np.uint64)
     s, d, n = coalesce(src, dst, length.ravel())
     return Spans(s.astype(np.uint64, copy=False), d.astype(np.uint64, copy=False), n.astype(np.uint64, copy=False))
+
+
+def plan_side_spans(plan: CopyPlan, tensor_addrs: npt.ArrayLike, side: str) -> tuple[UInt64Array, UInt64Array]:
+    """One end's spans of a plan (``side`` "src" or "dst"): addresses and lengths in plan order, merged where
+    that end's memory continues.  Merging never reorders bytes, so both ends agree on every byte's offset in the
+    transfer's stream even though each merges differently."""
+    addrs = np.asarray(tensor_addrs, dtype=np.uint64)
+    tensors, offsets = (plan.src_tensor, plan.runs.src_offset) if side == "src" else (
+        plan.dst_tensor, plan.runs.dst_offset)
+    start = (addrs[tensors][:, None] + offsets.view(np.uint64)[None, :]).ravel()
+    length = np.empty((len(tensors), len(offsets)), dtype=np.uint64)
+    length[:] = plan.runs.length.view(np.uint64)
+    merged, _, lengths = coalesce(start, start, length.ravel())
+    return merged.astype(np.uint64, copy=False), lengths.astype(np.uint64, copy=False)
 
 
 # -- transfers between two caches -----------------------------------------------------------------------------

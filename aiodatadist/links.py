@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -17,10 +18,12 @@ from .control import Channel, Server, TaskSet, connect_dealer, dealer_sender, ne
 from .directory import DirectoryView, Resolved
 from .errors import LLMException, LLMLinkError, LLMStatusCode
 from .executor import CopyJob
+from .frames import DATA_HELLO, MAGIC
 from .peer import HostProbe, PeerCapabilities, PeerMemory, probe_peer
 from .protocol import PROTOCOL_VERSION, Kind, ProtocolError, int_field, segment_to_wire
 from .protocol import field as msg_field
 from .registry import CacheEntry
+from .tcp_plane import DataPlane, TransferJob, data_connections
 from .types import LLMClusterInfo, Transport, ip_int_to_str
 
 if TYPE_CHECKING:
@@ -39,6 +42,7 @@ class Lease:
 
     entry: CacheEntry
     release_key: tuple[str, int, int] | None
+    job: TransferJob | None = None  # TCP plane: the owner's sending (pull) or receiving (push) end
 
 
 def no_directory() -> bool:
@@ -68,6 +72,9 @@ class Link:
     descriptors: dict[int, Any] = field(default_factory=dict)  # requester side: the peer's caches, by cache id
     aborted: set[int] = field(default_factory=set)  # requester side: ABORTs that came before the copy started
     directory: DirectoryView | None = None  # requester side: the peer's cache directory, when mappable
+    data: DataPlane | None = None  # TCP plane: the link's data connections
+    data_token: bytes | None = None  # server side: what the client's data connections present
+    tcp_jobs: dict[int, TransferJob] = field(default_factory=dict)  # requester side, TCP plane, by transfer id
     resolved: dict[tuple[str, int, int], Resolved] = field(default_factory=dict)  # requester side, by wire key
     closed: bool = False
 
@@ -86,6 +93,7 @@ class Link:
             "endpoint": self.endpoint,
             "plane": self.plane,
             "peer": self.caps.describe(),
+            "data_connections": self.data.connections if self.data is not None else 0,
         }
 
 
@@ -96,6 +104,21 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
 
 def _transport_of(value: object) -> Transport:
     return Transport(value) if value in {t.value for t in Transport} else Transport.AUTO
+
+
+def _data_listener(ip: str) -> socket.socket:
+    """A TCP listener for data connections on ``ip`` (an ephemeral port, announced in the handshake)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, 0))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _plane_for(caps: PeerCapabilities, transport: Transport) -> str:
@@ -114,6 +137,8 @@ class LinkManager:
         self._probe = HostProbe()
         self._server: Server | None = None
         self._server_task: asyncio.Task[Any] | None = None
+        self._data_listener: socket.socket | None = None
+        self._data_tokens: dict[bytes, Link] = {}
         self.links: dict[int, Link] = {}
         self._linking: set[int] = set()
         # Hooks set by the transfer layer (owner side of a transfer).
@@ -138,12 +163,23 @@ class LinkManager:
         except zmq.ZMQError as exc:
             # A failed bind leaves the current server (if any) untouched.
             raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from None
+        try:
+            data_listener = _data_listener(ip)
+        except OSError as exc:
+            server.close()
+            raise LLMException(f"cannot listen for data connections on {ip}: {exc}",
+                               status_code=S.LLM_PARAM_INVALID) from None
         self.stop_listening()
         self._server = server
         self._server_task = self._tasks.spawn(server.serve(self._tasks), name=f"server-{endpoint}")
+        self._data_listener = data_listener
+        self._tasks.spawn(self._accept_data(data_listener), name=f"data-{endpoint}")
         log.info("cluster %d listening on %s", self._dd.cluster_id, endpoint)
 
     def stop_listening(self) -> None:
+        if self._data_listener is not None:
+            self._data_listener.close()  # its accept task ends with an error, which it expects
+            self._data_listener = None
         if self._server is not None:
             if self._server_task is not None:
                 self._server_task.cancel()
@@ -210,10 +246,15 @@ class LinkManager:
         channel.context = link
         self.links[cluster] = link
         server.channels[routing_id] = channel
-        await channel.reply(req_id, {"cluster": self._dd.cluster_id, "role": int(self._dd.role),
-                                     "host": self._probe.to_wire(),
-                                     "transport": self._dd.settings.transport.value, "segs": self._segments(),
-                                     "dir": self._directory()})
+        reply: dict[str, Any] = {"cluster": self._dd.cluster_id, "role": int(self._dd.role),
+                                 "host": self._probe.to_wire(), "transport": self._dd.settings.transport.value,
+                                 "segs": self._segments(), "dir": self._directory(), "plane": link.plane}
+        if self._data_listener is not None:
+            link.data_token = secrets.token_bytes(16)
+            self._data_tokens[link.data_token] = link
+            link.data = self._new_data_plane(link)
+            reply["data"] = [self._data_listener.getsockname()[1], link.data_token]
+        await channel.reply(req_id, reply)
         link.map_directory(message.get("dir"))
         link.memory.premap(message.get("segs"))  # in the background: nobody waits for it
         log.info("cluster %d accepted link from %d (%s)", self._dd.cluster_id, cluster, link.plane)
@@ -286,6 +327,21 @@ class LinkManager:
         link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint,
                     remote_role=int(reply.get("role", 0)) if isinstance(reply.get("role"), int) else 0,
                     plane=_plane_for(caps, transport), sock=sock, reader=reader)
+        if reply.get("plane") == "tcp":
+            link.plane = "tcp"  # the server cannot use this host's shared memory: both ends use TCP
+        if link.plane == "tcp":
+            remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
+            error = await self._connect_data(link, ip_int_to_str(ip), reply.get("data"), remaining)
+            if error is not None:
+                log.info("link %d -> %d (%s): %s", self._dd.cluster_id, remote_id, endpoint, error)
+                with contextlib.suppress(LLMException):
+                    channel.notify(Kind.BYE, {})
+                channel.close()
+                reader.cancel()
+                sock.close(linger=100)
+                if link.data is not None:
+                    await link.data.aclose(LLMLinkError(error))
+                return S.LLM_LINK_FAILED
         channel.context = link
         self.links[remote_id] = link
         link.watcher = self._tasks.spawn(self._watch(link), name=f"watch-{remote_id}")
@@ -298,6 +354,75 @@ class LinkManager:
             await asyncio.wait(populating, timeout=remaining)
         log.info("cluster %d linked to %d at %s (%s)", self._dd.cluster_id, remote_id, endpoint, link.plane)
         return S.LLM_SUCCESS
+
+    # -- TCP data connections -------------------------------------------------------------------------------
+    def _new_data_plane(self, link: Link) -> DataPlane:
+        def broken(error: LLMException) -> None:
+            if not link.closed:
+                self._tasks.spawn(self.drop(link, error), name=f"drop-{link.remote_cluster_id}")
+
+        return DataPlane(f"{self._dd.cluster_id}-{link.remote_cluster_id}", asyncio.get_running_loop(), broken)
+
+    async def _connect_data(self, link: Link, host: str, offer: Any, timeout: float) -> str | None:
+        """Client side: open the link's data connections; returns what went wrong, or None."""
+        if not (isinstance(offer, list) and len(offer) == 2 and type(offer[0]) is int and 0 < offer[0] < 65536
+                and isinstance(offer[1], bytes) and len(offer[1]) == 16):
+            return "the peer offers no TCP data connections"
+        port, token = offer
+        link.data = self._new_data_plane(link)
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(max(timeout, 0.001)):
+                for _ in range(data_connections()):
+                    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                    conn = socket.socket(family, socket.SOCK_STREAM)
+                    try:
+                        conn.setblocking(False)
+                        await loop.sock_connect(conn, (host, port))
+                        await loop.sock_sendall(conn, DATA_HELLO.pack(MAGIC, token))
+                    except BaseException:
+                        conn.close()
+                        raise
+                    link.data.attach(conn)
+        except (OSError, TimeoutError) as exc:
+            return f"cannot open data connections to {host}:{port}: {exc or 'no answer in time'}"
+        return None
+
+    async def _accept_data(self, listener: socket.socket) -> None:
+        """Server side: adopt data connections that present a link's token."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError:
+                if listener.fileno() == -1:
+                    return  # stopped listening
+                await asyncio.sleep(0.05)  # e.g. out of descriptors: try again shortly
+                continue
+            self._tasks.spawn(self._adopt_data(conn), name="adopt-data")
+
+    async def _adopt_data(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        conn.setblocking(False)
+        data = b""
+        try:
+            async with asyncio.timeout(5):
+                while len(data) < DATA_HELLO.size:
+                    chunk = await loop.sock_recv(conn, DATA_HELLO.size - len(data))
+                    if not chunk:
+                        break
+                    data += chunk
+        except (OSError, TimeoutError):
+            pass
+        link = None
+        if len(data) == DATA_HELLO.size:
+            magic, token = DATA_HELLO.unpack(data)
+            link = self._data_tokens.get(token) if magic == MAGIC else None
+        if link is None or link.closed or link.data is None:
+            conn.close()
+            return
+        link.plane = "tcp"  # the client chose TCP (it may not reach this host's memory)
+        link.data.attach(conn)
 
     # -- unlinking -------------------------------------------------------------------------------------------
     async def unlink_one(self, remote_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
@@ -318,6 +443,10 @@ class LinkManager:
                 code = S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
         await self.drop(link, LLMLinkError(f"cluster {remote_id} was unlinked"))
         return code
+
+    def spawn(self, coro: Any, name: str) -> None:
+        """Run a background task owned by this instance (cancelled by ``close``)."""
+        self._tasks.spawn(coro, name=name)
 
     @staticmethod
     def notify(link: Link, kind: str, body: dict[str, Any]) -> None:
@@ -349,7 +478,11 @@ class LinkManager:
         if self.links.get(link.remote_cluster_id) is link:
             del self.links[link.remote_cluster_id]
         link.channel.close(error)
+        if link.data_token is not None:
+            self._data_tokens.pop(link.data_token, None)
         try:
+            if link.data is not None:  # its threads stop touching memory before leases are released
+                await link.data.aclose(error)
             if self.on_link_closed is not None:
                 await self.on_link_closed(link, error)
             await link.memory.close()

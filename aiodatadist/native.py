@@ -51,7 +51,7 @@ def _load_native() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(spec.origin)
         fn = lib.adt_copy_spans
-        lib.adt_job_submit_grid  # noqa: B018 - a stale build without it is not used
+        lib.adt_recv_frame  # noqa: B018 - a stale build without it is not used
     except (OSError, AttributeError) as exc:
         log.warning("native helper %s unusable (%s); using the Python fallback", spec.origin, exc)
         return None
@@ -74,6 +74,10 @@ def _bind_pool(lib: ctypes.CDLL) -> None:
     lib.adt_job_submit_grid.argtypes = [vp, vp, vp, sz, vp, vp, vp, sz, u64, u64, u64, u64, c_int, c_int, c_int,
                                         c_int]
     lib.adt_job_submit_grid.restype = vp
+    lib.adt_send_frame.argtypes = [c_int, vp, sz, vp, vp, ctypes.c_int64, ctypes.c_int64]
+    lib.adt_send_frame.restype = c_int
+    lib.adt_recv_frame.argtypes = [c_int, vp, vp, vp, sz, u64, u64, vp, vp, sz]
+    lib.adt_recv_frame.restype = ctypes.c_long
     lib.adt_job_cancel.argtypes, lib.adt_job_cancel.restype = [vp, vp], None
     lib.adt_job_state.argtypes, lib.adt_job_state.restype = [vp, vp, ctypes.POINTER(c_int)], c_int
     lib.adt_job_free.argtypes, lib.adt_job_free.restype = [vp], None

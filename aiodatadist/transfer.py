@@ -21,7 +21,7 @@ from ._checks import check_int, require
 from .cache_manager import STREAMING_THRESHOLD
 from .directory import Resolved
 from .errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
-from .layout import CacheGeometry, CopyPlan, TransferParams, transfer_plan
+from .layout import CacheGeometry, CopyPlan, TransferParams, plan_side_spans, transfer_plan
 from .protocol import (
     Kind,
     ProtocolError,
@@ -38,6 +38,7 @@ from .protocol import (
     uint64_array,
 )
 from .registry import CacheEntry
+from .tcp_plane import PULL, PUSH, TransferJob
 from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ log = logging.getLogger("aiodatadist.transfer")
 Descriptor = tuple[CacheGeometry, "np.ndarray[Any, np.dtype[np.uint64]]", Any]
 """An owner's cache as the requester knows it: geometry, tensor addresses, shared-memory segment (or None)."""
 END_ACK_TIMEOUT = 1.0
+STOP_ACK_TIMEOUT = 1.0  # a cut-short TCP push waits this long for the owner to stop writing, then drops the link
 S = LLMStatusCode
 
 
@@ -93,6 +95,20 @@ def _parse_descriptor(value: Any) -> Descriptor:
     if len(addrs) != geometry.num_tensors or not _addrs_inside(addrs, geometry.tensor_size, segment):
         raise ProtocolError("the owner announced addresses outside its cache")
     return geometry, addrs, segment
+
+
+async def _shielded(coro: Any) -> None:
+    """Run ``coro`` to its end even if the caller is cancelled meanwhile (the cancellation is re-raised after)."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _published_from_wire(value: Any) -> tuple[int, int]:
@@ -147,20 +163,23 @@ class TransferService:
         link = links.links.get(key.cluster_id)
         if link is None:
             raise LLMException(f"cluster {key.cluster_id} is not linked", status_code=S.LLM_NOT_YET_LINK)
-        if link.plane != "shm":
-            raise LLMException(
-                f"the link to cluster {key.cluster_id} needs the TCP data plane ({link.caps.describe()}), "
-                "which this version does not provide yet", status_code=S.LLM_FEATURE_NOT_ENABLED)
         wkey = wire_key(key)
-        resolved = self._published(link, wkey)
+        tcp = link.plane == "tcp"
+        resolved = None if tcp else self._published(link, wkey)
         if resolved is not None:
             await self._run_published(link, wkey, resolved, local, params)
             return None
+        if tcp and link.data is None:
+            raise LLMLinkError(f"the link to cluster {key.cluster_id} has no data connections")
         manager = self._dd.cache_manager
         tid = next(self._tids)
-        ok = False
+        pull = params.op == "pull"
+        consumes_key = pull and wkey.kind in ("req", "prefix")
+        ok = ended = streaming = False
         link.running.add(tid)
         with manager.registry.lease(local):
+            # A TCP pull's receiving end exists before BEGIN: the owner starts sending as soon as it accepts.
+            receiving = link.data.receive(PULL, tid) if tcp and pull and link.data is not None else None
             try:
                 reply = await link.channel.request(Kind.BEGIN, {
                     "tid": tid, "key": wkey.to_wire(), "peer": geometry_to_wire(local.geometry),
@@ -170,18 +189,59 @@ class TransferService:
                 if tid in link.aborted:
                     raise LLMException(f"cluster {key.cluster_id} released the cache before the copy started",
                                        status_code=S.LLM_KV_CACHE_NOT_EXIST)
-                await self._copy(link, tid, plan, descriptor, local, params)
+                if tcp:
+                    streaming = True
+                    await self._stream(link, tid, plan, local, pull, receiving)
+                    if not pull:  # the bytes are sent; the owner confirms once they have all landed
+                        await link.channel.request(Kind.END, {"tid": tid, "ok": True, "confirm": True})
+                        ended = True
+                else:
+                    await self._copy(link, tid, plan, descriptor, local, params)
                 ok = True
             finally:
+                if receiving is not None and not receiving.done and link.data is not None:
+                    link.data.cancel(receiving)  # BEGIN failed or was cancelled: drop what may still come
+                    await link.data.wait_stopped(receiving)
                 # Always end the transfer on the owner (it may have taken a lease even if we never saw the
                 # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
                 link.aborted.discard(tid)
                 link.running.discard(tid)
-                if not (ok and params.op == "pull" and wkey.kind in ("req", "prefix")):
+                if streaming and not pull and not ended:
+                    # Bytes we sent may still sit in socket buffers: the push returns only once the owner
+                    # confirmed that its receiving end stopped writing.
+                    await _shielded(self._stop_remote_receive(links, link, tid))
+                elif not ended and not (ok and consumes_key):
                     links.notify(link, Kind.END, {"tid": tid, "ok": ok})
-        if ok and params.op == "pull" and wkey.kind in ("req", "prefix"):
+        if ok and consumes_key:
             return link.channel.request(Kind.END, {"tid": tid, "ok": True})
         return None
+
+    @staticmethod
+    async def _stop_remote_receive(links: Any, link: Link, tid: int) -> None:
+        try:
+            async with asyncio.timeout(STOP_ACK_TIMEOUT):
+                await link.channel.request(Kind.END, {"tid": tid, "ok": False})
+        except (LLMException, TimeoutError):
+            if not link.closed:  # it may still write what it receives: the link cannot be trusted any more
+                await links.drop(link, LLMLinkError(
+                    f"cluster {link.remote_cluster_id} did not confirm the end of a cut-short push; link dropped"))
+
+    async def _stream(self, link: Link, tid: int, plan: CopyPlan, local: CacheEntry, pull: bool,
+                      receiving: TransferJob | None) -> None:
+        """Move the bytes over the link's data connections (the caller holds a lease on ``local``)."""
+        plane = link.data
+        assert plane is not None
+        if pull:
+            assert receiving is not None
+            plane.set_destination(receiving, *plan_side_spans(plan, local.addrs, "dst"))
+            job = receiving
+        else:
+            job = plane.send(PUSH, tid, *plan_side_spans(plan, local.addrs, "src"))
+        link.tcp_jobs[tid] = job
+        try:
+            await plane.wait(job)
+        finally:
+            link.tcp_jobs.pop(tid, None)
 
     async def _copy(self, link: Link, tid: int, plan: CopyPlan, descriptor: Descriptor, local: CacheEntry,
                     params: TransferParams) -> None:
@@ -256,6 +316,11 @@ class TransferService:
         if kind == Kind.BEGIN:
             return self._begin(link, message)
         if kind == Kind.END:
+            lease = link.leases.get(int_field(message, "tid", 0))
+            if lease is not None and lease.job is not None and not lease.job.done:
+                links = self._dd._links_or_raise()
+                links.spawn(self._end_streamed(link, message), name="end-streamed")
+                return None  # answered once the owner's end of the stream is settled
             self._end(link, message)
             return {}
         if kind == Kind.ABORT:
@@ -275,7 +340,7 @@ class TransferService:
         require(entry.remote_accessible, f"cache {entry.cache_id} is not remote accessible.")
         if params.op == "push":
             require(key.kind in ("id", "blocks"), "push addresses the destination by cache id or BlocksCacheKey.")
-        transfer_plan(params, peer_geometry, entry.geometry, slot)  # validates the owner's side too
+        plan = transfer_plan(params, peer_geometry, entry.geometry, slot)  # validates the owner's side too
         release_key = (key.kind, key.a, key.b) if params.op == "pull" and key.kind in ("req", "prefix") else None
         if release_key is not None:
             # A pull by CacheKey consumes the key: a second pull of it while the first runs is a duplicate.
@@ -286,7 +351,20 @@ class TransferService:
         registry.acquire(entry)
         from .links import Lease
 
-        link.leases[tid] = Lease(entry, release_key)
+        lease = link.leases[tid] = Lease(entry, release_key)
+        if link.plane == "tcp" and link.data is not None:
+            try:
+                if params.op == "pull":  # start sending now: the requester's receiving end already exists
+                    lease.job = link.data.send(PULL, tid, *plan_side_spans(plan, entry.addrs, "src"))
+                else:
+                    lease.job = link.data.receive(PUSH, tid)
+                    link.data.set_destination(lease.job, *plan_side_spans(plan, entry.addrs, "dst"))
+            except LLMException:
+                del link.leases[tid]
+                registry.release_lease(entry)
+                if release_key is not None:
+                    self._pulling_keys.discard(release_key)
+                raise
         reply: dict[str, Any] = {"cid": entry.cache_id, "slot": slot}
         if entry.published is not None:
             reply["pub"] = list(entry.published)
@@ -311,18 +389,42 @@ class TransferService:
             registry.release_key_after_pull(lease.release_key, lease.entry)
         registry.release_lease(lease.entry)
 
+    async def _end_streamed(self, link: Link, message: dict[str, Any]) -> None:
+        """END of a TCP transfer whose owner-side job is still running: a confirmed push waits until every byte
+        landed; anything else stops the job.  The lease is released only once no thread touches the cache."""
+        tid = int_field(message, "tid", 0)
+        ok, confirm = field(message, "ok", bool), message.get("confirm") is True
+        lease, plane = link.leases.get(tid), link.data
+        assert lease is not None and lease.job is not None and plane is not None
+        code, text = 0, ""
+        try:
+            if ok and (confirm or lease.job.kind == "send"):
+                await plane.wait(lease.job)
+            else:
+                plane.cancel(lease.job)
+                await plane.wait_stopped(lease.job)
+        except LLMException as exc:
+            code, text, ok = int(exc.status_code), str(exc), False
+        finally:
+            self._end(link, {"tid": tid, "ok": ok})
+        await link.channel.reply(message["i"], code=code, msg=text)
+
     def _abort(self, link: Link, message: dict[str, Any]) -> None:
         """The owner released the cache of a running transfer: stop our copy at the next chunk."""
         tid = int_field(message, "tid", 0)
+        error = LLMException(f"cluster {link.remote_cluster_id} released the cache during the transfer",
+                             status_code=S.LLM_KV_CACHE_NOT_EXIST)
+        streamed = link.tcp_jobs.get(tid)
+        if streamed is not None and link.data is not None:
+            link.data.cancel(streamed, error)
+            return
         job = link.jobs.get(tid)
         manager = self._dd._cache_manager
         if job is None:
             if tid in link.running:
                 link.aborted.add(tid)  # the copy has not started yet: it must not start at all
         elif manager is not None:
-            manager.executor.cancel(job, LLMException(
-                f"cluster {link.remote_cluster_id} released the cache during the transfer",
-                status_code=S.LLM_KV_CACHE_NOT_EXIST))
+            manager.executor.cancel(job, error)
 
     def abort_remote(self, entry: CacheEntry) -> None:
         """Ask requesters whose running transfers use ``entry`` (being released) to stop."""
@@ -332,6 +434,8 @@ class TransferService:
         for link in links.links.values():
             for tid, lease in link.leases.items():
                 if lease.entry is entry:
+                    if lease.job is not None and link.data is not None:
+                        link.data.cancel(lease.job)  # our own I/O threads stop touching it too
                     links.notify(link, Kind.ABORT, {"tid": tid})
 
     async def on_link_closed(self, link: Link, error: LLMException) -> None:

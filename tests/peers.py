@@ -493,7 +493,11 @@ class World:
         await eventually(lambda: not local.busy_caches(), what="no local cache is leased or copied any more")
         links = local.dd._links
         assert links is not None
-        assert not links.links[peer_id].jobs, "requester-side copy jobs are still registered on the link"
+        link = links.links[peer_id]
+        assert not link.jobs, "requester-side copy jobs are still registered on the link"
+        assert not link.tcp_jobs, "requester-side TCP transfers are still registered on the link"
+        if link.data is not None:
+            await eventually(lambda: not link.data._jobs, what="no transfer left on the TCP data plane")
 
     async def cleanup(self) -> None:
         await self.local.cleanup()

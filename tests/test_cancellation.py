@@ -62,13 +62,15 @@ class Pair:
             assert np.array_equal(tensor[dst], expected(5, t)[src]), f"tensor {t}"
 
 
-@pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
+@pytest.fixture(params=["shm", "tcp"])
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
+    """A prompt process and a decoder here; with "tcp" the prompt forces the TCP data plane on all its links."""
     port = free_port()
     peer = await PeerProcess.start()
     try:
         await peer.call("init", role="PROMPT", cluster_id=PROMPT,
-                        options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "30000"})
+                        options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "30000",
+                                 "llm.Transport": request.param})
         remote = await peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
                                  blocks_key=[PROMPT, 0])
         await peer.call("fill", cache_id=remote["cache_id"], seed=5)
@@ -78,6 +80,7 @@ async def pair() -> AsyncIterator[Pair]:
             await dd.init(cfg.generate_options())
             code, _ = await dd.link_clusters([cluster_info(PROMPT, port)], timeout=5000)
             assert code == LLMStatusCode.LLM_SUCCESS
+            assert dd.links()[0]["plane"] == request.param
             yield Pair(peer, dd, remote["cache_id"], port)
     finally:
         await peer.close()

@@ -60,3 +60,44 @@ async def test_killed_server_fails_waiting_pull_fast_and_relink_works() -> None:
             await dd.cache_manager.pull_blocks(BlocksCacheKey(31, 0), cache, [1], [2])
         finally:
             await peer.close()
+
+
+async def test_peer_killed_mid_tcp_transfer_fails_fast_and_never_reports_success() -> None:
+    """Over the TCP plane the owner dies while bytes are flowing: the pull fails with a link error within a
+    bound (it never reports success for a cut-short stream), and nothing is left running."""
+    port = free_port()
+    peer = await PeerProcess.start()
+    desc = CacheDesc(16, (64, 256 << 10), DataType.DT_UINT8, Placement.HOST)  # 256 MiB
+    await peer.call("init", role="PROMPT", cluster_id=41,
+                    options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.Transport": "tcp"})
+    remote = await peer.call("allocate", blocks=True, num_tensors=16, shape=[64, 256 << 10], blocks_key=[41, 0])
+    await peer.call("fill", cache_id=remote["cache_id"], seed=3)
+    try:
+        async with LLMDataDist(LLMRole.DECODER, 42) as dd:
+            cfg = LLMConfig()
+            cfg.sync_kv_timeout = 20000
+            await dd.init(cfg.generate_options())
+            assert (await dd.link_clusters([cluster_info(41, port)]))[0] == LLMStatusCode.LLM_SUCCESS
+            assert dd.links()[0]["plane"] == "tcp"
+            cache = dd.cache_manager.allocate_blocks_cache(desc)
+            for t in cache.tensors:
+                t[...] = 0  # the pattern bytes are never 0: any non-zero byte has arrived
+            blocks = list(range(64))
+            pull = asyncio.ensure_future(dd.cache_manager.pull_blocks(BlocksCacheKey(41, 0), cache, blocks, blocks))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while not cache.tensors[0].any() and loop.time() < deadline:
+                await asyncio.sleep(0.0005)
+            os.kill(peer.pid, signal.SIGSTOP)  # stop the stream half way
+            if pull.done():
+                pytest.skip("the transfer finished before the peer could be stopped")
+            killed = loop.time()
+            peer.kill()
+            with pytest.raises(LLMLinkError) as info:
+                await pull
+            assert loop.time() - killed < 3.0, "the broken stream was not noticed promptly"
+            assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+            assert dd.links() == []
+            assert all(entry.leases == 0 and not entry.jobs for entry in dd.cache_manager.registry.entries())
+    finally:
+        await peer.close()

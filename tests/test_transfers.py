@@ -59,9 +59,14 @@ async def peer_side() -> AsyncIterator[PeerSide]:
         await peer.proc.close()
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module", params=["peer-server", "peer-client"])
+@pytest_asyncio.fixture(loop_scope="module", scope="module",
+                        params=["peer-server-shm", "peer-client-shm", "peer-server-tcp", "peer-client-tcp"])
 async def world(request: pytest.FixtureRequest, peer_side: PeerSide) -> AsyncIterator[World]:
-    w = await World.create(peer_side, peer_listens=request.param == "peer-server")
+    """Both topologies, on the same-host plane and on the TCP plane (forced by the peer)."""
+    topology, transport = request.param.rsplit("-", 1)
+    w = await World.create(peer_side, peer_listens=topology == "peer-server",
+                           peer_options={"llm.Transport": transport})
+    assert (await w.peer.links())[0]["plane"] == transport
     try:
         yield w
     finally:

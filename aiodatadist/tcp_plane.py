@@ -1,0 +1,327 @@
+"""The TCP data plane of one link: parallel stream connections, I/O threads, and transfers as frame streams.
+
+Each connection has a sender thread and a receiver thread (blocking sockets; the helper's ``sendmsg`` /
+``recvmsg`` run without the GIL).  A transfer is a *send job* on one end and a *receive job* on the other, keyed
+by ``(flag, transfer id)``: the flag says whether the id is the receiver's (a pull: the owner sends on the
+requester's id) or the sender's (a push).  Send jobs are cut into frames of at most :data:`FRAME_BYTES`; sender
+threads take frames round-robin across the link's send jobs, so concurrent transfers share the connections
+fairly, and one transfer spreads over every connection.  Receivers put each frame's payload straight into the
+destination spans at the frame's stream offset; a job is complete when every byte arrived, never earlier.
+
+Stopping a job (cancellation, a timeout, the peer's abort) sets its stop word: a receiver writes at most one more
+piece (1 MiB) and drops the rest of that transfer's frames, a sender finishes the frame it is writing (its
+memory is only read) and sends no more.  Waiting for a stopped job returns once no thread touches its memory.
+A connection that fails breaks the whole plane: every job fails with ``LLMLinkError`` and the link is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import LLMException, LLMLinkError, LLMStatusCode
+from .executor import split_spans
+from .frames import HEADER, MAGIC, FrameError, recv_exact, recv_frame, send_frame
+from .layout import Spans
+from .native import StopFlag
+
+__all__ = ["FRAME_BYTES", "DataPlane", "TransferJob", "data_connections"]
+
+log = logging.getLogger("aiodatadist.tcp")
+UInt64Array = npt.NDArray[np.uint64]
+FRAME_BYTES = 4 << 20
+SCRATCH_BYTES = 1 << 20
+PULL = 1  # frame flag: the transfer id is the receiver's own (the owner sends a pull)
+PUSH = 0  # the transfer id is the sender's (the requester sends a push)
+
+
+def data_connections() -> int:
+    """Connections per TCP link: ``AIODATADIST_TCP_CONNECTIONS`` (1-16), default 2."""
+    value = os.environ.get("AIODATADIST_TCP_CONNECTIONS", "")
+    return max(1, min(16, int(value))) if value.isdigit() else 2
+
+
+class TransferJob:
+    """One end of one transfer on a data plane (``send`` or ``receive``)."""
+
+    def __init__(self, kind: str, flag: int, tid: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.kind = kind
+        self.key = (flag, tid)
+        self.stop = StopFlag()
+        self.ready = threading.Event()  # receive jobs: the destination spans are known
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.error: BaseException | None = None
+        self.inflight = 0
+        self.done = False
+        self.total = 0
+        self.moved = 0
+        self.addr: UInt64Array = np.empty(0, dtype=np.uint64)
+        self.length: UInt64Array = np.empty(0, dtype=np.uint64)
+        self.ends: UInt64Array = np.empty(0, dtype=np.uint64)  # receive: running byte sums of the spans
+        self.bounds: list[int] = [0]  # send: frame boundaries (span indices)
+        self.offsets: list[int] = [0]  # send: stream offset of each frame boundary
+        self.next_frame = 0
+
+
+class DataPlane:
+    """The data connections of one link and the transfers running on them."""
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop,
+                 on_broken: Callable[[LLMException], None]) -> None:
+        self.name = name
+        self._loop = loop
+        self._on_broken = on_broken
+        self._cv = threading.Condition()
+        self._queue: deque[TransferJob] = deque()  # send jobs with frames left, round-robin
+        self._receiving: dict[tuple[int, int], TransferJob] = {}
+        self._jobs: set[TransferJob] = set()
+        self._socks: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self.closed: LLMException | None = None
+
+    @property
+    def connections(self) -> int:
+        return len(self._socks)
+
+    # -- connections -----------------------------------------------------------------------------------------
+    def attach(self, sock: socket.socket) -> None:
+        """Start moving frames on a connected socket (this plane owns it from now on)."""
+        sock.setblocking(True)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._cv:
+            if self.closed is not None:
+                sock.close()
+                return
+            self._socks.append(sock)
+        for role, target in (("send", self._sender), ("recv", self._receiver)):
+            thread = threading.Thread(target=target, args=(sock,), name=f"aiodatadist-{role}-{self.name}",
+                                      daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    # -- jobs (event loop thread) ----------------------------------------------------------------------------
+    def send(self, flag: int, tid: int, addr: UInt64Array, length: UInt64Array) -> TransferJob:
+        """Queue the bytes of spans (in order) as transfer ``(flag, tid)``; await it with :meth:`wait`."""
+        job = TransferJob("send", flag, tid, self._loop)
+        spans, bounds = split_spans(Spans(addr, addr, length), FRAME_BYTES)
+        job.addr = np.ascontiguousarray(spans.src, dtype=np.uint64)
+        job.length = np.ascontiguousarray(spans.length, dtype=np.uint64)
+        ends = np.concatenate(([0], np.cumsum(job.length, dtype=np.uint64))) if len(job.length) else np.zeros(1)
+        job.bounds = bounds.tolist()
+        job.offsets = [int(ends[b]) for b in job.bounds]
+        job.total = job.offsets[-1]
+        with self._cv:
+            self._check_open()
+            self._jobs.add(job)
+            if len(job.bounds) > 1:
+                self._queue.append(job)
+                self._cv.notify_all()
+            self._finish_if_idle(job)
+        return job
+
+    def receive(self, flag: int, tid: int) -> TransferJob:
+        """Register the receiving end of ``(flag, tid)`` before its frames can arrive; frames wait for
+        :meth:`set_destination` (a pull registers before it knows the owner's layout)."""
+        job = TransferJob("receive", flag, tid, self._loop)
+        with self._cv:
+            self._check_open()
+            if job.key in self._receiving:
+                raise LLMException(f"transfer {tid} is already being received", status_code=LLMStatusCode.LLM_FAILED)
+            self._receiving[job.key] = job
+            self._jobs.add(job)
+        return job
+
+    def set_destination(self, job: TransferJob, addr: UInt64Array, length: UInt64Array) -> None:
+        job.addr = np.ascontiguousarray(addr, dtype=np.uint64)
+        job.length = np.ascontiguousarray(length, dtype=np.uint64)
+        job.ends = np.cumsum(job.length, dtype=np.uint64)
+        with self._cv:
+            job.total = int(job.ends[-1]) if len(job.ends) else 0
+            job.ready.set()
+            self._finish_if_idle(job)
+
+    def cancel(self, job: TransferJob, error: BaseException | None = None) -> None:
+        """Stop a job: no new frame is sent or written; its waiter gets ``error`` if given."""
+        job.stop.set()
+        with self._cv:
+            if error is not None and job.error is None and not job.done:
+                job.error = error
+            job.next_frame = len(job.bounds) - 1
+            if job in self._queue:
+                self._queue.remove(job)
+            job.ready.set()  # a receiver waiting for the destination drops the frame instead
+            self._finish_if_idle(job)
+
+    async def wait(self, job: TransferJob) -> None:
+        """Await a job; if the caller is cancelled, stop the job and return only once no thread touches it."""
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            self.cancel(job)
+            await self.wait_stopped(job)
+            raise
+
+    async def wait_stopped(self, job: TransferJob) -> None:
+        """Wait, through further cancellations, until no thread touches the job's memory."""
+        cancelled = False
+        while not job.future.done():
+            try:
+                await asyncio.shield(job.future)
+            except asyncio.CancelledError:
+                cancelled = True
+            except BaseException:
+                break
+        if not job.future.cancelled():
+            job.future.exception()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    # -- bookkeeping (under the condition's lock) -------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed is not None:
+            raise self.closed
+
+    def _finish_if_idle(self, job: TransferJob) -> None:
+        if job.done or job.inflight:
+            return
+        if job.kind == "send":
+            finished = job.next_frame >= len(job.bounds) - 1
+        else:
+            finished = job.stop.is_set() or (job.ready.is_set() and job.moved >= job.total)
+        if not finished:
+            return
+        job.done = True
+        self._jobs.discard(job)
+        if self._receiving.get(job.key) is job:
+            del self._receiving[job.key]
+        if job.error is None and job.stop.is_set():
+            job.error = LLMException("the transfer was stopped", status_code=LLMStatusCode.LLM_FAILED)
+        self._loop.call_soon_threadsafe(_resolve, job)
+
+    # -- I/O threads -----------------------------------------------------------------------------------------
+    def _sender(self, sock: socket.socket) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and self.closed is None:
+                    self._cv.wait()
+                if self.closed is not None:
+                    return
+                job = self._queue.popleft()
+                frame = job.next_frame
+                job.next_frame += 1
+                if job.next_frame < len(job.bounds) - 1:
+                    self._queue.append(job)  # round-robin: the next frame goes to the next transfer
+                job.inflight += 1
+            lo, hi = job.bounds[frame], job.bounds[frame + 1]
+            start, end = job.offsets[frame], job.offsets[frame + 1]
+            header = HEADER.pack(MAGIC, job.key[0], job.key[1], start, end - start)
+            try:
+                send_frame(sock, header, job.addr, job.length, lo, hi)
+            except FrameError as exc:
+                self._thread_failed(job, exc)
+                return
+            with self._cv:
+                job.inflight -= 1
+                job.moved += end - start
+                self._finish_if_idle(job)
+
+    def _receiver(self, sock: socket.socket) -> None:
+        header = bytearray(HEADER.size)
+        scratch = ctypes.create_string_buffer(SCRATCH_BYTES)
+        idle = StopFlag()
+        idle.set()
+        empty = np.zeros(0, dtype=np.uint64)
+        while True:
+            job: TransferJob | None = None
+            try:
+                recv_exact(sock, header)
+                magic, flag, tid, offset, nbytes = HEADER.unpack(header)
+                if magic != MAGIC:
+                    raise FrameError(0, "the data connection carried something that is not a frame")
+                with self._cv:
+                    job = self._receiving.get((flag, tid))
+                    if job is not None:
+                        job.inflight += 1
+                if job is None:  # finished, stopped or unknown: drop the payload
+                    recv_frame(sock, empty, empty, empty, offset, nbytes, idle.address, scratch)
+                    continue
+                job.ready.wait()
+                written = recv_frame(sock, job.addr, job.length, job.ends, offset, nbytes, job.stop.address, scratch)
+            except FrameError as exc:
+                self._thread_failed(job, exc)
+                return
+            with self._cv:
+                job.inflight -= 1
+                if not job.stop.is_set():
+                    if written != nbytes:
+                        job.error = LLMLinkError(f"the peer sent {nbytes} bytes at offset {offset} of transfer {tid}, "
+                                                 f"beyond its {job.total} bytes")
+                        job.stop.set()
+                    job.moved += written
+                self._finish_if_idle(job)
+
+    def _thread_failed(self, job: TransferJob | None, exc: FrameError) -> None:
+        error = LLMLinkError(f"data connection of link {self.name} failed: {exc.strerror or exc}")
+        with self._cv:
+            if job is not None:
+                job.inflight -= 1
+                self._finish_if_idle(job)
+        if self.closed is None:
+            self._loop.call_soon_threadsafe(self._broken, error)
+
+    def _broken(self, error: LLMException) -> None:
+        if self.closed is None:
+            self._on_broken(error)
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    def close(self, error: LLMException) -> list[TransferJob]:
+        """Fail every job, stop the threads (sockets shut down); returns the jobs to wait for."""
+        with self._cv:
+            if self.closed is None:
+                self.closed = error
+            jobs = list(self._jobs)
+            self._queue.clear()
+            self._cv.notify_all()
+        for job in jobs:
+            self.cancel(job, error)
+        for sock in self._socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return jobs
+
+    async def aclose(self, error: LLMException) -> None:
+        """:meth:`close`, then wait until no thread touches any job's memory and the threads have ended."""
+        jobs = self.close(error)
+        for job in jobs:
+            await self.wait_stopped(job)
+        threads = [t for t in self._threads if t is not threading.current_thread()]
+        if threads:
+            await asyncio.to_thread(_join, threads)
+        for sock in self._socks:
+            sock.close()
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(timeout=5)
+
+
+def _resolve(job: TransferJob) -> None:
+    if job.future.done():
+        return
+    if job.error is not None:
+        job.future.set_exception(job.error)
+    else:
+        job.future.set_result(None)
+
