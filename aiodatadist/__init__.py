@@ -5,6 +5,7 @@ from .cache_manager import CacheManager
 from .config import LLMConfig, LlmConfig
 from .datadist import LLMDataDist
 from .errors import LLMException, LLMLinkError, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
+from .stats import LinkStats, StatsSnapshot
 from .types import (
     BlocksCacheKey,
     CacheDesc,
@@ -36,8 +37,10 @@ __all__ = [
     "LLMRole",
     "LLMStatusCode",
     "LLMTimeoutError",
+    "LinkStats",
     "LlmConfig",
     "Placement",
+    "StatsSnapshot",
     "Transport",
     "__version__",
 ]

@@ -13,6 +13,7 @@ from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
 from .executor import release_shared_executor, shared_executor
 from .links import LinkManager
 from .options import Settings, parse_listen_ip_info, parse_options
+from .stats import StatsSnapshot
 from .transfer import TransferService
 from .types import LLMClusterInfo, LLMRole
 
@@ -194,6 +195,11 @@ class LLMDataDist:
     def links(self) -> list[dict[str, object]]:
         """The current links: remote cluster, side, endpoint, data plane and what this side can do."""
         return self._links_or_raise().describe()
+
+    def stats(self) -> StatsSnapshot:
+        """Transfer statistics per remote cluster and direction, as an immutable snapshot (see
+        :class:`~aiodatadist.stats.StatsSnapshot`); they survive unlinking and ``finalize``."""
+        return self._transfers.stats.snapshot()
 
     async def __aenter__(self) -> LLMDataDist:
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from .protocol import (
     uint64_array,
 )
 from .registry import CacheEntry
+from .stats import StatsRecorder
 from .tcp_plane import PULL, PUSH, TransferJob
 from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 
@@ -131,21 +133,38 @@ class TransferService:
         self._dd = datadist
         self._tids = itertools.count(1)
         self._pulling_keys: set[tuple[str, int, int]] = set()
+        self.stats = StatsRecorder()
 
     # -- requester side --------------------------------------------------------------------------------------
     async def run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
                   params: TransferParams) -> None:
         """One pull or push, bounded by ``sync_kv_timeout``; raises ``LLMTimeoutError`` on expiry."""
         timeout_ms = self._dd.settings.sync_kv_timeout_ms
+        started = time.perf_counter()
+        failure: str | None = "LLM_FAILED"
+        nbytes = 0
         try:
-            async with asyncio.timeout(timeout_ms / 1000):
-                release = await self._run(key, local, params)
-        except TimeoutError as exc:
-            if isinstance(exc, LLMException):
-                raise
-            raise LLMTimeoutError(
-                f"{params.op}_{params.api} from cluster {key.cluster_id} exceeded sync_kv_timeout={timeout_ms} ms"
-            ) from None
+            try:
+                async with asyncio.timeout(timeout_ms / 1000):
+                    release, nbytes = await self._run(key, local, params)
+            except TimeoutError as exc:
+                if isinstance(exc, LLMException):
+                    raise
+                raise LLMTimeoutError(
+                    f"{params.op}_{params.api} from cluster {key.cluster_id} exceeded sync_kv_timeout={timeout_ms} ms"
+                ) from None
+            failure = None
+        except LLMException as exc:
+            failure = exc.status_code.name
+            raise
+        except asyncio.CancelledError:
+            failure = "CANCELLED"
+            raise
+        finally:
+            links = self._dd._links
+            link = links.links.get(key.cluster_id) if links is not None else None
+            self.stats.record(key.cluster_id, params.op, link.plane if link is not None else "",
+                              time.perf_counter() - started, nbytes, failure)
         if release is not None:
             # The data is complete: the owner's key release is confirmed outside the deadline (bounded), so a
             # late acknowledgement never turns a finished pull into a timeout.
@@ -156,8 +175,8 @@ class TransferService:
                 log.warning("cluster %d did not confirm the end of a pull: %s", key.cluster_id, exc or "timeout")
 
     async def _run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
-                   params: TransferParams) -> Awaitable[Any] | None:
-        """Do the transfer; returns the owner's pending key-release acknowledgement, if there is one."""
+                   params: TransferParams) -> tuple[Awaitable[Any] | None, int]:
+        """Do the transfer; returns the owner's pending key-release acknowledgement (if any) and the bytes."""
         links = self._dd._links_or_raise()
         require(key.cluster_id != self._dd.cluster_id, "data can not be pulled from own cluster.")
         link = links.links.get(key.cluster_id)
@@ -167,8 +186,7 @@ class TransferService:
         tcp = link.plane == "tcp"
         resolved = None if tcp else self._published(link, wkey)
         if resolved is not None:
-            await self._run_published(link, wkey, resolved, local, params)
-            return None
+            return None, await self._run_published(link, wkey, resolved, local, params)
         if tcp and link.data is None:
             raise LLMLinkError(f"the link to cluster {key.cluster_id} has no data connections")
         manager = self._dd.cache_manager
@@ -213,8 +231,8 @@ class TransferService:
                 elif not ended and not (ok and consumes_key):
                     links.notify(link, Kind.END, {"tid": tid, "ok": ok})
         if ok and consumes_key:
-            return link.channel.request(Kind.END, {"tid": tid, "ok": True})
-        return None
+            return link.channel.request(Kind.END, {"tid": tid, "ok": True}), plan.total_bytes
+        return None, plan.total_bytes
 
     @staticmethod
     async def _stop_remote_receive(links: Any, link: Link, tid: int) -> None:
@@ -278,7 +296,7 @@ class TransferService:
         return None
 
     async def _run_published(self, link: Link, wkey: WireKey, resolved: Resolved, local: CacheEntry,
-                             params: TransferParams) -> None:
+                             params: TransferParams) -> int:
         """A transfer on a published cache: validated here against the owner's descriptor, no round trip."""
         descriptor = link.descriptors[resolved.cache_id]
         plan = transfer_plan(params, local.geometry, descriptor[0], resolved.slot)
@@ -289,6 +307,7 @@ class TransferService:
             link.resolved.pop((wkey.kind, wkey.a, wkey.b), None)
             raise LLMException(f"cluster {link.remote_cluster_id} released cache {resolved.cache_id} during the "
                                "transfer", status_code=S.LLM_KV_CACHE_NOT_EXIST)
+        return plan.total_bytes
 
     def _plan_from_reply(self, link: Link, wkey: WireKey, reply: dict[str, Any], local: CacheEntry,
                          params: TransferParams) -> tuple[CopyPlan, Descriptor]:

@@ -1,0 +1,55 @@
+"""Prometheus export of transfer statistics (optional extra ``metrics``: ``pip install 'aiodatadist[metrics]'``).
+
+``register_prometheus(dd)`` adds a collector that reads ``dd.stats()`` at every scrape, so nothing is recorded
+twice and the export costs nothing between scrapes.  ``prometheus_client`` is imported only here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .datadist import LLMDataDist
+
+__all__ = ["register_prometheus"]
+
+
+def register_prometheus(dd: LLMDataDist, registry: Any = None, prefix: str = "aiodatadist") -> Any:
+    """Export ``dd``'s statistics to a ``prometheus_client`` registry (the default one if None).
+
+    Metrics, labelled by local and remote cluster id, direction (``pull``/``push``) and data plane:
+    ``<prefix>_transfers_total``, ``<prefix>_transfers_succeeded_total``, ``<prefix>_transfer_bytes_total``,
+    ``<prefix>_transfer_failures_total`` (also by status ``code``) and ``<prefix>_transfer_latency_ms`` (by
+    ``quantile``: 0.5, 0.9, 0.99, 1 = max of the recent window).  Returns the collector, for
+    ``registry.unregister``.  Raises ``ImportError`` when ``prometheus_client`` is not installed.
+    """
+    from prometheus_client import REGISTRY
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class StatsCollector:
+        def collect(self) -> Iterator[Any]:
+            labels = ["cluster", "remote_cluster", "direction", "plane"]
+            ops = CounterMetricFamily(f"{prefix}_transfers", "Transfers started", labels=labels)
+            done = CounterMetricFamily(f"{prefix}_transfers_succeeded", "Transfers that succeeded", labels=labels)
+            moved = CounterMetricFamily(f"{prefix}_transfer_bytes", "Bytes moved by successful transfers",
+                                        labels=labels)
+            failed = CounterMetricFamily(f"{prefix}_transfer_failures", "Failed transfers by status code",
+                                         labels=[*labels, "code"])
+            latency = GaugeMetricFamily(f"{prefix}_transfer_latency_ms", "Transfer latency of the recent window",
+                                        labels=[*labels, "quantile"])
+            for entry in dd.stats().links:
+                values = [str(dd.cluster_id), str(entry.remote_cluster_id), entry.direction, entry.plane]
+                ops.add_metric(values, entry.operations)
+                done.add_metric(values, entry.succeeded)
+                moved.add_metric(values, entry.bytes)
+                for code, count in entry.failures.items():
+                    failed.add_metric([*values, code], count)
+                for quantile, value in (("0.5", entry.latency_p50_ms), ("0.9", entry.latency_p90_ms),
+                                        ("0.99", entry.latency_p99_ms), ("1", entry.latency_max_ms)):
+                    latency.add_metric([*values, quantile], value)
+            yield from (ops, done, moved, failed, latency)
+
+    collector = StatsCollector()
+    (registry if registry is not None else REGISTRY).register(collector)
+    return collector
