@@ -1,13 +1,19 @@
 """``python -m aiodatadist bench``: throughput and latency against the machine's own limits, same run.
 
-Every figure is a median over repeats and is printed with the baseline measured in the same run: a
-single-process ``np.copyto`` of the same number of bytes.  Workloads:
+Every figure is a median over ``--repeat`` runs, printed with a baseline measured in the same run: a
+single-process ``np.copyto`` of the same bytes for the same-host plane (``shm``), a plain loopback TCP stream of
+the same bytes between two processes for ``tcp``.  The prompt runs in its own process.  Workloads:
 
 * ``local``: ``copy_blocks`` in one 64-tensor x 256-block x 32 KiB host cache, 128 scattered blocks per tensor
-  (256 MiB moved);
-* ``pull``: ``pull_blocks`` of the same 256 MiB from a prompt in another process;
-* ``small``: a 2 MiB pull (1 block x 64 tensors), latency percentiles;
-* ``concurrent``: 64 concurrent 4 MiB pulls (2 blocks x 64 tensors each), aggregate throughput.
+  (256 MiB moved), no link;
+* ``paged``: ``pull_blocks`` / ``push_blocks`` of 64 tensors x 128 scattered 32 KiB blocks (256 MiB);
+* ``whole``: ``pull_cache`` / ``push_cache`` of a 64 x 4 MiB contiguous cache (256 MiB);
+* ``small``: a 2 MiB transfer (1 block x 64 tensors), latency percentiles;
+* ``concurrent``: ``--concurrency`` (64) concurrent 4 MiB ``pull_blocks`` / ``push_blocks``, aggregate throughput
+  against the single paged figure.
+
+``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
+aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from .bench_baselines import copyto_gbps, socket_stream_gbps
 from .cache import Cache
 from .config import LLMConfig
 from .datadist import LLMDataDist
 from .errors import LLMStatusCode
 from .native import native_available
 from .testing import PeerProcess, cluster_info, fill_pattern, free_port
-from .types import BlocksCacheKey, CacheDesc, DataType, LLMRole, Placement
+from .types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 
 __all__ = ["main", "run_bench"]
 
@@ -38,17 +45,28 @@ TENSORS = 64
 BLOCKS = 256
 BLOCK_BYTES = 32 << 10
 MOVED_BLOCKS = 128
+SLOT_BYTES = 4 * MIB
+BIG = TENSORS * MOVED_BLOCKS * BLOCK_BYTES  # 256 MiB
+WORKLOADS = ("local", "paged", "whole", "small", "concurrent")
+ALIASES = {"pull": "paged"}  # the name of the paged workload in earlier versions
+PROMPT, DECODER = 1, 2
+
+Progress = Callable[[str], None]
 
 
-def _desc() -> CacheDesc:
-    return CacheDesc(TENSORS, (BLOCKS, BLOCK_BYTES // 2), DataType.DT_FLOAT16, Placement.HOST)
+def _blocks_desc() -> CacheDesc:
+    return CacheDesc(TENSORS, (BLOCKS, BLOCK_BYTES), DataType.DT_UINT8, Placement.HOST)
+
+
+def _slot_desc() -> CacheDesc:
+    return CacheDesc(TENSORS, (1, SLOT_BYTES), DataType.DT_UINT8, Placement.HOST)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-async def _median_seconds(fn: Callable[[], Awaitable[Any]], repeat: int, warmup: int = 1) -> list[float]:
+async def _times(fn: Callable[[], Awaitable[Any]], repeat: int, warmup: int = 1) -> list[float]:
     for _ in range(warmup):
         await fn()
     times = []
@@ -59,151 +77,246 @@ async def _median_seconds(fn: Callable[[], Awaitable[Any]], repeat: int, warmup:
     return times
 
 
-def copyto_baseline(nbytes: int, repeat: int) -> float:
-    """Median GB/s of ``np.copyto`` of ``nbytes`` contiguous bytes (pre-faulted arrays)."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    np.copyto(dst, src)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - start)
-    return _gbps(nbytes, statistics.median(times))
-
-
-def _scattered_blocks(rng: np.random.Generator) -> tuple[list[int], list[int]]:
+def _scattered(rng: np.random.Generator) -> tuple[list[int], list[int]]:
     perm = rng.permutation(BLOCKS)
     return perm[:MOVED_BLOCKS].tolist(), perm[MOVED_BLOCKS:].tolist()
 
 
-async def bench_local(repeat: int) -> dict[str, Any]:
-    nbytes = TENSORS * MOVED_BLOCKS * BLOCK_BYTES
-    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+async def bench_local(repeat: int, baseline: float) -> dict[str, Any]:
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT) as dd:
         await dd.init({})
-        cache = dd.cache_manager.allocate_blocks_cache(_desc())
+        cache = dd.cache_manager.allocate_blocks_cache(_blocks_desc())
         fill_pattern(cache, 1)
-        src, dst = _scattered_blocks(np.random.default_rng(0))
+        src, dst = _scattered(np.random.default_rng(0))
         info = {s: [d] for s, d in zip(src, dst)}
-        times = await _median_seconds(lambda: dd.cache_manager.copy_blocks(cache, info), repeat)
-    baseline = copyto_baseline(nbytes, repeat)
-    value = _gbps(nbytes, statistics.median(times))
-    return {"workload": "local copy_blocks 256 MiB (64 x 128 scattered 32 KiB blocks)", "bytes": nbytes,
-            "gbps": value, "baseline": "np.copyto 256 MiB", "baseline_gbps": baseline, "ratio": value / baseline}
+        times = await _times(lambda: dd.cache_manager.copy_blocks(cache, info), repeat)
+    value = _gbps(BIG, statistics.median(times))
+    return {"workload": "local", "transport": "-", "direction": "-", "bytes": BIG, "gbps": value,
+            "baseline": "np.copyto 256 MiB", "baseline_gbps": baseline, "ratio": value / baseline}
 
 
-class _RemotePrompt:
-    """A prompt in its own process with a filled 64 x 256 x 32 KiB blocks cache (model_id 0)."""
+class _Session:
+    """A prompt process and a decoder here, linked over one transport, with paged and contiguous caches."""
 
-    def __init__(self, peer: PeerProcess, port: int) -> None:
-        self.peer = peer
-        self.port = port
+    def __init__(self, peer: PeerProcess, dd: LLMDataDist, blocks: Cache, slots: Cache, remote_slots: int) -> None:
+        self.peer, self.dd, self.blocks, self.slots, self.remote_slots = peer, dd, blocks, slots, remote_slots
 
     @classmethod
-    async def start(cls, transport: str) -> _RemotePrompt:
+    async def start(cls, transport: str) -> _Session:
         port = free_port()
         peer = await PeerProcess.start()
-        await peer.call("init", role="PROMPT", cluster_id=1, options={
-            "llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "60000", "llm.Transport": transport})
-        reply = await peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK_BYTES],
-                                blocks_key=[1, 0])
-        await peer.call("fill", cache_id=reply["cache_id"], seed=3)
-        return cls(peer, port)
-
-
-async def _decoder(prompt: _RemotePrompt, transport: str) -> tuple[LLMDataDist, Cache]:
-    dd = LLMDataDist(LLMRole.DECODER, 2)
-    cfg = LLMConfig()
-    cfg.sync_kv_timeout = 60000
-    cfg.transport = transport
-    await dd.init(cfg.generate_options())
-    code, _ = await dd.link_clusters([cluster_info(1, prompt.port)], timeout=10000)
-    if code != LLMStatusCode.LLM_SUCCESS:
-        raise RuntimeError(f"bench: link failed: {code}")
-    return dd, dd.cache_manager.allocate_blocks_cache(_desc())
-
-
-async def bench_remote(repeat: int, transport: str, workloads: set[str]) -> list[dict[str, Any]]:
-    prompt = await _RemotePrompt.start(transport)
-    results: list[dict[str, Any]] = []
-    try:
-        dd, cache = await _decoder(prompt, transport)
         try:
-            cm = dd.cache_manager
-            key = BlocksCacheKey(1, 0)
-            rng = np.random.default_rng(1)
-            big = TENSORS * MOVED_BLOCKS * BLOCK_BYTES
-            baseline = copyto_baseline(big, repeat)
-            plane = dd.links()[0]["plane"]
-            single = None
-            if workloads & {"pull", "concurrent"}:
-                src, dst = _scattered_blocks(rng)
-                times = await _median_seconds(lambda: cm.pull_blocks(key, cache, src, dst), repeat)
-                single = _gbps(big, statistics.median(times))
-                results.append({"workload": f"pull_blocks 256 MiB, other process ({plane})", "bytes": big,
-                                "gbps": single, "baseline": "np.copyto 256 MiB", "baseline_gbps": baseline,
-                                "ratio": single / baseline})
-            if "small" in workloads:
-                lat = await _median_seconds(lambda: cm.pull_blocks(key, cache, [7], [9]), max(200, repeat * 20))
-                lat_ms = sorted(t * 1e3 for t in lat)
-                results.append({"workload": f"pull_blocks 2 MiB (1 block x 64 tensors, {plane})",
-                                "bytes": TENSORS * BLOCK_BYTES, "p50_ms": statistics.median(lat_ms),
-                                "p99_ms": lat_ms[int(len(lat_ms) * 0.99) - 1], "runs": len(lat_ms)})
-            if "concurrent" in workloads and single is not None:
-                pairs = rng.permutation(BLOCKS)[:MOVED_BLOCKS].reshape(64, 2).tolist()
+            await peer.call("init", role="PROMPT", cluster_id=PROMPT, options={
+                "llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "120000",
+                "llm.Transport": transport})
+            blocks = await peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK_BYTES],
+                                     blocks_key=[PROMPT, 0])
+            await peer.call("fill", cache_id=blocks["cache_id"], seed=3)
+            slots = await peer.call("allocate", num_tensors=TENSORS, shape=[1, SLOT_BYTES])
+            await peer.call("fill", cache_id=slots["cache_id"], seed=4)
+            dd = LLMDataDist(LLMRole.DECODER, DECODER)
+            cfg = LLMConfig()
+            cfg.sync_kv_timeout = 120000
+            cfg.transport = transport
+            await dd.init(cfg.generate_options())
+            code, _ = await dd.link_clusters([cluster_info(PROMPT, port)], timeout=20000)
+            if code != LLMStatusCode.LLM_SUCCESS:
+                await dd.finalize()
+                raise RuntimeError(f"bench: link failed: {code}")
+        except BaseException:
+            await peer.close()
+            raise
+        cm = dd.cache_manager
+        local_blocks = cm.allocate_blocks_cache(_blocks_desc(), BlocksCacheKey(DECODER, 0))
+        fill_pattern(local_blocks, 5)
+        local_slots = cm.allocate_cache(_slot_desc())
+        fill_pattern(local_slots, 6)
+        return cls(peer, dd, local_blocks, local_slots, int(slots["cache_id"]))
 
-                async def burst() -> None:
-                    await asyncio.gather(*(cm.pull_blocks(key, cache, p, p) for p in pairs))
+    def paged(self, direction: str, src: list[int], dst: list[int]) -> Awaitable[None]:
+        cm, key = self.dd.cache_manager, BlocksCacheKey(PROMPT, 0)
+        if direction == "pull":
+            return cm.pull_blocks(key, self.blocks, src, dst)
+        return cm.push_blocks(key, self.blocks, src, dst)
 
-                times = await _median_seconds(burst, repeat)
-                agg = _gbps(big, statistics.median(times))
-                results.append({"workload": f"64 concurrent pull_blocks of 4 MiB ({plane})", "bytes": big,
-                                "gbps": agg, "baseline": "single 256 MiB pull_blocks", "baseline_gbps": single,
-                                "ratio": agg / single})
+    def whole(self, direction: str) -> Awaitable[None]:
+        key = CacheKeyByIdAndIndex(PROMPT, self.remote_slots, 0)
+        if direction == "pull":
+            return self.dd.cache_manager.pull_cache(key, self.slots, 0)
+        return self.dd.cache_manager.push_cache(key, self.slots, 0)
+
+    async def close(self) -> None:
+        try:
+            await self.dd.finalize()
         finally:
-            await dd.finalize()
+            await self.peer.close()
+
+
+async def bench_transport(transport: str, directions: list[str], workloads: set[str], repeat: int,
+                          concurrency: int, baseline: tuple[str, float], progress: Progress) -> list[dict[str, Any]]:
+    session = await _Session.start(transport)
+    rows: list[dict[str, Any]] = []
+    try:
+        rng = np.random.default_rng(1)
+        for direction in directions:
+            rows.extend(await _measure(session, direction, workloads, repeat, concurrency, baseline, rng, progress))
     finally:
-        await prompt.peer.close()
-    return results
+        await session.close()
+    return rows
 
 
-async def run_bench(workloads: set[str], repeat: int, transport: str = "auto") -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
+async def _measure(session: _Session, direction: str, workloads: set[str], repeat: int, concurrency: int,
+                   baseline: tuple[str, float], rng: np.random.Generator, progress: Progress) -> list[dict[str, Any]]:
+    plane = session.dd.links()[0]["plane"]
+    base_name, base_gbps = baseline
+    rows: list[dict[str, Any]] = []
+
+    def row(workload: str, nbytes: int, **values: Any) -> None:
+        rows.append({"workload": workload, "transport": plane, "direction": direction, "bytes": nbytes, **values})
+
+    single = None
+    if workloads & {"paged", "concurrent"}:
+        progress(f"{plane} {direction} paged 256 MiB")
+        src, dst = _scattered(rng)
+        times = await _times(lambda: session.paged(direction, src, dst), repeat)
+        single = _gbps(BIG, statistics.median(times))
+        row("paged", BIG, gbps=single, baseline=base_name, baseline_gbps=base_gbps, ratio=single / base_gbps)
+    if "whole" in workloads:
+        progress(f"{plane} {direction} whole cache 256 MiB")
+        value = _gbps(BIG, statistics.median(await _times(lambda: session.whole(direction), repeat)))
+        row("whole", BIG, gbps=value, baseline=base_name, baseline_gbps=base_gbps, ratio=value / base_gbps)
+    if "small" in workloads:
+        runs = max(200, repeat * 20)
+        progress(f"{plane} {direction} 2 MiB x {runs}")
+        lat = sorted(t * 1e3 for t in await _times(lambda: session.paged(direction, [7], [9]), runs, 5))
+        row("small", TENSORS * BLOCK_BYTES, p50_ms=statistics.median(lat),
+            p99_ms=lat[max(0, int(len(lat) * 0.99) - 1)], runs=runs)
+    if "concurrent" in workloads and single is not None:
+        progress(f"{plane} {direction} {concurrency} concurrent 4 MiB")
+        pairs = [rng.permutation(BLOCKS)[:2].tolist() for _ in range(concurrency)]
+        per = 2 * TENSORS * BLOCK_BYTES
+
+        async def burst() -> None:
+            await asyncio.gather(*(session.paged(direction, p, p) for p in pairs))
+
+        agg = _gbps(per * concurrency, statistics.median(await _times(burst, repeat)))
+        row("concurrent", per * concurrency, gbps=agg, baseline="single paged transfer", baseline_gbps=single,
+            ratio=agg / single, concurrency=concurrency)
+    return rows
+
+
+def _compare_with_peers(rows: list[dict[str, Any]], peers: list[dict[str, Any]]) -> None:
+    """Add ``vs_<library>`` ratios (aiodatadist / NIXL) to our pull rows: throughput ratio for GB/s workloads
+    (> 1: we are faster), p50 ratio for ``small`` (< 1: we are faster)."""
+    counterpart = {"shm": "nixl-ucx", "tcp": "nixl-ucx-tcp"}
+    for r in rows:
+        library = counterpart.get(r["transport"])
+        theirs = next((p for p in peers if p["library"] == library and p["workload"] == r["workload"]), None)
+        if theirs is None or r["direction"] != "pull":
+            continue
+        if "gbps" in r and "gbps" in theirs:
+            r["peer"], r["peer_gbps"], r["vs_peer"] = library, theirs["gbps"], r["gbps"] / theirs["gbps"]
+        elif "p50_ms" in r and "p50_ms" in theirs:
+            r["peer"], r["peer_p50_ms"], r["vs_peer"] = library, theirs["p50_ms"], r["p50_ms"] / theirs["p50_ms"]
+
+
+async def run_bench(workloads: set[str], repeat: int, transports: list[str], directions: list[str], *,
+                    concurrency: int = 64, peers: bool = False, progress: Progress = lambda _: None
+                    ) -> list[dict[str, Any]]:
+    """Measure ``workloads`` on ``transports`` (``shm``/``tcp``) and ``directions`` (``pull``/``push``)."""
+    rows: list[dict[str, Any]] = []
+    remote = workloads - {"local"}
+    copy_base = None
+    if "local" in workloads or (remote and "shm" in transports):
+        progress("baseline: np.copyto 256 MiB")
+        copy_base = copyto_gbps(BIG, repeat)
     if "local" in workloads:
-        results.append(await bench_local(repeat))
-    if workloads & {"pull", "small", "concurrent"}:
-        results.extend(await bench_remote(repeat, transport, workloads))
-    return results
-
-
-def _print(results: list[dict[str, Any]], out: Any) -> None:
-    for r in results:
-        if "gbps" in r:
-            out.write(f"{r['workload']:<62} {r['gbps']:7.2f} GB/s   {r['baseline']}: {r['baseline_gbps']:6.2f} GB/s"
-                      f"   ratio {r['ratio']:.2f}\n")
+        progress("local copy_blocks 256 MiB")
+        assert copy_base is not None
+        rows.append(await bench_local(repeat, copy_base))
+    for transport in transports if remote else []:
+        if transport == "tcp":
+            progress("baseline: plain TCP stream 256 MiB between two processes")
+            baseline = ("plain TCP stream 256 MiB", await asyncio.to_thread(socket_stream_gbps, BIG, repeat))
         else:
-            out.write(f"{r['workload']:<62} p50 {r['p50_ms']:.3f} ms   p99 {r['p99_ms']:.3f} ms"
-                      f"   ({r['runs']} runs)\n")
+            assert copy_base is not None
+            baseline = ("np.copyto 256 MiB", copy_base)
+        rows.extend(await bench_transport(transport, directions, remote, repeat, concurrency, baseline, progress))
+    if peers:
+        from .bench_peers import run_nixl
+
+        peer_rows: list[dict[str, Any]] = []
+        wanted = remote & {"paged", "whole", "small"}
+        for transport in transports:
+            variant = {"shm": "nixl-ucx", "tcp": "nixl-ucx-tcp"}[transport]
+            progress(f"NIXL ({variant})")
+            peer_rows.extend(await asyncio.to_thread(run_nixl, wanted, repeat, variant, progress))
+        _compare_with_peers(rows, peer_rows)
+        rows.extend(peer_rows)
+    return rows
+
+
+def _format(r: dict[str, Any]) -> str:
+    name = r.get("library", "aiodatadist")
+    head = f"{name:<13} {r['workload']:<10} {r.get('transport', '-'):<4} {r.get('direction', 'pull'):<5}"
+    if "gbps" in r:
+        text = f"{head} {r['gbps']:7.2f} GB/s"
+        if "baseline" in r:
+            text += f"   {r['baseline']}: {r['baseline_gbps']:6.2f} GB/s   ratio {r['ratio']:.2f}"
+    else:
+        text = f"{head} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms ({r['runs']} runs)"
+    if "vs_peer" in r:
+        text += f"   vs {r['peer']}: {r['vs_peer']:.2f}" + (" (p50 ratio, < 1 is faster)" if "p50_ms" in r else "")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aiodatadist bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
-                        help="local, pull, small, concurrent (default: all)")
+                        help=f"{', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--repeat", type=int, default=7, help="repeats per figure (median reported)")
-    parser.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    parser.add_argument("--transport", default="shm,tcp", help="shm, tcp or both, comma-separated (default: both)")
+    parser.add_argument("--direction", default="pull,push", help="pull, push or both (default: both)")
+    parser.add_argument("--concurrency", type=int, default=64, help="transfers of the concurrent workload")
+    parser.add_argument("--peers", action="store_true", help="also run NIXL (extra 'peers') in the same run")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
-    known = ["local", "pull", "small", "concurrent"]
-    unknown = set(args.workloads) - set(known)
+    names = [ALIASES.get(w, w) for w in args.workloads]
+    unknown = set(names) - set(WORKLOADS)
     if unknown:
-        parser.error(f"unknown workloads {sorted(unknown)}; choose from {known}")
-    workloads = set(args.workloads or known)
-    sys.stdout.write(f"aiodatadist bench: repeat={args.repeat}, native copier={'yes' if native_available() else 'no'}\n")
-    results = asyncio.run(run_bench(workloads, args.repeat, args.transport))
-    _print(results, sys.stdout)
+        parser.error(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
+    transports = _choices(parser, "--transport", args.transport, ("shm", "tcp"))
+    directions = _choices(parser, "--direction", args.direction, ("pull", "push"))
+    if args.repeat < 1 or args.concurrency < 1:
+        parser.error("--repeat and --concurrency must be >= 1")
+    if args.peers:
+        from .bench_peers import nixl_available
+
+        if not nixl_available():
+            parser.error("--peers needs NIXL: pip install --no-deps nixl nixl-cu12 (or the extra 'peers')")
+    started = time.perf_counter()
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            sys.stderr.write(f"[{time.perf_counter() - started:6.1f} s] {line}\n")
+            sys.stderr.flush()
+
+    sys.stdout.write(f"aiodatadist bench: repeat={args.repeat}, native helper={'yes' if native_available() else 'no'}"
+                     "; medians, baselines measured in this run\n")
+    results = asyncio.run(run_bench(set(names or WORKLOADS), args.repeat, transports, directions,
+                                    concurrency=args.concurrency, peers=args.peers, progress=progress))
+    for r in results:
+        sys.stdout.write(_format(r) + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
+
+
+def _choices(parser: argparse.ArgumentParser, option: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    chosen = [v.strip() for v in value.split(",") if v.strip()]
+    if not chosen or set(chosen) - set(allowed):
+        parser.error(f"{option} takes {', '.join(allowed)} (comma-separated), not {value!r}")
+    return [a for a in allowed if a in chosen]

@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 
 from .memory import SegmentIdentity, SharedSegment, map_peer_segment
+from .native import native_pool
 
 __all__ = ["DIRECTORY_ROWS", "CacheDirectory", "DirectoryView", "Resolved"]
 
 DIRECTORY_ROWS = 4096
-_WORDS = 4  # stamp, cache_id, model_id, reserved
-_STAMP, _CACHE, _MODEL = 0, 1, 2
+_WORDS = 8  # stamp, cache id, model id, reserved, segment base, segment size, busy (serving threads), reserved
+_STAMP, _CACHE, _MODEL, _BASE, _SIZE = 0, 1, 2, 4, 5
 
 
 class CacheDirectory:
@@ -41,24 +42,41 @@ class CacheDirectory:
         self._free = list(range(rows - 1, -1, -1))
         self._stamps = itertools.count(1)
 
-    def publish(self, cache_id: int, model_id: int = -1) -> tuple[int, int] | None:
-        """Publish a live cache; returns ``(row, stamp)``, or ``None`` when the table is full."""
+    @property
+    def address(self) -> int:
+        """Where the table is in this process (the native TCP plane validates one-sided reads against it)."""
+        return self.segment.address
+
+    @property
+    def rows(self) -> int:
+        return len(self._words) // _WORDS
+
+    def publish(self, cache_id: int, model_id: int = -1, base: int = 0, size: int = 0) -> tuple[int, int] | None:
+        """Publish a live cache whose memory is ``[base, base + size)``; returns ``(row, stamp)``, or ``None``
+        when the table is full."""
         if not self._free:
             return None
         row = self._free.pop()
-        base = row * _WORDS
-        self._words[base + _CACHE] = cache_id
-        self._words[base + _MODEL] = model_id
+        base_word = row * _WORDS
+        self._words[base_word + _CACHE] = cache_id
+        self._words[base_word + _MODEL] = model_id
+        self._words[base_word + _BASE] = base
+        self._words[base_word + _SIZE] = size
         stamp = next(self._stamps)
-        self._words[base + _STAMP] = stamp  # last: a reader that sees the stamp sees the fields (x86 TSO / seqlock)
+        self._words[base_word + _STAMP] = stamp  # last: a reader that sees the stamp sees the fields (x86 TSO)
         return row, stamp
 
     def set_model(self, row: int, model_id: int) -> None:
         self._words[row * _WORDS + _MODEL] = model_id
 
     def withdraw(self, row: int) -> None:
-        """The cache was released: its row stops matching any stamp at once."""
-        self._words[row * _WORDS + _STAMP] = 0
+        """The cache was released: its row stops matching any stamp at once, and this returns only once no
+        native thread serving a peer's one-sided read still reads its memory (at most one frame)."""
+        lib = native_pool()
+        if lib is not None:
+            lib.adt_dir_withdraw(self._words.ctypes.data, row)
+        else:
+            self._words[row * _WORDS + _STAMP] = 0
         self._free.append(row)
 
     def to_wire(self) -> list[int]:

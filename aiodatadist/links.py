@@ -19,11 +19,17 @@ from .directory import DirectoryView, Resolved
 from .errors import LLMException, LLMLinkError, LLMStatusCode
 from .executor import CopyJob
 from .frames import DATA_HELLO, MAGIC
+from .native import native_pool
 from .peer import HostProbe, PeerCapabilities, PeerMemory, probe_peer
 from .protocol import PROTOCOL_VERSION, Kind, ProtocolError, int_field, segment_to_wire
 from .protocol import field as msg_field
 from .registry import CacheEntry
-from .tcp_plane import DataPlane, TransferJob, data_connections
+from .tcp_plane import PythonDataPlane, TransferJob, data_connections
+
+if TYPE_CHECKING:
+    from .native_net import NativeDataPlane
+
+    DataPlane = NativeDataPlane | PythonDataPlane
 from .types import LLMClusterInfo, Transport, ip_int_to_str
 
 if TYPE_CHECKING:
@@ -73,6 +79,7 @@ class Link:
     aborted: set[int] = field(default_factory=set)  # requester side: ABORTs that came before the copy started
     directory: DirectoryView | None = None  # requester side: the peer's cache directory, when mappable
     data: DataPlane | None = None  # TCP plane: the link's data connections
+    peer_serves_reads: bool = False  # TCP plane: the peer answers one-sided reads of its published caches
     data_token: bytes | None = None  # server side: what the client's data connections present
     tcp_jobs: dict[int, TransferJob] = field(default_factory=dict)  # requester side, TCP plane, by transfer id
     resolved: dict[tuple[str, int, int], Resolved] = field(default_factory=dict)  # requester side, by wire key
@@ -104,6 +111,12 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
 
 def _transport_of(value: object) -> Transport:
     return Transport(value) if value in {t.value for t in Transport} else Transport.AUTO
+
+
+def native_data_plane() -> bool:
+    """Whether TCP links use the native helper's I/O threads (else Python threads; ``AIODATADIST_NET=python``
+    forces those, for diagnosis)."""
+    return native_pool() is not None and os.environ.get("AIODATADIST_NET", "native") != "python"
 
 
 def _data_listener(ip: str) -> socket.socket:
@@ -197,6 +210,7 @@ class LinkManager:
             "transport": self._dd.settings.transport.value,
             "segs": self._segments(),
             "dir": self._directory(),
+            "reads": native_data_plane(),
         }
 
     def _segments(self) -> list[Any]:
@@ -244,11 +258,13 @@ class LinkManager:
         link = Link(cluster, channel, caps, is_client=False, endpoint=server.endpoint, remote_role=role,
                     plane=_plane_for(caps, Transport.TCP if forced_tcp else Transport.AUTO), routing_id=routing_id)
         channel.context = link
+        link.peer_serves_reads = message.get("reads") is True
         self.links[cluster] = link
         server.channels[routing_id] = channel
         reply: dict[str, Any] = {"cluster": self._dd.cluster_id, "role": int(self._dd.role),
                                  "host": self._probe.to_wire(), "transport": self._dd.settings.transport.value,
-                                 "segs": self._segments(), "dir": self._directory(), "plane": link.plane}
+                                 "segs": self._segments(), "dir": self._directory(), "plane": link.plane,
+                                 "reads": native_data_plane()}
         if self._data_listener is not None:
             link.data_token = secrets.token_bytes(16)
             self._data_tokens[link.data_token] = link
@@ -327,6 +343,7 @@ class LinkManager:
         link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint,
                     remote_role=int(reply.get("role", 0)) if isinstance(reply.get("role"), int) else 0,
                     plane=_plane_for(caps, transport), sock=sock, reader=reader)
+        link.peer_serves_reads = reply.get("reads") is True
         if reply.get("plane") == "tcp":
             link.plane = "tcp"  # the server cannot use this host's shared memory: both ends use TCP
         if link.plane == "tcp":
@@ -361,7 +378,15 @@ class LinkManager:
             if not link.closed:
                 self._tasks.spawn(self.drop(link, error), name=f"drop-{link.remote_cluster_id}")
 
-        return DataPlane(f"{self._dd.cluster_id}-{link.remote_cluster_id}", asyncio.get_running_loop(), broken)
+        name, loop = f"{self._dd.cluster_id}-{link.remote_cluster_id}", asyncio.get_running_loop()
+        if not native_data_plane():
+            return PythonDataPlane(name, loop, broken)
+        from .native_net import NativeDataPlane
+
+        manager = self._dd._cache_manager
+        directory = manager.registry.directory if manager is not None else None
+        return NativeDataPlane(name, loop, broken,
+                               (directory.address, directory.rows) if directory is not None else None)
 
     async def _connect_data(self, link: Link, host: str, offer: Any, timeout: float) -> str | None:
         """Client side: open the link's data connections; returns what went wrong, or None."""

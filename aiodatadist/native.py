@@ -51,7 +51,7 @@ def _load_native() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(spec.origin)
         fn = lib.adt_copy_spans
-        lib.adt_recv_frame  # noqa: B018 - a stale build without it is not used
+        lib.adt_net_read  # noqa: B018 - a stale build without it is not used
     except (OSError, AttributeError) as exc:
         log.warning("native helper %s unusable (%s); using the Python fallback", spec.origin, exc)
         return None
@@ -78,6 +78,21 @@ def _bind_pool(lib: ctypes.CDLL) -> None:
     lib.adt_send_frame.restype = c_int
     lib.adt_recv_frame.argtypes = [c_int, vp, vp, vp, sz, u64, u64, vp, vp, sz]
     lib.adt_recv_frame.restype = ctypes.c_long
+    i64, pi = ctypes.c_int64, ctypes.POINTER(c_int)
+    lib.adt_dir_withdraw.argtypes, lib.adt_dir_withdraw.restype = [vp, i64], None
+    lib.adt_net_new.argtypes, lib.adt_net_new.restype = [c_int, vp, sz, u64], vp
+    lib.adt_net_attach.argtypes, lib.adt_net_attach.restype = [vp, c_int], c_int
+    lib.adt_net_send.argtypes, lib.adt_net_send.restype = [vp, u64, vp, vp, sz], vp
+    lib.adt_net_receive.argtypes, lib.adt_net_receive.restype = [vp, u64], vp
+    lib.adt_net_set_destination.argtypes, lib.adt_net_set_destination.restype = [vp, vp, vp, vp, sz], c_int
+    lib.adt_net_read.argtypes = [vp, u64, i64, u64, u64, i64, vp, vp, sz, vp, vp, sz]
+    lib.adt_net_read.restype = vp
+    lib.adt_net_cancel.argtypes, lib.adt_net_cancel.restype = [vp, vp, c_int], None
+    lib.adt_net_job_state.argtypes, lib.adt_net_job_state.restype = [vp, vp, pi, pi], c_int
+    lib.adt_net_job_free.argtypes, lib.adt_net_job_free.restype = [vp], None
+    lib.adt_net_connections.argtypes, lib.adt_net_connections.restype = [vp], c_int
+    lib.adt_net_close.argtypes, lib.adt_net_close.restype = [vp], None
+    lib.adt_net_free.argtypes, lib.adt_net_free.restype = [vp], None
     lib.adt_job_cancel.argtypes, lib.adt_job_cancel.restype = [vp, vp], None
     lib.adt_job_state.argtypes, lib.adt_job_state.restype = [vp, vp, ctypes.POINTER(c_int)], c_int
     lib.adt_job_free.argtypes, lib.adt_job_free.restype = [vp], None

@@ -130,7 +130,7 @@ class CacheRegistry:
             self._by_model[blocks_key.model_id] = entry  # last wins, as in the reference
             model = blocks_key.model_id if blocks_key.model_id < 2**63 else -1
         if segment is not None and remote_accessible and self.directory is not None:
-            entry.published = self.directory.publish(cache_id, model)
+            entry.published = self.directory.publish(cache_id, model, segment.address, segment.size)
         if segment is None:
             self._registered_addrs += len(addrs)
         return entry.handle

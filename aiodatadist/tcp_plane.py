@@ -30,11 +30,11 @@ import numpy.typing as npt
 
 from .errors import LLMException, LLMLinkError, LLMStatusCode
 from .executor import split_spans
-from .frames import HEADER, MAGIC, FrameError, recv_exact, recv_frame, send_frame
+from .frames import HEADER, MAGIC, T_DATA, FrameError, recv_exact, recv_frame, send_frame
 from .layout import Spans
 from .native import StopFlag
 
-__all__ = ["FRAME_BYTES", "DataPlane", "TransferJob", "data_connections"]
+__all__ = ["FRAME_BYTES", "PULL", "PUSH", "PythonDataPlane", "TransferJob", "data_connections"]
 
 log = logging.getLogger("aiodatadist.tcp")
 UInt64Array = npt.NDArray[np.uint64]
@@ -55,7 +55,7 @@ class TransferJob:
 
     def __init__(self, kind: str, flag: int, tid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.kind = kind
-        self.key = (flag, tid)
+        self.key = flag << 63 | tid
         self.stop = StopFlag()
         self.ready = threading.Event()  # receive jobs: the destination spans are known
         self.future: asyncio.Future[None] = loop.create_future()
@@ -67,13 +67,17 @@ class TransferJob:
         self.addr: UInt64Array = np.empty(0, dtype=np.uint64)
         self.length: UInt64Array = np.empty(0, dtype=np.uint64)
         self.ends: UInt64Array = np.empty(0, dtype=np.uint64)  # receive: running byte sums of the spans
+        self.handle: int | None = None  # native plane: the helper's job
         self.bounds: list[int] = [0]  # send: frame boundaries (span indices)
         self.offsets: list[int] = [0]  # send: stream offset of each frame boundary
         self.next_frame = 0
 
 
-class DataPlane:
-    """The data connections of one link and the transfers running on them."""
+class PythonDataPlane:
+    """The data connections of one link and the transfers running on them (Python I/O threads: the fallback
+    where the native helper is not built; it does not serve one-sided reads)."""
+
+    serves_reads = False
 
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop,
                  on_broken: Callable[[LLMException], None]) -> None:
@@ -82,7 +86,7 @@ class DataPlane:
         self._on_broken = on_broken
         self._cv = threading.Condition()
         self._queue: deque[TransferJob] = deque()  # send jobs with frames left, round-robin
-        self._receiving: dict[tuple[int, int], TransferJob] = {}
+        self._receiving: dict[int, TransferJob] = {}
         self._jobs: set[TransferJob] = set()
         self._socks: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
@@ -223,7 +227,7 @@ class DataPlane:
                 job.inflight += 1
             lo, hi = job.bounds[frame], job.bounds[frame + 1]
             start, end = job.offsets[frame], job.offsets[frame + 1]
-            header = HEADER.pack(MAGIC, job.key[0], job.key[1], start, end - start)
+            header = HEADER.pack(MAGIC, T_DATA, job.key, start, end - start, 0, 0)
             try:
                 send_frame(sock, header, job.addr, job.length, lo, hi)
             except FrameError as exc:
@@ -244,11 +248,12 @@ class DataPlane:
             job: TransferJob | None = None
             try:
                 recv_exact(sock, header)
-                magic, flag, tid, offset, nbytes = HEADER.unpack(header)
-                if magic != MAGIC:
-                    raise FrameError(0, "the data connection carried something that is not a frame")
+                magic, kind, key, offset, nbytes, _, _ = HEADER.unpack(header)
+                if magic != MAGIC or kind != T_DATA:  # this end never offers one-sided reads
+                    raise FrameError(0, "the data connection carried something that is not a data frame")
+                tid = key & (2**63 - 1)
                 with self._cv:
-                    job = self._receiving.get((flag, tid))
+                    job = self._receiving.get(key)
                     if job is not None:
                         job.inflight += 1
                 if job is None:  # finished, stopped or unknown: drop the payload

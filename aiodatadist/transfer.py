@@ -23,6 +23,7 @@ from .cache_manager import STREAMING_THRESHOLD
 from .directory import Resolved
 from .errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from .layout import CacheGeometry, CopyPlan, TransferParams, plan_side_spans, transfer_plan
+from .native_net import NativeDataPlane
 from .protocol import (
     Kind,
     ProtocolError,
@@ -184,9 +185,16 @@ class TransferService:
             raise LLMException(f"cluster {key.cluster_id} is not linked", status_code=S.LLM_NOT_YET_LINK)
         wkey = wire_key(key)
         tcp = link.plane == "tcp"
-        resolved = None if tcp else self._published(link, wkey)
-        if resolved is not None:
-            return None, await self._run_published(link, wkey, resolved, local, params)
+        if tcp:
+            remembered = link.resolved.get((wkey.kind, wkey.a, wkey.b)) if params.op == "pull" else None
+            if remembered is not None:
+                moved = await self._read_published(link, wkey, remembered, local, params)
+                if moved is not None:
+                    return None, moved
+        else:
+            resolved = self._published(link, wkey)
+            if resolved is not None:
+                return None, await self._run_published(link, wkey, resolved, local, params)
         if tcp and link.data is None:
             raise LLMLinkError(f"the link to cluster {key.cluster_id} has no data connections")
         manager = self._dd.cache_manager
@@ -295,6 +303,32 @@ class TransferService:
         del link.resolved[(wkey.kind, wkey.a, wkey.b)]  # released or re-keyed: ask the owner again
         return None
 
+    async def _read_published(self, link: Link, wkey: WireKey, resolved: Resolved, local: CacheEntry,
+                              params: TransferParams) -> int | None:
+        """A TCP pull of a cache the owner resolved before: one-sided, served by the owner's native threads.
+
+        Returns None (after forgetting the resolution) when the owner says the cache is no longer the one
+        resolved (released or re-keyed): the caller then asks the owner again."""
+        plane = link.data
+        assert plane is not None and isinstance(plane, NativeDataPlane)
+        owner_geometry, owner_addrs, _ = link.descriptors[resolved.cache_id]
+        plan = transfer_plan(params, local.geometry, owner_geometry, resolved.slot)
+        tid = next(self._tids)
+        with self._dd.cache_manager.registry.lease(local):
+            job = plane.read(tid, resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id,
+                             plan_side_spans(plan, owner_addrs, "src"), plan_side_spans(plan, local.addrs, "dst"))
+            link.tcp_jobs[tid] = job
+            try:
+                await plane.wait(job)
+            except LLMException as exc:
+                if exc.status_code != S.LLM_KV_CACHE_NOT_EXIST:
+                    raise
+                link.resolved.pop((wkey.kind, wkey.a, wkey.b), None)
+                return None
+            finally:
+                link.tcp_jobs.pop(tid, None)
+        return plan.total_bytes
+
     async def _run_published(self, link: Link, wkey: WireKey, resolved: Resolved, local: CacheEntry,
                              params: TransferParams) -> int:
         """A transfer on a published cache: validated here against the owner's descriptor, no round trip."""
@@ -321,7 +355,10 @@ class TransferService:
             if descriptor is None:
                 raise ProtocolError(f"no descriptor for cache {cid}")
             published = reply.get("pub")
-            if published is not None and link.directory is not None and wkey.kind in ("id", "blocks"):
+            one_sided = link.directory is not None or (
+                link.plane == "tcp" and link.peer_serves_reads and isinstance(link.data, NativeDataPlane)
+                and wkey.a < 2**63)
+            if published is not None and one_sided and wkey.kind in ("id", "blocks"):
                 row, stamp = _published_from_wire(published)
                 model = wkey.a if wkey.kind == "blocks" else None
                 link.resolved[(wkey.kind, wkey.a, wkey.b)] = Resolved(cid, owner_slot, row, stamp, model)

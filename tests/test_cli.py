@@ -25,18 +25,35 @@ def test_demo_moves_and_verifies_every_byte() -> None:
 
 def test_bench_local_reports_a_ratio(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    result = run("-m", "aiodatadist", "bench", "local", "small", "--repeat", "1", "--json", str(out))
+    result = run("-m", "aiodatadist", "bench", "local", "small", "--repeat", "1", "--transport", "shm",
+                 "--direction", "pull", "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     results = json.loads(out.read_text())
-    local = next(r for r in results if r["workload"].startswith("local"))
+    local = next(r for r in results if r["workload"] == "local")
     assert local["ratio"] > 0 and local["baseline_gbps"] > 0
-    small = next(r for r in results if "2 MiB" in r["workload"])
-    assert 0 < small["p50_ms"] <= small["p99_ms"]
+    small = next(r for r in results if r["workload"] == "small")
+    assert 0 < small["p50_ms"] <= small["p99_ms"] and small["transport"] == "shm"
+    assert "baseline: np.copyto" in result.stderr  # progress lines
 
 
-def test_bench_rejects_unknown_workloads() -> None:
+def test_bench_tcp_measures_against_a_plain_socket_stream(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = run("-m", "aiodatadist", "bench", "paged", "small", "--repeat", "1", "--transport", "tcp",
+                 "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    results = json.loads(out.read_text())
+    paged = [r for r in results if r["workload"] == "paged"]
+    assert {r["direction"] for r in paged} == {"pull", "push"}
+    assert all(r["transport"] == "tcp" and r["baseline"].startswith("plain TCP stream") and r["ratio"] > 0
+               for r in paged)
+    assert {r["direction"] for r in results if r["workload"] == "small"} == {"pull", "push"}
+
+
+def test_bench_rejects_unknown_workloads_and_transports() -> None:
     result = run("-m", "aiodatadist", "bench", "nonsense")
     assert result.returncode == 2 and "unknown workloads" in result.stderr
+    result = run("-m", "aiodatadist", "bench", "small", "--transport", "rdma")
+    assert result.returncode == 2 and "--transport" in result.stderr
 
 
 def test_info() -> None:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
+from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMException, LLMStatusCode, Placement
 from aiodatadist.directory import CacheDirectory, DirectoryView
 from aiodatadist.memory import SegmentIdentity
 from aiodatadist.protocol import Kind
@@ -109,10 +109,22 @@ def blocks(cache: Any, indices: list[int]) -> list[np.ndarray]:
     return [t.view(np.uint8).reshape(cache.cache_desc.shape[0], -1)[indices].copy() for t in cache.tensors]
 
 
+def config(transport: str) -> LLMConfig:
+    cfg = LLMConfig()
+    cfg.transport = transport
+    return cfg
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("directory", ["on", "off"])
-async def test_repeated_pulls_ask_the_owner_once(directory: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AIODATADIST_DIRECTORY", "1" if directory == "on" else "0")
-    async with linked_pair() as (prompt, decoder):
+async def test_repeated_pulls_ask_the_owner_once(directory: str, transport: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same host: the requester checks the owner's directory itself.  TCP: the owner's native threads serve a
+    one-sided read (AIODATADIST_NET=python: no one-sided reads, every pull asks)."""
+    if directory == "off":
+        monkeypatch.setenv("AIODATADIST_DIRECTORY" if transport == "shm" else "AIODATADIST_NET",
+                           "0" if transport == "shm" else "python")
+    async with linked_pair(config=config(transport)) as (prompt, decoder):
         src = prompt.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 3))
         dst = decoder.cache_manager.allocate_blocks_cache(DESC)
         fill_pattern(src, 11)
@@ -125,8 +137,9 @@ async def test_repeated_pulls_ask_the_owner_once(directory: str, monkeypatch: py
         assert begins[0] == (1 if directory == "on" else 3)
 
 
-async def test_a_model_id_taken_over_or_released_is_resolved_again() -> None:
-    async with linked_pair() as (prompt, decoder):
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_a_model_id_taken_over_or_released_is_resolved_again(transport: str) -> None:
+    async with linked_pair(config=config(transport)) as (prompt, decoder):
         pcm, dcm = prompt.cache_manager, decoder.cache_manager
         first = pcm.allocate_blocks_cache(DESC, BlocksCacheKey(1, 5))
         fill_pattern(first, 21)
@@ -147,11 +160,12 @@ async def test_a_model_id_taken_over_or_released_is_resolved_again() -> None:
         assert all(np.array_equal(a, b) for a, b in zip(before, blocks(dst, [3])))
 
 
-async def test_a_release_during_a_pull_without_round_trip_fails_it() -> None:
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_a_release_during_a_pull_without_round_trip_fails_it(transport: str) -> None:
     """The owner releases the cache between the copy's start and its end: the pull reports LLM_KV_CACHE_NOT_EXIST
     (as the round-trip path does), and the link stays usable."""
     big = CacheDesc(16, (16, 256 << 10), DataType.DT_UINT8, Placement.HOST)  # 64 MiB
-    async with linked_pair() as (prompt, decoder):
+    async with linked_pair(config=config(transport)) as (prompt, decoder):
         pcm, dcm = prompt.cache_manager, decoder.cache_manager
         src = pcm.allocate_blocks_cache(big, BlocksCacheKey(1, 9))
         fill_pattern(src, 31)
@@ -159,16 +173,47 @@ async def test_a_release_during_a_pull_without_round_trip_fails_it() -> None:
         await dcm.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0])  # resolved once through the owner
         link = next(iter(decoder._links.links.values()))
         task = asyncio.ensure_future(dcm.pull_blocks(BlocksCacheKey(1, 9), dst, list(range(16)), list(range(16))))
-        while not link.jobs:
+        while not (link.jobs or link.tcp_jobs):
             await asyncio.sleep(0)
         pcm.deallocate_blocks_cache(src)  # before the pull can look at the directory again
         with pytest.raises(LLMException) as info:
             await task
         assert info.value.status_code == NOT_EXIST
-        assert not link.jobs and not link.resolved
+        assert not link.jobs and not link.tcp_jobs and not link.resolved
 
         again = pcm.allocate_blocks_cache(big, BlocksCacheKey(1, 9))
         fill_pattern(again, 32)
         await dcm.pull_blocks(BlocksCacheKey(1, 9), dst, [4, 5], [4, 5])
         assert all(np.array_equal(a, b) for a, b in zip(blocks(again, [4, 5]), blocks(dst, [4, 5])))
 
+
+
+async def test_one_sided_reads_outside_the_cache_are_refused() -> None:
+    """A requester that asks the owner's native threads for bytes outside the published cache (a hostile or
+    buggy peer) gets LLM_PARAM_INVALID, and no byte of the owner's other memory leaves the process."""
+    async with linked_pair(config=config("tcp")) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 3))
+        secret = prompt.cache_manager.allocate_blocks_cache(DESC)  # not the published cache being read
+        fill_pattern(src, 41)
+        fill_pattern(secret, 42)
+        dst = decoder.cache_manager.allocate_blocks_cache(DESC)
+        fill_pattern(dst, 43)
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [0], [0])  # resolved once
+        link = next(iter(decoder._links.links.values()))
+        resolved = next(iter(link.resolved.values()))
+        before = [t.copy() for t in dst.tensors]
+        local = (np.array([dst.tensor_addrs[0]], dtype=np.uint64), np.array([1024], dtype=np.uint64))
+        for bad in ([secret.tensor_addrs[0]], [src.tensor_addrs[0] + 4 * DESC.size - 512]):  # elsewhere / straddling
+            job = link.data.read(10_000, resolved.row, resolved.stamp, resolved.cache_id, None,
+                                 (np.array(bad, dtype=np.uint64), np.array([1024], dtype=np.uint64)), local)
+            with pytest.raises(LLMException) as info:
+                await link.data.wait(job)
+            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        stale = link.data.read(10_001, resolved.row, resolved.stamp + 1, resolved.cache_id, None,
+                               (np.array([src.tensor_addrs[0]], dtype=np.uint64), np.array([1024], np.uint64)), local)
+        with pytest.raises(LLMException) as info:
+            await link.data.wait(stale)
+        assert info.value.status_code == NOT_EXIST
+        assert all(np.array_equal(a, b) for a, b in zip(before, dst.tensors))
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [2], [2])  # the link still works
+        assert np.array_equal(blocks(src, [2])[0], blocks(dst, [2])[0])

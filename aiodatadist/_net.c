@@ -1,0 +1,605 @@
+/* The native TCP data plane of one link: connections, their I/O threads and the transfers on them.
+ *
+ * Every connection has a receiver thread and a sender thread; none of them ever touches Python.  Frames start
+ * with a fixed header (adt_hdr).  Transfers are jobs keyed by (flag, transfer id):
+ *   - a receive job owns destination spans; DATA frames carry a slice of its byte stream (offset, length) and
+ *     land straight in the spans (scatter recvmsg);
+ *   - a send job owns source spans, cut into frames of at most `frame` bytes; sender threads take frames
+ *     round-robin across send jobs, so concurrent transfers share every connection fairly;
+ *   - a one-sided READ (pull by a resolved key) registers a receive job and queues a READ frame listing the
+ *     owner's spans; the owner's receiver thread validates them against its cache directory (live stamp, spans
+ *     inside the cache's segment) and queues a *serve* job that sends them back as DATA frames, with no Python
+ *     and no control-plane round trip on the owner.  A serve job re-checks the stamp before each frame and
+ *     marks the row busy while reading it, so a release (adt_dir_withdraw) waits for at most one frame.
+ * A job's end is announced by writing its address to the link's notify pipe (as for the copy pool).
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+int adt_send_frame(int fd, const uint8_t *header, size_t hlen, const uint64_t *addr, const uint64_t *len,
+                   int64_t lo, int64_t hi);
+long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uint64_t *ends, size_t n,
+                    uint64_t off, uint64_t nbytes, const volatile int32_t *stop, uint8_t *scratch,
+                    size_t scratch_len);
+
+#define NET_MAGIC 0xADD7F4A4u
+#define T_DATA 1u
+#define T_READ 2u
+#define T_ERROR 3u
+#define T_ABORT 4u
+#define MAX_CONNS 16
+#define MAX_READ_SPANS (1u << 20)
+#define SCRATCH (1u << 20)
+#define DIR_WORDS 8          /* directory row: stamp, cache id, model id, reserved, base, size, busy, reserved */
+
+typedef struct {
+    uint32_t magic, type;
+    uint64_t key;            /* flag << 63 | transfer id */
+    uint64_t offset;         /* DATA: stream offset; READ: stamp; ERROR: status code */
+    uint64_t length;         /* DATA: payload bytes; READ: span list bytes */
+    uint64_t a, b;           /* READ: directory row, cache id */
+} adt_hdr;
+
+typedef struct net_job {
+    int kind;                /* 0 receive, 1 send, 2 serve (a send for a peer's READ) */
+    uint64_t key;
+    uint64_t *addr, *len, *ends;
+    size_t n;
+    int64_t *bounds;         /* send: frame boundaries (span indices), nframes + 1 */
+    uint64_t *offsets;       /* send: stream offset at each boundary */
+    size_t nframes, next_frame;
+    uint64_t total, moved;
+    int ready;               /* receive: spans known */
+    volatile int32_t stop;
+    int inflight, done, error, status;
+    int64_t row; uint64_t stamp;  /* serve: the directory entry it reads */
+    struct net_job *next_tx, *next_all;
+} net_job;
+
+typedef struct ctrl_frame { adt_hdr h; uint8_t *payload; size_t plen; struct ctrl_frame *next; } ctrl_frame;
+
+typedef struct adt_net {
+    pthread_mutex_t lock;
+    pthread_cond_t work;     /* senders: frames or control frames to send */
+    pthread_cond_t ready;    /* receivers: a receive job got its spans */
+    int notify_fd;
+    int64_t *dir; size_t dir_rows;    /* this process's cache directory (serving READs); NULL: none */
+    uint64_t frame;
+    int nconns, closed, next_conn;
+    int fds[MAX_CONNS];
+    pthread_t threads[2 * MAX_CONNS];
+    int nthreads;
+    net_job *tx_head, *tx_tail;      /* send and serve jobs with frames left, round-robin */
+    net_job *all;                    /* every live job */
+    ctrl_frame *ctrl_head, *ctrl_tail;
+} adt_net;
+
+static void net_announce(int fd, net_job *j)
+{
+    uint64_t id = (uint64_t)(uintptr_t)j;
+    ssize_t r;
+    do { r = write(fd, &id, sizeof id); } while (r < 0 && errno == EINTR);
+}
+
+/* ---- jobs (under n->lock) ---- */
+
+static net_job *find(adt_net *n, uint64_t key, int kind)
+{
+    for (net_job *j = n->all; j; j = j->next_all)
+        if (j->key == key && j->kind == kind && !j->done) return j;
+    return NULL;
+}
+
+static void unlink_all(adt_net *n, net_job *j)
+{
+    for (net_job **p = &n->all; *p; p = &(*p)->next_all)
+        if (*p == j) { *p = j->next_all; return; }
+}
+
+static void unqueue(adt_net *n, net_job *j)
+{
+    net_job *prev = NULL;
+    for (net_job *p = n->tx_head; p; prev = p, p = p->next_tx)
+        if (p == j) {
+            if (prev) prev->next_tx = p->next_tx; else n->tx_head = p->next_tx;
+            if (n->tx_tail == p) n->tx_tail = prev;
+            p->next_tx = NULL;
+            return;
+        }
+}
+
+static void enqueue(adt_net *n, net_job *j)
+{
+    j->next_tx = NULL;
+    if (n->tx_tail) n->tx_tail->next_tx = j; else n->tx_head = j;
+    n->tx_tail = j;
+    pthread_cond_broadcast(&n->work);
+}
+
+/* Ends the job once nothing runs on it: all bytes moved, or stopped. Returns 1 if it must be announced. */
+static int finish_if_idle(adt_net *n, net_job *j)
+{
+    if (j->done || j->inflight) return 0;
+    int finished;
+    if (j->kind == 0) finished = j->stop || (j->ready && j->moved >= j->total);
+    else finished = j->stop || j->next_frame >= j->nframes;
+    if (!finished) return 0;
+    j->done = 1;
+    unqueue(n, j);
+    unlink_all(n, j);
+    return j->kind != 2;     /* serve jobs belong to the helper, nobody waits for them */
+}
+
+static void end_job(adt_net *n, net_job *j)   /* after finish_if_idle returned 1, outside the lock */
+{
+    if (j->kind == 2) return;
+    net_announce(n->notify_fd, j);
+}
+
+static void free_job(net_job *j)
+{
+    if (!j) return;
+    free(j->addr); free(j->len); free(j->ends); free(j->bounds); free(j->offsets);
+    free(j);
+}
+
+static int copy_spans(net_job *j, const uint64_t *addr, const uint64_t *len, size_t n)
+{
+    j->addr = malloc((n ? n : 1) * sizeof *j->addr);
+    j->len = malloc((n ? n : 1) * sizeof *j->len);
+    if (!j->addr || !j->len) return -1;
+    memcpy(j->addr, addr, n * sizeof *addr);
+    memcpy(j->len, len, n * sizeof *len);
+    j->n = n;
+    return 0;
+}
+
+/* Cut the spans into frames of at most `frame` bytes (splitting spans where needed). */
+static int plan_frames(net_job *j, uint64_t frame)
+{
+    size_t pieces = 0;
+    for (size_t i = 0; i < j->n; i++) pieces += j->len[i] ? (size_t)((j->len[i] + frame - 1) / frame) : 0;
+    uint64_t *addr = malloc((pieces ? pieces : 1) * sizeof *addr), *len = malloc((pieces ? pieces : 1) * sizeof *len);
+    int64_t *bounds = malloc((pieces + 1) * sizeof *bounds);
+    uint64_t *offsets = malloc((pieces + 1) * sizeof *offsets);
+    if (!addr || !len || !bounds || !offsets) { free(addr); free(len); free(bounds); free(offsets); return -1; }
+    size_t k = 0, nb = 1;
+    uint64_t acc = 0, total = 0;
+    bounds[0] = 0; offsets[0] = 0;
+    for (size_t i = 0; i < j->n; i++) {
+        uint64_t a = j->addr[i], l = j->len[i];
+        while (l > 0) {
+            uint64_t take = frame - acc < l ? frame - acc : l;
+            addr[k] = a; len[k] = take; k++;
+            a += take; l -= take; acc += take; total += take;
+            if (acc == frame) { bounds[nb] = (int64_t)k; offsets[nb] = total; nb++; acc = 0; }
+        }
+    }
+    if (bounds[nb - 1] != (int64_t)k) { bounds[nb] = (int64_t)k; offsets[nb] = total; nb++; }
+    free(j->addr); free(j->len);
+    j->addr = addr; j->len = len; j->n = k;
+    j->bounds = bounds; j->offsets = offsets; j->nframes = nb - 1; j->total = total;
+    return 0;
+}
+
+static void queue_ctrl(adt_net *n, uint32_t type, uint64_t key, uint64_t offset, uint8_t *payload, size_t plen,
+                       uint64_t a, uint64_t b)
+{
+    ctrl_frame *f = calloc(1, sizeof *f);
+    if (!f) { free(payload); return; }
+    f->h.magic = NET_MAGIC; f->h.type = type; f->h.key = key; f->h.offset = offset; f->h.length = plen;
+    f->h.a = a; f->h.b = b;
+    f->payload = payload; f->plen = plen;
+    if (n->ctrl_tail) n->ctrl_tail->next = f; else n->ctrl_head = f;
+    n->ctrl_tail = f;
+    pthread_cond_broadcast(&n->work);
+}
+
+/* ---- directory (owner side) ---- */
+
+/* Take a reference on a live directory row for reading its memory; 0 if the stamp no longer matches. */
+static int dir_enter(adt_net *n, int64_t row, uint64_t stamp)
+{
+    if (!n->dir || row < 0 || (size_t)row >= n->dir_rows) return 0;
+    int64_t *w = n->dir + row * DIR_WORDS;
+    __atomic_add_fetch(&w[6], 1, __ATOMIC_SEQ_CST);
+    if ((uint64_t)__atomic_load_n(&w[0], __ATOMIC_SEQ_CST) != stamp) {
+        __atomic_sub_fetch(&w[6], 1, __ATOMIC_SEQ_CST);
+        return 0;
+    }
+    return 1;
+}
+
+static void dir_leave(adt_net *n, int64_t row) { __atomic_sub_fetch(&n->dir[row * DIR_WORDS + 6], 1, __ATOMIC_SEQ_CST); }
+
+/* Owner side: a row's cache is released; returns once no serving thread reads its memory any more. */
+void adt_dir_withdraw(int64_t *words, int64_t row)
+{
+    int64_t *w = words + row * DIR_WORDS;
+    __atomic_store_n(&w[0], 0, __ATOMIC_SEQ_CST);
+    while (__atomic_load_n(&w[6], __ATOMIC_SEQ_CST) > 0) usleep(50);
+}
+
+/* ---- I/O threads ---- */
+
+static int read_exact(int fd, void *buf, size_t len)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t r = recv(fd, (char *)buf + got, len - got, MSG_WAITALL);
+        if (r == 0) return ECONNRESET;
+        if (r < 0) { if (errno == EINTR) continue; return errno ? errno : EIO; }
+        got += (size_t)r;
+    }
+    return 0;
+}
+
+static void broken(adt_net *n)   /* a connection failed: every job fails (under the lock) */
+{
+    if (n->closed) return;
+    n->closed = 1;
+    for (net_job *j = n->all; j; j = j->next_all) {
+        j->stop = 1;
+        if (!j->error) j->error = ECONNRESET;
+        j->ready = 1;
+    }
+    for (int i = 0; i < n->nconns; i++) shutdown(n->fds[i], SHUT_RDWR);
+    pthread_cond_broadcast(&n->work);
+    pthread_cond_broadcast(&n->ready);
+}
+
+static void finish_all_idle(adt_net *n)   /* under the lock: announce jobs that can end (after broken()) */
+{
+    net_job *j = n->all;
+    while (j) {
+        net_job *next = j->next_all;
+        if (finish_if_idle(n, j) && j->kind != 2) net_announce(n->notify_fd, j);
+        else if (j->done && j->kind == 2) free_job(j);
+        j = next;
+    }
+}
+
+/* A READ's payload: the model id the cache must still answer to (-1: any), a reserved word, then the spans. */
+static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload)   /* under the lock; 0 or a status */
+{
+    size_t count = (size_t)(h->length / 16) - 1;
+    uint64_t *spans = payload + 2;
+    int64_t row = (int64_t)h->a, model = (int64_t)payload[0];
+    if (!n->dir || row < 0 || (size_t)row >= n->dir_rows) return 1;
+    int64_t *w = n->dir + row * DIR_WORDS;
+    if ((uint64_t)w[0] != h->offset || (uint64_t)w[1] != h->b || h->offset == 0) return 1;
+    if (model != -1 && w[2] != model) return 1;
+    uint64_t base = (uint64_t)w[4], size = (uint64_t)w[5];
+    net_job *j = calloc(1, sizeof *j);
+    if (!j) return 2;
+    j->addr = malloc((count ? count : 1) * sizeof *j->addr);
+    j->len = malloc((count ? count : 1) * sizeof *j->len);
+    if (!j->addr || !j->len) { free_job(j); return 2; }
+    for (size_t i = 0; i < count; i++) {
+        uint64_t a = spans[2 * i], l = spans[2 * i + 1];
+        if (a < base || l > size || a - base > size - l) { free_job(j); return 3; }  /* outside the cache */
+        j->addr[i] = a; j->len[i] = l;
+    }
+    j->n = count; j->kind = 2; j->key = h->key; j->row = row; j->stamp = h->offset;
+    if (plan_frames(j, n->frame)) { free_job(j); return 2; }
+    j->next_all = n->all; n->all = j;
+    if (j->nframes) enqueue(n, j); else { j->done = 1; unlink_all(n, j); free_job(j); }
+    return 0;
+}
+
+typedef struct { adt_net *n; int fd; } conn_arg;
+
+static void *receiver(void *arg)
+{
+    conn_arg *c = (conn_arg *)arg;
+    adt_net *n = c->n;
+    int fd = c->fd;
+    free(c);
+    uint8_t *scratch = malloc(SCRATCH);
+    static const volatile int32_t always = 1;
+    adt_hdr h;
+    for (;;) {
+        int err = scratch ? read_exact(fd, &h, sizeof h) : ENOMEM;
+        if (!err && h.magic != NET_MAGIC) err = EPROTO;
+        if (err) break;
+        if (h.type == T_DATA) {
+            pthread_mutex_lock(&n->lock);
+            net_job *j = find(n, h.key, 0);
+            if (j) j->inflight++;
+            while (j && !j->ready) pthread_cond_wait(&n->ready, &n->lock);
+            pthread_mutex_unlock(&n->lock);
+            long got = j ? adt_recv_frame(fd, j->addr, j->len, j->ends, j->n, h.offset, h.length, &j->stop, scratch,
+                                          SCRATCH)
+                         : adt_recv_frame(fd, NULL, NULL, NULL, 0, h.offset, h.length, &always, scratch, SCRATCH);
+            if (!j) { if (got < 0) break; continue; }
+            pthread_mutex_lock(&n->lock);
+            j->inflight--;
+            if (got < 0) { pthread_mutex_unlock(&n->lock); err = (int)-got; break; }
+            if (!j->stop) {
+                if ((uint64_t)got != h.length) { j->error = EPROTO; j->stop = 1; }
+                j->moved += (uint64_t)got;
+            }
+            int ann = finish_if_idle(n, j);
+            pthread_mutex_unlock(&n->lock);
+            if (ann) end_job(n, j);
+        } else if (h.type == T_READ) {
+            if (h.length % 16 || h.length < 16 || h.length / 16 > MAX_READ_SPANS) break;
+            uint64_t *spans = malloc(h.length ? h.length : 1);
+            if (!spans || read_exact(fd, spans, (size_t)h.length)) { free(spans); break; }
+            pthread_mutex_lock(&n->lock);
+            int status = serve_read(n, &h, spans);
+            if (status) queue_ctrl(n, T_ERROR, h.key, (uint64_t)status, NULL, 0, 0, 0);
+            pthread_mutex_unlock(&n->lock);
+            free(spans);
+        } else if (h.type == T_ERROR || h.type == T_ABORT) {
+            pthread_mutex_lock(&n->lock);
+            net_job *j = find(n, h.key, h.type == T_ERROR ? 0 : 2);
+            int ann = 0;
+            if (j) {
+                if (h.type == T_ERROR && !j->status) j->status = (int)h.offset;
+                j->stop = 1;
+                j->ready = 1;
+                j->next_frame = j->nframes;
+                unqueue(n, j);
+                ann = finish_if_idle(n, j);
+                if (j->done && j->kind == 2) free_job(j);
+            }
+            pthread_cond_broadcast(&n->ready);
+            pthread_mutex_unlock(&n->lock);
+            if (ann) end_job(n, j);
+        } else {
+            break;
+        }
+    }
+    pthread_mutex_lock(&n->lock);
+    broken(n);
+    finish_all_idle(n);
+    pthread_mutex_unlock(&n->lock);
+    free(scratch);
+    return NULL;
+}
+
+static void *sender(void *arg)
+{
+    conn_arg *c = (conn_arg *)arg;
+    adt_net *n = c->n;
+    int fd = c->fd;
+    free(c);
+    for (;;) {
+        pthread_mutex_lock(&n->lock);
+        while (!n->closed && !n->ctrl_head && !n->tx_head) pthread_cond_wait(&n->work, &n->lock);
+        if (n->closed) { pthread_mutex_unlock(&n->lock); break; }
+        ctrl_frame *f = n->ctrl_head;
+        if (f) {   /* control frames first: they are small and others wait for them */
+            n->ctrl_head = f->next;
+            if (!n->ctrl_head) n->ctrl_tail = NULL;
+            pthread_mutex_unlock(&n->lock);
+            uint64_t a = (uint64_t)(uintptr_t)f->payload, l = f->plen;
+            int err = adt_send_frame(fd, (const uint8_t *)&f->h, sizeof f->h, &a, &l, 0, f->plen ? 1 : 0);
+            free(f->payload);
+            free(f);
+            if (err) { pthread_mutex_lock(&n->lock); broken(n); finish_all_idle(n); pthread_mutex_unlock(&n->lock); break; }
+            continue;
+        }
+        net_job *j = n->tx_head;
+        n->tx_head = j->next_tx;
+        if (!n->tx_head) n->tx_tail = NULL;
+        j->next_tx = NULL;
+        size_t frame = j->next_frame++;
+        if (j->next_frame < j->nframes) enqueue(n, j);   /* round-robin: the next frame is another job's */
+        j->inflight++;
+        pthread_mutex_unlock(&n->lock);
+
+        int err = 0, gone = 0;
+        if (j->kind == 2 && !dir_enter(n, j->row, j->stamp)) gone = 1;   /* released meanwhile */
+        if (!gone) {
+            adt_hdr h = {NET_MAGIC, T_DATA, j->key, j->offsets[frame], j->offsets[frame + 1] - j->offsets[frame], 0, 0};
+            err = adt_send_frame(fd, (const uint8_t *)&h, sizeof h, j->addr, j->len, j->bounds[frame],
+                                 j->bounds[frame + 1]);
+            if (j->kind == 2) dir_leave(n, j->row);
+        }
+        pthread_mutex_lock(&n->lock);
+        j->inflight--;
+        if (gone && !j->stop) {
+            j->stop = 1;
+            j->next_frame = j->nframes;
+            unqueue(n, j);
+            queue_ctrl(n, T_ERROR, j->key, 1, NULL, 0, 0, 0);
+        }
+        if (!err && !gone) j->moved += j->offsets[frame + 1] - j->offsets[frame];
+        if (err) { if (!j->error) j->error = err; broken(n); }
+        int ann = finish_if_idle(n, j);
+        if (j->done && j->kind == 2) { free_job(j); j = NULL; }
+        if (err) finish_all_idle(n);
+        pthread_mutex_unlock(&n->lock);
+        if (ann && j) end_job(n, j);
+        if (err) break;
+    }
+    return NULL;
+}
+
+/* ---- API (called through ctypes) ---- */
+
+void *adt_net_new(int notify_fd, int64_t *dir, size_t dir_rows, uint64_t frame)
+{
+    adt_net *n = calloc(1, sizeof *n);
+    if (!n) return NULL;
+    pthread_mutex_init(&n->lock, NULL);
+    pthread_cond_init(&n->work, NULL);
+    pthread_cond_init(&n->ready, NULL);
+    n->notify_fd = notify_fd; n->dir = dir; n->dir_rows = dir_rows; n->frame = frame ? frame : (4u << 20);
+    return n;
+}
+
+/* Adopt a connected blocking socket: start its receiver and sender threads.  0 or errno. */
+int adt_net_attach(void *net, int fd)
+{
+    adt_net *n = (adt_net *)net;
+    pthread_mutex_lock(&n->lock);
+    if (n->closed || n->nconns >= MAX_CONNS) { pthread_mutex_unlock(&n->lock); return EINVAL; }
+    n->fds[n->nconns++] = fd;
+    for (int role = 0; role < 2; role++) {
+        conn_arg *c = malloc(sizeof *c);
+        if (!c) { pthread_mutex_unlock(&n->lock); return ENOMEM; }
+        c->n = n; c->fd = fd;
+        if (pthread_create(&n->threads[n->nthreads], NULL, role ? sender : receiver, c) != 0) {
+            free(c);
+            pthread_mutex_unlock(&n->lock);
+            return EAGAIN;
+        }
+        n->nthreads++;
+    }
+    pthread_mutex_unlock(&n->lock);
+    return 0;
+}
+
+static net_job *new_job(int kind, uint64_t key)
+{
+    net_job *j = calloc(1, sizeof *j);
+    if (j) { j->kind = kind; j->key = key; j->row = -1; }
+    return j;
+}
+
+/* Two-sided send: the spans' bytes as transfer `key` (copied arrays). */
+void *adt_net_send(void *net, uint64_t key, const uint64_t *addr, const uint64_t *len, size_t count)
+{
+    adt_net *n = (adt_net *)net;
+    net_job *j = new_job(1, key);
+    if (!j || copy_spans(j, addr, len, count) || plan_frames(j, n->frame)) { free_job(j); return NULL; }
+    pthread_mutex_lock(&n->lock);
+    j->next_all = n->all; n->all = j;
+    if (n->closed) { j->stop = 1; j->error = ECONNRESET; }
+    else if (j->nframes) enqueue(n, j);
+    int ann = finish_if_idle(n, j);
+    pthread_mutex_unlock(&n->lock);
+    if (ann) end_job(n, j);
+    return j;
+}
+
+/* Register the receiving end of `key`; DATA frames for it wait for adt_net_set_destination. */
+void *adt_net_receive(void *net, uint64_t key)
+{
+    adt_net *n = (adt_net *)net;
+    net_job *j = new_job(0, key);
+    if (!j) return NULL;
+    pthread_mutex_lock(&n->lock);
+    j->next_all = n->all; n->all = j;
+    if (n->closed) { j->stop = 1; j->error = ECONNRESET; j->ready = 1; }
+    int ann = finish_if_idle(n, j);
+    pthread_mutex_unlock(&n->lock);
+    if (ann) end_job(n, j);
+    return j;
+}
+
+int adt_net_set_destination(void *net, void *job, const uint64_t *addr, const uint64_t *len, size_t count)
+{
+    adt_net *n = (adt_net *)net;
+    net_job *j = (net_job *)job;
+    uint64_t *a = malloc((count ? count : 1) * 8), *l = malloc((count ? count : 1) * 8), *e = malloc((count ? count : 1) * 8);
+    if (!a || !l || !e) { free(a); free(l); free(e); return ENOMEM; }
+    uint64_t total = 0;
+    for (size_t i = 0; i < count; i++) { a[i] = addr[i]; l[i] = len[i]; total += len[i]; e[i] = total; }
+    pthread_mutex_lock(&n->lock);
+    if (!j->ready) {
+        j->addr = a; j->len = l; j->ends = e; j->n = count; j->total = total; j->ready = 1;
+        a = l = e = NULL;
+    }
+    int ann = finish_if_idle(n, j);
+    pthread_cond_broadcast(&n->ready);
+    pthread_mutex_unlock(&n->lock);
+    free(a); free(l); free(e);
+    if (ann) end_job(n, j);
+    return 0;
+}
+
+/* One-sided pull: receive into the local spans what the owner's directory row (row, stamp, cache id) holds at
+ * the remote spans (and still answers to `model_id`, unless -1).  The owner answers with DATA frames, or an
+ * ERROR frame (status 1: released, unknown or re-keyed, 3: outside the cache). */
+void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
+                   const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
+                   const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal)
+{
+    adt_net *n = (adt_net *)net;
+    uint8_t *list = calloc(nremote + 1, 16);
+    if (!list) return NULL;
+    memcpy(list, &model_id, 8);
+    for (size_t i = 0; i < nremote; i++) {
+        memcpy(list + 16 * (i + 1), &remote_addr[i], 8);
+        memcpy(list + 16 * (i + 1) + 8, &remote_len[i], 8);
+    }
+    net_job *j = (net_job *)adt_net_receive(net, key);
+    if (!j) { free(list); return NULL; }
+    if (adt_net_set_destination(net, j, local_addr, local_len, nlocal)) { free(list); return j; }
+    pthread_mutex_lock(&n->lock);
+    if (!j->done) queue_ctrl(n, T_READ, key, stamp, list, (nremote + 1) * 16, (uint64_t)row, cache_id);
+    else free(list);
+    pthread_mutex_unlock(&n->lock);
+    return j;
+}
+
+/* Stop a job: no new frame is sent or written (a receiver finishes at most one piece).  A stopped one-sided
+ * read also tells the owner to stop serving it. */
+void adt_net_cancel(void *net, void *job, int tell_peer)
+{
+    adt_net *n = (adt_net *)net;
+    net_job *j = (net_job *)job;
+    pthread_mutex_lock(&n->lock);
+    if (!j->done) {
+        j->stop = 1;
+        j->ready = 1;
+        j->next_frame = j->nframes;
+        unqueue(n, j);
+        if (tell_peer && !n->closed) queue_ctrl(n, T_ABORT, j->key, 0, NULL, 0, 0, 0);
+    }
+    int ann = finish_if_idle(n, j);
+    pthread_cond_broadcast(&n->ready);
+    pthread_mutex_unlock(&n->lock);
+    if (ann) end_job(n, j);
+}
+
+/* 0 running; 1 complete; 2 stopped.  *error: errno of a failed connection; *status: the owner's ERROR code. */
+int adt_net_job_state(void *net, void *job, int *error, int *status)
+{
+    adt_net *n = (adt_net *)net;
+    net_job *j = (net_job *)job;
+    pthread_mutex_lock(&n->lock);
+    int done = j->done, stop = j->stop;
+    *error = j->error;
+    *status = j->status;
+    pthread_mutex_unlock(&n->lock);
+    if (!done) return 0;
+    return stop ? 2 : 1;
+}
+
+void adt_net_job_free(void *job) { free_job((net_job *)job); }
+
+int adt_net_connections(void *net) { return ((adt_net *)net)->nconns; }
+
+/* Shut every connection down and fail the jobs; the threads end on their own (adt_net_join waits). */
+void adt_net_close(void *net)
+{
+    adt_net *n = (adt_net *)net;
+    pthread_mutex_lock(&n->lock);
+    broken(n);
+    finish_all_idle(n);
+    pthread_mutex_unlock(&n->lock);
+}
+
+/* Join the threads (after adt_net_close), close the sockets and free the link (jobs must be freed already). */
+void adt_net_free(void *net)
+{
+    adt_net *n = (adt_net *)net;
+    for (int i = 0; i < n->nthreads; i++) pthread_join(n->threads[i], NULL);
+    for (int i = 0; i < n->nconns; i++) close(n->fds[i]);
+    while (n->ctrl_head) { ctrl_frame *f = n->ctrl_head; n->ctrl_head = f->next; free(f->payload); free(f); }
+    pthread_cond_destroy(&n->work);
+    pthread_cond_destroy(&n->ready);
+    pthread_mutex_destroy(&n->lock);
+    free(n);
+}

@@ -1,0 +1,81 @@
+"""The machine's own limits, measured in the benchmark's run: a memory copy and a plain TCP stream.
+
+* ``copyto_gbps``: one ``np.copyto`` of N contiguous, pre-faulted bytes in this process (same host).
+* ``socket_stream_gbps``: N bytes from one process to another over a plain loopback TCP connection, ``sendall``
+  from one contiguous buffer into ``recv_into`` of another (the best a TCP data plane can do between two
+  processes on this machine).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["copyto_gbps", "socket_stream_gbps"]
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def copyto_gbps(nbytes: int, repeat: int) -> float:
+    """Median GB/s of ``np.copyto`` of ``nbytes`` contiguous bytes (pre-faulted arrays)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return _gbps(nbytes, statistics.median(times))
+
+
+def _stream_sender(port: int, nbytes: int, rounds: int) -> None:
+    data = np.ones(nbytes, dtype=np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        view = data.data
+        for _ in range(rounds):
+            if sock.recv(1) != b"g":
+                return
+            sock.sendall(view)
+
+
+def socket_stream_gbps(nbytes: int, repeat: int) -> float:
+    """Median GB/s of ``nbytes`` sent over a plain loopback TCP connection from another process."""
+    ctx: Any = multiprocessing.get_context("spawn")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        child = ctx.Process(target=_stream_sender, args=(listener.getsockname()[1], nbytes, repeat + 1), daemon=True)
+        child.start()
+        try:
+            listener.settimeout(60)
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(60)
+                buf = np.zeros(nbytes, dtype=np.uint8)
+                view = buf.data
+                times = []
+                for i in range(repeat + 1):  # the first round warms the connection up
+                    start = time.perf_counter()
+                    conn.sendall(b"g")
+                    got = 0
+                    while got < nbytes:
+                        n = conn.recv_into(view[got:], nbytes - got)
+                        if not n:
+                            raise RuntimeError("the stream baseline's sender went away")
+                        got += n
+                    if i:
+                        times.append(time.perf_counter() - start)
+        finally:
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+    return _gbps(nbytes, statistics.median(times))

@@ -1,0 +1,209 @@
+"""The TCP data plane on the native helper (``_net.c``): I/O threads that never take the GIL, and one-sided reads.
+
+Same interface as :class:`~aiodatadist.tcp_plane.PythonDataPlane` (``send``/``receive``/``set_destination``/
+``cancel``/``wait``/``aclose``), plus :meth:`NativeDataPlane.read`: a pull by an already-resolved key that the
+owner's native threads serve straight from its cache directory, without its event loop and without a
+control-plane round trip.  Job ends arrive through a pipe watched by the event loop, as for the copy pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import LLMException, LLMLinkError, LLMStatusCode
+from .native import native_pool
+from .tcp_plane import FRAME_BYTES, PULL, TransferJob
+
+__all__ = ["NativeDataPlane"]
+
+UInt64Array = npt.NDArray[np.uint64]
+S = LLMStatusCode
+_OWNER_STATUS = {1: S.LLM_KV_CACHE_NOT_EXIST, 2: S.LLM_OUT_OF_MEMORY, 3: S.LLM_PARAM_INVALID}
+
+
+def _u64(values: Any) -> UInt64Array:
+    return np.ascontiguousarray(values, dtype=np.uint64)
+
+
+class NativeDataPlane:
+    """One link's data connections, served by the helper's threads."""
+
+    serves_reads = True
+
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop, on_broken: Callable[[LLMException], None],
+                 directory: tuple[int, int] | None) -> None:
+        lib = native_pool()
+        if lib is None:
+            raise RuntimeError("the native helper is not built")
+        self._lib = lib
+        self.name = name
+        self._loop = loop
+        self._on_broken = on_broken
+        self._read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self._read_fd, False)
+        address, rows = directory or (0, 0)
+        self._net: int | None = lib.adt_net_new(self._write_fd, address or None, rows, FRAME_BYTES)
+        if not self._net:
+            os.close(self._read_fd)
+            os.close(self._write_fd)
+            raise LLMException("cannot create the TCP data plane", status_code=S.LLM_OUT_OF_MEMORY)
+        self._jobs: dict[int, TransferJob] = {}
+        self.closed: LLMException | None = None
+        loop.add_reader(self._read_fd, self._on_ready)
+
+    @property
+    def connections(self) -> int:
+        return int(self._lib.adt_net_connections(self._net)) if self._net else 0
+
+    def attach(self, sock: socket.socket) -> None:
+        """Hand a connected socket to the helper's threads (this plane owns its descriptor from now on)."""
+        sock.setblocking(True)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.closed is not None or self._net is None:
+            sock.close()
+            return
+        fd = sock.detach()
+        err = self._lib.adt_net_attach(self._net, fd)
+        if err:
+            os.close(fd)
+            raise LLMLinkError(f"cannot start the data connection's threads: {os.strerror(err)}")
+
+    # -- jobs ------------------------------------------------------------------------------------------------
+    def _track(self, kind: str, flag: int, tid: int, handle: int | None) -> TransferJob:
+        if not handle:
+            raise LLMException("cannot start a TCP transfer: out of memory", status_code=S.LLM_OUT_OF_MEMORY)
+        job = TransferJob(kind, flag, tid, self._loop)
+        job.handle = handle
+        self._jobs[handle] = job
+        return job
+
+    def _check_open(self) -> None:
+        if self.closed is not None:
+            raise self.closed
+
+    def send(self, flag: int, tid: int, addr: UInt64Array, length: UInt64Array) -> TransferJob:
+        """Send the spans' bytes (in order) as transfer ``(flag, tid)``."""
+        self._check_open()
+        addr, length = _u64(addr), _u64(length)
+        return self._track("send", flag, tid, self._lib.adt_net_send(
+            self._net, flag << 63 | tid, addr.ctypes.data, length.ctypes.data, len(addr)))
+
+    def receive(self, flag: int, tid: int) -> TransferJob:
+        """Register the receiving end of ``(flag, tid)``; its frames wait for :meth:`set_destination`."""
+        self._check_open()
+        return self._track("receive", flag, tid, self._lib.adt_net_receive(self._net, flag << 63 | tid))
+
+    def set_destination(self, job: TransferJob, addr: UInt64Array, length: UInt64Array) -> None:
+        addr, length = _u64(addr), _u64(length)
+        if job.handle is not None and self._lib.adt_net_set_destination(
+                self._net, job.handle, addr.ctypes.data, length.ctypes.data, len(addr)):
+            raise LLMException("cannot start a TCP transfer: out of memory", status_code=S.LLM_OUT_OF_MEMORY)
+
+    def read(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None,
+             remote: tuple[UInt64Array, UInt64Array], local: tuple[UInt64Array, UInt64Array]) -> TransferJob:
+        """One-sided pull: the owner's directory row ``(row, stamp, cache_id)`` (still answering to ``model_id``,
+        if given) holds ``remote`` spans; they land in the ``local`` spans.  Fails with the owner's status if the
+        cache was released or re-keyed, or a span is outside it."""
+        self._check_open()
+        ra, rl = _u64(remote[0]), _u64(remote[1])
+        la, ll = _u64(local[0]), _u64(local[1])
+        return self._track("receive", PULL, tid, self._lib.adt_net_read(
+            self._net, PULL << 63 | tid, row, stamp, cache_id, -1 if model_id is None else model_id,
+            ra.ctypes.data, rl.ctypes.data, len(ra),
+            la.ctypes.data, ll.ctypes.data, len(la)))
+
+    def cancel(self, job: TransferJob, error: BaseException | None = None) -> None:
+        """Stop a job (a one-sided read also tells the owner to stop serving it)."""
+        if error is not None and job.error is None:
+            job.error = error
+        if job.handle is not None and self._net is not None:
+            self._lib.adt_net_cancel(self._net, job.handle, 1)
+
+    async def wait(self, job: TransferJob) -> None:
+        """Await a job; if the caller is cancelled, stop the job and return only once no thread touches it."""
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            self.cancel(job)
+            await self.wait_stopped(job)
+            raise
+
+    async def wait_stopped(self, job: TransferJob) -> None:
+        """Wait, through further cancellations, until no thread touches the job's memory."""
+        cancelled = False
+        while not job.future.done():
+            try:
+                await asyncio.shield(job.future)
+            except asyncio.CancelledError:
+                cancelled = True
+            except LLMException:
+                break
+        if not job.future.cancelled():
+            job.future.exception()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    # -- completion ------------------------------------------------------------------------------------------
+    def _on_ready(self) -> None:
+        try:
+            data = os.read(self._read_fd, 8 * 4096)
+        except BlockingIOError:
+            return
+        for handle in np.frombuffer(data[: len(data) - len(data) % 8], dtype=np.uint64).tolist():
+            job = self._jobs.pop(handle, None)
+            if job is not None:
+                self._finish(job)
+
+    def _finish(self, job: TransferJob) -> None:
+        err, status = ctypes.c_int(0), ctypes.c_int(0)
+        state = self._lib.adt_net_job_state(self._net, job.handle, ctypes.byref(err), ctypes.byref(status))
+        self._lib.adt_net_job_free(job.handle)
+        job.handle = None
+        job.done = True
+        if job.error is None:
+            if status.value:
+                code = _OWNER_STATUS.get(status.value, S.LLM_FAILED)
+                job.error = LLMException(f"the owner refused transfer {job.key & (2**63 - 1)} ({code.name})",
+                                         status_code=code)
+            elif err.value:
+                job.error = LLMLinkError(f"data connection of link {self.name} failed: {os.strerror(err.value)}")
+                if self.closed is None:
+                    self._broken(job.error)
+            elif state == 2:
+                job.error = LLMException("the transfer was stopped", status_code=S.LLM_FAILED)
+        if job.error is not None:
+            job.future.set_exception(job.error)
+        else:
+            job.future.set_result(None)
+
+    def _broken(self, error: LLMException) -> None:
+        self.closed = error
+        self._on_broken(error)
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    async def aclose(self, error: LLMException) -> None:
+        """Fail every job, end the threads and free the helper's state (no thread touches memory afterwards)."""
+        if self._net is None:
+            return
+        if self.closed is None:
+            self.closed = error
+        for job in self._jobs.values():
+            if job.error is None:
+                job.error = error
+        self._lib.adt_net_close(self._net)
+        for job in list(self._jobs.values()):
+            await self.wait_stopped(job)
+        net, self._net = self._net, None
+        await asyncio.to_thread(self._lib.adt_net_free, net)
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._read_fd)
+        os.close(self._read_fd)
+        os.close(self._write_fd)
