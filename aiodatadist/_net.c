@@ -73,6 +73,7 @@ typedef struct adt_net {
     uint64_t frame;
     int nconns, closed, next_conn;
     int fds[MAX_CONNS];
+    pthread_mutex_t send_lock[MAX_CONNS];   /* one writer per connection: its sender thread, or an inline READ */
     pthread_t threads[2 * MAX_CONNS];
     int nthreads;
     net_job *tx_head, *tx_tail;      /* send and serve jobs with frames left, round-robin */
@@ -160,9 +161,18 @@ static int copy_spans(net_job *j, const uint64_t *addr, const uint64_t *len, siz
     return 0;
 }
 
-/* Cut the spans into frames of at most `frame` bytes (splitting spans where needed). */
-static int plan_frames(net_job *j, uint64_t frame)
+/* Cut the spans into frames of at most `frame` bytes (splitting spans where needed).  A transfer smaller than
+ * one frame per connection is cut into one frame per connection (at least MIN_FRAME), so that every connection
+ * (and so every core) carries a share of it. */
+#define MIN_FRAME (256u << 10)
+static int plan_frames(net_job *j, uint64_t frame, int nconns)
 {
+    uint64_t total = 0;
+    for (size_t i = 0; i < j->n; i++) total += j->len[i];
+    if (nconns > 1 && total < frame * (uint64_t)nconns) {
+        uint64_t share = (total + (uint64_t)nconns - 1) / (uint64_t)nconns;
+        frame = share > MIN_FRAME ? share : MIN_FRAME;
+    }
     size_t pieces = 0;
     for (size_t i = 0; i < j->n; i++) pieces += j->len[i] ? (size_t)((j->len[i] + frame - 1) / frame) : 0;
     uint64_t *addr = malloc((pieces ? pieces : 1) * sizeof *addr), *len = malloc((pieces ? pieces : 1) * sizeof *len);
@@ -170,7 +180,8 @@ static int plan_frames(net_job *j, uint64_t frame)
     uint64_t *offsets = malloc((pieces + 1) * sizeof *offsets);
     if (!addr || !len || !bounds || !offsets) { free(addr); free(len); free(bounds); free(offsets); return -1; }
     size_t k = 0, nb = 1;
-    uint64_t acc = 0, total = 0;
+    uint64_t acc = 0;
+    total = 0;
     bounds[0] = 0; offsets[0] = 0;
     for (size_t i = 0; i < j->n; i++) {
         uint64_t a = j->addr[i], l = j->len[i];
@@ -287,13 +298,13 @@ static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload)   /* unde
         j->addr[i] = a; j->len[i] = l;
     }
     j->n = count; j->kind = 2; j->key = h->key; j->row = row; j->stamp = h->offset;
-    if (plan_frames(j, n->frame)) { free_job(j); return 2; }
+    if (plan_frames(j, n->frame, n->nconns)) { free_job(j); return 2; }
     j->next_all = n->all; n->all = j;
     if (j->nframes) enqueue(n, j); else { j->done = 1; unlink_all(n, j); free_job(j); }
     return 0;
 }
 
-typedef struct { adt_net *n; int fd; } conn_arg;
+typedef struct { adt_net *n; int fd, index; } conn_arg;
 
 static void *receiver(void *arg)
 {
@@ -370,6 +381,7 @@ static void *sender(void *arg)
     conn_arg *c = (conn_arg *)arg;
     adt_net *n = c->n;
     int fd = c->fd;
+    pthread_mutex_t *send_lock = &n->send_lock[c->index];
     free(c);
     for (;;) {
         pthread_mutex_lock(&n->lock);
@@ -381,7 +393,9 @@ static void *sender(void *arg)
             if (!n->ctrl_head) n->ctrl_tail = NULL;
             pthread_mutex_unlock(&n->lock);
             uint64_t a = (uint64_t)(uintptr_t)f->payload, l = f->plen;
+            pthread_mutex_lock(send_lock);
             int err = adt_send_frame(fd, (const uint8_t *)&f->h, sizeof f->h, &a, &l, 0, f->plen ? 1 : 0);
+            pthread_mutex_unlock(send_lock);
             free(f->payload);
             free(f);
             if (err) { pthread_mutex_lock(&n->lock); broken(n); finish_all_idle(n); pthread_mutex_unlock(&n->lock); break; }
@@ -400,8 +414,10 @@ static void *sender(void *arg)
         if (j->kind == 2 && !dir_enter(n, j->row, j->stamp)) gone = 1;   /* released meanwhile */
         if (!gone) {
             adt_hdr h = {NET_MAGIC, T_DATA, j->key, j->offsets[frame], j->offsets[frame + 1] - j->offsets[frame], 0, 0};
+            pthread_mutex_lock(send_lock);
             err = adt_send_frame(fd, (const uint8_t *)&h, sizeof h, j->addr, j->len, j->bounds[frame],
                                  j->bounds[frame + 1]);
+            pthread_mutex_unlock(send_lock);
             if (j->kind == 2) dir_leave(n, j->row);
         }
         pthread_mutex_lock(&n->lock);
@@ -424,6 +440,29 @@ static void *sender(void *arg)
     return NULL;
 }
 
+/* Send a small frame without blocking: 0 sent, -1 the socket buffer is full (nothing sent), or an errno.  A
+ * partial write (the buffer filled up mid-frame, which needs a nearly full buffer) is completed blocking. */
+static int send_small(int fd, const adt_hdr *h, const uint8_t *payload, size_t plen)
+{
+    struct iovec iov[2] = {{(void *)h, sizeof *h}, {(void *)payload, plen}};
+    struct msghdr m;
+    memset(&m, 0, sizeof m);
+    m.msg_iov = iov;
+    m.msg_iovlen = 2;
+    ssize_t w;
+    do { w = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT); } while (w < 0 && errno == EINTR);
+    if (w < 0) return errno == EAGAIN || errno == EWOULDBLOCK ? -1 : (errno ? errno : EIO);
+    size_t sent = (size_t)w;
+    if (sent == sizeof *h + plen) return 0;
+    uint64_t a, l;
+    if (sent < sizeof *h) {
+        a = (uint64_t)(uintptr_t)payload; l = plen;
+        return adt_send_frame(fd, (const uint8_t *)h + sent, sizeof *h - sent, &a, &l, 0, plen ? 1 : 0);
+    }
+    a = (uint64_t)(uintptr_t)(payload + (sent - sizeof *h)); l = plen - (sent - sizeof *h);
+    return adt_send_frame(fd, NULL, 0, &a, &l, 0, 1);
+}
+
 /* ---- API (called through ctypes) ---- */
 
 void *adt_net_new(int notify_fd, int64_t *dir, size_t dir_rows, uint64_t frame)
@@ -434,6 +473,7 @@ void *adt_net_new(int notify_fd, int64_t *dir, size_t dir_rows, uint64_t frame)
     pthread_cond_init(&n->work, NULL);
     pthread_cond_init(&n->ready, NULL);
     n->notify_fd = notify_fd; n->dir = dir; n->dir_rows = dir_rows; n->frame = frame ? frame : (4u << 20);
+    for (int i = 0; i < MAX_CONNS; i++) pthread_mutex_init(&n->send_lock[i], NULL);
     return n;
 }
 
@@ -447,7 +487,7 @@ int adt_net_attach(void *net, int fd)
     for (int role = 0; role < 2; role++) {
         conn_arg *c = malloc(sizeof *c);
         if (!c) { pthread_mutex_unlock(&n->lock); return ENOMEM; }
-        c->n = n; c->fd = fd;
+        c->n = n; c->fd = fd; c->index = n->nconns - 1;
         if (pthread_create(&n->threads[n->nthreads], NULL, role ? sender : receiver, c) != 0) {
             free(c);
             pthread_mutex_unlock(&n->lock);
@@ -471,7 +511,7 @@ void *adt_net_send(void *net, uint64_t key, const uint64_t *addr, const uint64_t
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
-    if (!j || copy_spans(j, addr, len, count) || plan_frames(j, n->frame)) { free_job(j); return NULL; }
+    if (!j || copy_spans(j, addr, len, count) || plan_frames(j, n->frame, n->nconns)) { free_job(j); return NULL; }
     pthread_mutex_lock(&n->lock);
     j->next_all = n->all; n->all = j;
     if (n->closed) { j->stop = 1; j->error = ECONNRESET; }
@@ -536,8 +576,22 @@ void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_
     net_job *j = (net_job *)adt_net_receive(net, key);
     if (!j) { free(list); return NULL; }
     if (adt_net_set_destination(net, j, local_addr, local_len, nlocal)) { free(list); return j; }
+    size_t plen = (nremote + 1) * 16;
     pthread_mutex_lock(&n->lock);
-    if (!j->done) queue_ctrl(n, T_READ, key, stamp, list, (nremote + 1) * 16, (uint64_t)row, cache_id);
+    int conn = n->nconns ? n->next_conn++ % n->nconns : -1, fd = conn >= 0 ? n->fds[conn] : -1;
+    int live = !j->done && !n->closed && conn >= 0;
+    pthread_mutex_unlock(&n->lock);
+    if (live && pthread_mutex_trylock(&n->send_lock[conn]) == 0) {
+        /* The connection is idle: send the small request from this (event loop) thread rather than waking a
+         * sender, without ever blocking: if the socket buffer is full, a sender thread sends it instead. */
+        adt_hdr h = {NET_MAGIC, T_READ, key, stamp, plen, (uint64_t)row, cache_id};
+        int err = send_small(fd, &h, list, plen);
+        pthread_mutex_unlock(&n->send_lock[conn]);
+        if (err == 0) { free(list); return j; }
+        if (err > 0) { free(list); shutdown(fd, SHUT_RDWR); return j; }   /* its receiver fails the jobs */
+    }
+    pthread_mutex_lock(&n->lock);
+    if (!j->done) queue_ctrl(n, T_READ, key, stamp, list, plen, (uint64_t)row, cache_id);
     else free(list);
     pthread_mutex_unlock(&n->lock);
     return j;
@@ -598,6 +652,7 @@ void adt_net_free(void *net)
     for (int i = 0; i < n->nthreads; i++) pthread_join(n->threads[i], NULL);
     for (int i = 0; i < n->nconns; i++) close(n->fds[i]);
     while (n->ctrl_head) { ctrl_frame *f = n->ctrl_head; n->ctrl_head = f->next; free(f->payload); free(f); }
+    for (int i = 0; i < MAX_CONNS; i++) pthread_mutex_destroy(&n->send_lock[i]);
     pthread_cond_destroy(&n->work);
     pthread_cond_destroy(&n->ready);
     pthread_mutex_destroy(&n->lock);
