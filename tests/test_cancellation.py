@@ -62,15 +62,20 @@ class Pair:
             assert np.array_equal(tensor[dst], expected(5, t)[src]), f"tensor {t}"
 
 
-@pytest.fixture(params=["shm", "tcp"])
-async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
-    """A prompt process and a decoder here; with "tcp" the prompt forces the TCP data plane on all its links."""
+@pytest.fixture(params=["shm", "tcp", "tcp-python"])
+async def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Pair]:
+    """A prompt process and a decoder here; with "tcp" the prompt forces the TCP data plane on all its links
+    ("tcp-python": both ends use the Python I/O threads, the fallback where the native helper is not built)."""
+    transport, _, implementation = request.param.partition("-")
+    env = {"AIODATADIST_NET": "python"} if implementation else None
+    if implementation:
+        monkeypatch.setenv("AIODATADIST_NET", "python")
     port = free_port()
-    peer = await PeerProcess.start()
+    peer = await PeerProcess.start(env=env)
     try:
         await peer.call("init", role="PROMPT", cluster_id=PROMPT,
                         options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "30000",
-                                 "llm.Transport": request.param})
+                                 "llm.Transport": transport})
         remote = await peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
                                  blocks_key=[PROMPT, 0])
         await peer.call("fill", cache_id=remote["cache_id"], seed=5)
@@ -80,7 +85,7 @@ async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
             await dd.init(cfg.generate_options())
             code, _ = await dd.link_clusters([cluster_info(PROMPT, port)], timeout=5000)
             assert code == LLMStatusCode.LLM_SUCCESS
-            assert dd.links()[0]["plane"] == request.param
+            assert dd.links()[0]["plane"] == transport
             yield Pair(peer, dd, remote["cache_id"], port)
     finally:
         await peer.close()
