@@ -92,6 +92,7 @@ typedef struct adt_pool {
     adt_job *incoming;                 /* lock-free stack of submitted jobs */
     adt_job *head, *tail;              /* ready list, round-robin */
     int shutdown, nthreads, nice;
+    int idle;                          /* workers asleep in sem_wait (atomic) */
     pthread_t threads[64];
 } adt_pool;
 
@@ -180,7 +181,9 @@ static void *worker(void *arg)
             int stop_now = __atomic_load_n(&p->shutdown, __ATOMIC_ACQUIRE);
             pthread_mutex_unlock(&p->lock);
             if (stop_now) break;
+            __atomic_add_fetch(&p->idle, 1, __ATOMIC_SEQ_CST);
             while (sem_wait(&p->work) < 0 && errno == EINTR) {}
+            __atomic_sub_fetch(&p->idle, 1, __ATOMIC_SEQ_CST);
             continue;
         }
         unlink_head(p, j);
@@ -192,12 +195,17 @@ static void *worker(void *arg)
             continue;
         }
         size_t c = j->next_chunk++;
+        int more = p->head != NULL;
         if (j->next_chunk < j->nchunks) {     /* round-robin: the job goes to the back of the line */
             if (p->tail) p->tail->next = j; else p->head = j;
             p->tail = j;
+            more = 1;
         }
         j->inflight++;
         pthread_mutex_unlock(&p->lock);
+        /* Chain wake-up: the submitter woke one worker; each worker that leaves work behind wakes one more
+         * sleeper, so the event loop pays for one wake-up per job, not one per worker. */
+        if (more && __atomic_load_n(&p->idle, __ATOMIC_SEQ_CST) > 0) sem_post(&p->work);
 
         int err = 0;
         int64_t lo = j->bounds[c], hi = j->bounds[c + 1];
@@ -261,8 +269,7 @@ static void *submit(adt_pool *p, adt_job *j)
     adt_job *top = __atomic_load_n(&p->incoming, __ATOMIC_RELAXED);
     do { j->next_in = top; } while (!__atomic_compare_exchange_n(&p->incoming, &top, j, 1, __ATOMIC_RELEASE,
                                                                   __ATOMIC_RELAXED));
-    size_t wake = j->nchunks < (size_t)p->nthreads ? j->nchunks : (size_t)p->nthreads;
-    for (size_t i = 0; i < wake; i++) sem_post(&p->work);
+    sem_post(&p->work);   /* one worker; it wakes the others it needs (see worker) */
     return j;
 }
 
