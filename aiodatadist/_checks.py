@@ -50,6 +50,10 @@ def check_int(name: str, value: Any, kind: str) -> int:
 
 def check_int_list(name: str, values: Any, kind: str, *, container: tuple[type, ...] = (list, tuple)) -> list[int]:
     """Check a list/tuple of integers of C type ``kind``; returns a plain list."""
+    if type(values) in container and all(type(v) is int for v in values):  # the common case, checked at once
+        low, high = _RANGES[kind]
+        if not values or (low <= min(values) and max(values) <= high):
+            return list(values)
     check_isinstance(name, values, container)
     out = []
     for v in values:

@@ -90,6 +90,7 @@ class CopyJob:
         self._run = bind_runner(copier, self.spans)
         self._loop = loop
         self.future: asyncio.Future[None] = loop.create_future()
+        self.stop_waiter: asyncio.Future[None] | None = None  # created by wait_stopped when it has to wait
         self.stopped = threading.Event()
         self.inflight = 0
         self.error: BaseException | None = None
@@ -112,12 +113,7 @@ class CopyJob:
             pass
 
     def _resolve(self) -> None:
-        if self.future.done():
-            return
-        if self.error is not None:
-            self.future.set_exception(self.error)
-        else:
-            self.future.set_result(None)
+        resolve_job(self)
 
 
 class ExecutorBase:
@@ -157,7 +153,7 @@ class ExecutorBase:
     async def wait(self, job: Any) -> None:
         """Await a job; if the caller is cancelled, stop the job and wait until its workers are done."""
         try:
-            await asyncio.shield(job.future)
+            await job.future  # a cancellation of the caller cancels this future too: the job ends on its own
         except asyncio.CancelledError:
             self.cancel(job)
             await wait_stopped(job)
@@ -242,20 +238,28 @@ class CopyExecutor(ExecutorBase):
         self._pool.shutdown(wait=True, cancel_futures=False)
 
 
-async def wait_stopped(job: CopyJob) -> None:
-    """Wait (through further cancellations) until no worker touches ``job``'s memory any more.
+def resolve_job(job: Any) -> None:
+    """On the event loop, once no worker touches ``job`` any more: settle its future and wake ``wait_stopped``."""
+    if not job.future.done():
+        if job.error is not None:
+            job.future.set_exception(job.error)
+        else:
+            job.future.set_result(None)
+    if job.stop_waiter is not None and not job.stop_waiter.done():
+        job.stop_waiter.set_result(None)
 
-    The job's future is resolved right after its last chunk stopped, so waiting for it is waiting for that.
-    """
+
+async def wait_stopped(job: Any) -> None:
+    """Wait (through further cancellations) until no worker touches ``job``'s memory any more."""
     cancelled = False
-    while not job.future.done():
+    while not job.stopped.is_set():
+        if job.stop_waiter is None:
+            job.stop_waiter = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.shield(job.future)
+            await asyncio.shield(job.stop_waiter)
         except asyncio.CancelledError:
             cancelled = True  # keep waiting: the memory must be free of workers first
-        except BaseException:
-            break
-    if not job.future.cancelled():
+    if job.future.done() and not job.future.cancelled():
         job.future.exception()  # mark retrieved
     if cancelled:
         raise asyncio.CancelledError

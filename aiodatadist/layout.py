@@ -252,16 +252,12 @@ def b2b_runs(
 
 
 def _b2b_runs_short(s: list[int], d: list[int], src: CacheGeometry, dst: CacheGeometry) -> Runs:
-    """:func:`b2b_runs` for short Python lists: the same checks and runs without numpy's per-call overhead."""
-    require(len(s) > 0, "src_blocks must not be empty.")
-    require(len(d) > 0, "dst_blocks must not be empty.")
-    require(len(s) == len(d), f"number of src_blocks ({len(s)}) mismatches number of dst_blocks ({len(d)}).")
-    require(src.stride == dst.stride, f"block size mismatch: source {src.stride} bytes, destination {dst.stride}.")
-    for name, blocks, geometry in (("src_blocks", s, src), ("dst_blocks", d, dst)):
-        require(min(blocks) >= 0, f"{name} has a negative block index.")
-        high = max(blocks)
-        require(high < geometry.slots, f"{name} has block index {high} >= num_blocks {geometry.slots}.")
-    require(len(set(d)) == len(d), "dst_blocks contains duplicate block indices.")
+    """:func:`b2b_runs` for short Python lists: the same checks and runs without numpy's per-call overhead
+    (invalid input goes through the vectorised path, which raises the precise error)."""
+    n = len(s)
+    if not (n and len(d) == n and src.stride == dst.stride and min(s) >= 0 and max(s) < src.slots
+            and min(d) >= 0 and max(d) < dst.slots and len(set(d)) == n):
+        return b2b_runs(np.asarray(s, dtype=object), np.asarray(d, dtype=object), src, dst)
     stride = dst.stride
     starts_s, starts_d, counts = [s[0]], [d[0]], [1]
     for a, b in zip(s[1:], d[1:]):

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import LLMException, LLMStatusCode
-from .executor import PIECE, ExecutorBase, default_workers, split_spans, worker_nice
+from .executor import PIECE, ExecutorBase, default_workers, resolve_job, split_spans, worker_nice
 from .layout import CopyPlan, Spans
 from .native import CopySpec, native_pool
 
@@ -45,10 +45,11 @@ class _Flag:
 class NativeJob:
     """A job in the native pool; arrays it was given stay referenced here until the pool is done with them."""
 
-    __slots__ = ("_executor", "error", "future", "handle", "keepalive", "spec", "stopped")
+    __slots__ = ("_executor", "error", "future", "handle", "keepalive", "spec", "stop_waiter", "stopped")
 
     def __init__(self, executor: NativeExecutor, spec: CopySpec, loop: asyncio.AbstractEventLoop) -> None:
         self.future: asyncio.Future[None] = loop.create_future()
+        self.stop_waiter: asyncio.Future[None] | None = None
         self.stopped = _Flag()
         self.error: BaseException | None = None
         self.spec = spec
@@ -173,11 +174,7 @@ class NativeExecutor(ExecutorBase):
         self._lib.adt_job_free(job.handle)
         job.handle = None
         job.stopped.set()
-        if not job.future.done():
-            if job.error is not None:
-                job.future.set_exception(job.error)
-            else:
-                job.future.set_result(None)
+        resolve_job(job)
         return True
 
     def _on_ready(self, notifier: _Notifier) -> None:

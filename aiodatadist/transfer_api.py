@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._checks import U64_MAX, check_int, check_int_list, check_isinstance, check_layer_range, require
+from ._checks import (
+    U64_MAX,
+    check_int,
+    check_int_list,
+    check_isinstance,
+    check_layer_range,
+    param_invalid,
+    require,
+)
 from .cache import Cache
 from .layout import TransferParams
 from .registry import CacheEntry
@@ -43,11 +51,12 @@ def _check_cache_key_for_pull(key: CacheKey) -> None:
 
 def _precheck_local(params: TransferParams, local: CacheEntry) -> None:
     """Checks that need only the local cache, so bad input fails before any message is sent."""
-    g = local.geometry
+    slots = int(local.desc.shape[0])
     local_blocks = params.dst_blocks if params.op == "pull" else params.src_blocks
-    if local_blocks:
-        require(max(local_blocks) < g.slots, f"block index {max(local_blocks)} >= num_blocks {g.slots}.")
-    require(params.local_slot < g.slots, f"batch_index {params.local_slot} out of range [0, {g.slots}).")
+    if local_blocks and max(local_blocks) >= slots:
+        param_invalid(f"block index {max(local_blocks)} >= num_blocks {slots}.")
+    if params.local_slot >= slots:
+        param_invalid(f"batch_index {params.local_slot} out of range [0, {slots}).")
 
 
 class TransferMixin:
