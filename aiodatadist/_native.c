@@ -31,9 +31,11 @@ static void stream_copy(char *d, const char *s, size_t n)
     memcpy(d, s, n - blocks * 64);
 }
 #define STREAM_FENCE() _mm_sfence()
+#define SPIN_PAUSE() _mm_pause()
 #else
 static void stream_copy(char *d, const char *s, size_t n) { memcpy(d, s, n); }
 #define STREAM_FENCE() ((void)0)
+#define SPIN_PAUSE() ((void)0)
 #endif
 
 /* Returns the number of spans copied: n, or fewer when *stop became non-zero (checked before every span, so a
@@ -93,6 +95,8 @@ typedef struct adt_pool {
     adt_job *head, *tail;              /* ready list, round-robin */
     int shutdown, nthreads, nice;
     int idle;                          /* workers asleep in sem_wait (atomic) */
+    int spinner;                       /* 1 while one idle worker spins for new work (atomic) */
+    uint64_t spin_ns;
     pthread_t threads[64];
 } adt_pool;
 
@@ -163,6 +167,41 @@ static int finish_if_idle(adt_job *j)   /* under the mutex; returns 1 if the cal
     return 0;
 }
 
+#include <time.h>
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* One idle worker at a time spins briefly (p->spin_ns) before sleeping: back-to-back small transfers then find
+ * a worker awake, so the submitting event loop pays no wake-up (a futex wake of an idle vCPU costs tens of
+ * microseconds on a VM); the other workers sleep.  Returns 1 if work arrived. */
+static int spin_for_work(adt_pool *p)
+{
+    int expected = 0;
+    if (p->spin_ns == 0
+        || !__atomic_compare_exchange_n(&p->spinner, &expected, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+        return 0;
+    uint64_t until = now_ns() + p->spin_ns;
+    int found = 0;
+    for (unsigned i = 0; !found; i++) {
+        if (__atomic_load_n(&p->incoming, __ATOMIC_ACQUIRE) || __atomic_load_n(&p->head, __ATOMIC_RELAXED)
+            || __atomic_load_n(&p->shutdown, __ATOMIC_ACQUIRE))
+            found = 1;
+        else if ((i & 63) == 0 && now_ns() > until)
+            break;
+        else
+            SPIN_PAUSE();
+    }
+    /* Pairs with submit(): it pushes, then posts only if nobody spins; we stop spinning, then look again. */
+    __atomic_store_n(&p->spinner, 0, __ATOMIC_SEQ_CST);
+    if (!found && __atomic_load_n(&p->incoming, __ATOMIC_SEQ_CST)) found = 1;
+    return found;
+}
+
 static void *worker(void *arg)
 {
     adt_pool *p = (adt_pool *)arg;
@@ -181,6 +220,7 @@ static void *worker(void *arg)
             int stop_now = __atomic_load_n(&p->shutdown, __ATOMIC_ACQUIRE);
             pthread_mutex_unlock(&p->lock);
             if (stop_now) break;
+            if (spin_for_work(p)) continue;
             __atomic_add_fetch(&p->idle, 1, __ATOMIC_SEQ_CST);
             while (sem_wait(&p->work) < 0 && errno == EINTR) {}
             __atomic_sub_fetch(&p->idle, 1, __ATOMIC_SEQ_CST);
@@ -233,11 +273,12 @@ static void *worker(void *arg)
     return NULL;
 }
 
-void *adt_pool_new(int nthreads, int nice)
+void *adt_pool_new(int nthreads, int nice, uint64_t spin_ns)
 {
     adt_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->nice = nice;
+    p->spin_ns = spin_ns;
     pthread_mutex_init(&p->lock, NULL);
     if (nthreads > 64) nthreads = 64;
     if (sem_init(&p->work, 0, 0) != 0) { pthread_mutex_destroy(&p->lock); free(p); return NULL; }
@@ -267,9 +308,11 @@ static void *submit(adt_pool *p, adt_job *j)
         return j;
     }
     adt_job *top = __atomic_load_n(&p->incoming, __ATOMIC_RELAXED);
-    do { j->next_in = top; } while (!__atomic_compare_exchange_n(&p->incoming, &top, j, 1, __ATOMIC_RELEASE,
+    do { j->next_in = top; } while (!__atomic_compare_exchange_n(&p->incoming, &top, j, 1, __ATOMIC_SEQ_CST,
                                                                   __ATOMIC_RELAXED));
-    sem_post(&p->work);   /* one worker; it wakes the others it needs (see worker) */
+    /* One worker; it wakes the others it needs (see worker).  A spinning worker takes the job without any
+     * wake-up (see spin_for_work for why this cannot strand a job). */
+    if (!__atomic_load_n(&p->spinner, __ATOMIC_SEQ_CST)) sem_post(&p->work);
     return j;
 }
 

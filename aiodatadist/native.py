@@ -66,7 +66,7 @@ _NATIVE = _load_native()
 
 def _bind_pool(lib: ctypes.CDLL) -> None:
     vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-    lib.adt_pool_new.argtypes, lib.adt_pool_new.restype = [c_int, c_int], vp
+    lib.adt_pool_new.argtypes, lib.adt_pool_new.restype = [c_int, c_int, ctypes.c_uint64], vp
     lib.adt_pool_free.argtypes, lib.adt_pool_free.restype = [vp], None
     lib.adt_job_submit.argtypes = [vp, vp, vp, vp, vp, sz, c_int, c_int, c_int, c_int]
     lib.adt_job_submit.restype = vp

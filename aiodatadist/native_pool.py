@@ -18,7 +18,15 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import LLMException, LLMStatusCode
-from .executor import PIECE, ExecutorBase, default_workers, resolve_job, split_spans, worker_nice
+from .executor import (
+    PIECE,
+    ExecutorBase,
+    default_workers,
+    resolve_job,
+    split_spans,
+    worker_nice,
+    worker_spin_ns,
+)
 from .layout import CopyPlan, Spans
 from .native import CopySpec, native_pool
 
@@ -95,7 +103,7 @@ class NativeExecutor(ExecutorBase):
             raise RuntimeError("the native helper is not built")
         self._lib = lib
         self.workers = workers or default_workers()
-        self._pool: int | None = lib.adt_pool_new(self.workers, worker_nice())
+        self._pool: int | None = lib.adt_pool_new(self.workers, worker_nice(), worker_spin_ns())
         if not self._pool:
             raise LLMException("cannot start the native copy threads", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         self._notifiers: dict[asyncio.AbstractEventLoop, _Notifier] = {}
