@@ -72,10 +72,7 @@ class CopyPlan:
     src_tensor: Int64Array
     dst_tensor: Int64Array
     runs: Runs
-
-    @property
-    def total_bytes(self) -> int:
-        return int(self.runs.length.sum()) * len(self.src_tensor)
+    total_bytes: int  # bytes the plan moves (every run, every tensor pair)
 
     @property
     def num_spans(self) -> int:
@@ -360,7 +357,8 @@ def swap_blocks_runs(src_to_dst: Mapping[int, int], src: CacheGeometry, dst: Cac
 
 def make_plan(src_tensors: Int64Array, dst_tensors: Int64Array, runs: Runs) -> CopyPlan:
     require(len(src_tensors) == len(dst_tensors), "tensor index lists differ in length.")
-    return CopyPlan(_i64(src_tensors), _i64(dst_tensors), runs)
+    src, dst = _i64(src_tensors), _i64(dst_tensors)
+    return CopyPlan(src, dst, runs, int(runs.length.sum()) * len(src))
 
 
 def plan_to_spans(plan: CopyPlan, src_addrs: npt.ArrayLike, dst_addrs: npt.ArrayLike) -> Spans:

@@ -334,8 +334,11 @@ class TransferService:
         """A transfer on a published cache: validated here against the owner's descriptor, no round trip."""
         descriptor = link.descriptors[resolved.cache_id]
         plan = transfer_plan(params, local.geometry, descriptor[0], resolved.slot)
-        with self._dd.cache_manager.registry.lease(local):
+        local.leases += 1  # (registry.lease, inline on this hot path)
+        try:
             await self._copy(link, next(self._tids), plan, descriptor, local, params)
+        finally:
+            self._dd.cache_manager.registry.release_lease(local)
         assert link.directory is not None
         if not link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, None):
             link.resolved.pop((wkey.kind, wkey.a, wkey.b), None)
