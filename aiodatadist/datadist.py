@@ -91,8 +91,6 @@ class LLMDataDist:
             await release_shared_executor()
             raise
         self._links = links
-        if settings.auth_key is not None:
-            log.warning("llm.AuthKey is accepted but not enforced yet: links are not authenticated")
         log.debug("cluster %d initialized as %s", self._cluster_id, self._role)
 
     async def finalize(self) -> None:

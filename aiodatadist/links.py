@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
+from . import auth
 from .control import Channel, Server, TaskSet, connect_dealer, dealer_sender, new_context, read_dealer
 from .directory import DirectoryView, Resolved
 from .errors import LLMException, LLMLinkError, LLMStatusCode
@@ -152,6 +153,9 @@ class LinkManager:
         self._server_task: asyncio.Task[Any] | None = None
         self._data_listener: socket.socket | None = None
         self._data_tokens: dict[bytes, Link] = {}
+        key = datadist.settings.auth_key
+        self._auth_key = auth.derive_key(key) if key is not None else None
+        self._challenges = auth.ChallengeTable()
         self.links: dict[int, Link] = {}
         self._linking: set[int] = set()
         # Hooks set by the transfer layer (owner side of a transfer).
@@ -241,6 +245,11 @@ class LinkManager:
             await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": int(S.LLM_LINK_FAILED),
                                                 "msg": f"malformed hello: {exc}"})
             return
+        nonces = None
+        if self._auth_key is not None:
+            nonces = await self._authenticate(server, routing_id, req_id, message, cluster)
+            if nonces is None:
+                return  # challenged (the client answers with a second HELLO) or refused
         stale = self.links.get(cluster)
         if stale is not None and not stale.is_client and not await self._alive(stale):
             # The peer restarted (or its old connection died): its old link must not block the new one.
@@ -266,14 +275,49 @@ class LinkManager:
                                  "segs": self._segments(), "dir": self._directory(), "plane": link.plane,
                                  "reads": native_data_plane()}
         if self._data_listener is not None:
-            link.data_token = secrets.token_bytes(16)
+            port = self._data_listener.getsockname()[1]
+            if nonces is not None and self._auth_key is not None:  # derived on both ends, never sent
+                link.data_token = auth.data_token(self._auth_key, *nonces)
+                reply["data"] = [port]
+            else:
+                link.data_token = secrets.token_bytes(16)
+                reply["data"] = [port, link.data_token]
             self._data_tokens[link.data_token] = link
             link.data = self._new_data_plane(link)
-            reply["data"] = [self._data_listener.getsockname()[1], link.data_token]
         await channel.reply(req_id, reply)
         link.map_directory(message.get("dir"))
         link.memory.premap(message.get("segs"))  # in the background: nobody waits for it
         log.info("cluster %d accepted link from %d (%s)", self._dd.cluster_id, cluster, link.plane)
+
+    async def _authenticate(self, server: Server, routing_id: bytes, req_id: Any, message: dict[str, Any],
+                            cluster: int) -> tuple[bytes, bytes] | None:
+        """Server side of the challenge (see :mod:`aiodatadist.auth`): the nonces once the client proved it holds
+        the key; None after answering with a challenge or a refusal."""
+        assert self._auth_key is not None
+        client_nonce = message.get("cn")
+        if message.get("cp") is None:
+            if not (isinstance(client_nonce, bytes) and len(client_nonce) == auth.NONCE_BYTES):
+                await self._refuse(server, routing_id, req_id, "this cluster requires authentication (llm.AuthKey)")
+                return None
+            server_nonce = self._challenges.issue(routing_id, client_nonce)
+            await server.reply_raw(routing_id, {
+                "k": Kind.REPLY, "r": req_id, "code": 0, "challenge": server_nonce,
+                "sp": auth.proof(self._auth_key, "server", client_nonce, server_nonce, cluster, self._dd.cluster_id)})
+            return None
+        issued = self._challenges.take(routing_id)
+        if issued is None or issued[0] != client_nonce or not auth.verify(
+                auth.proof(self._auth_key, "client", issued[0], issued[1], cluster, self._dd.cluster_id),
+                message.get("cp")):
+            log.warning("cluster %d refused a link from cluster %d: authentication failed", self._dd.cluster_id,
+                        cluster)
+            await self._refuse(server, routing_id, req_id, "authentication failed")
+            return None
+        return issued
+
+    @staticmethod
+    async def _refuse(server: Server, routing_id: bytes, req_id: Any, msg: str) -> None:
+        await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": int(S.LLM_LINK_FAILED),
+                                            "msg": msg})
 
     async def _alive(self, link: Link, timeout: float = 0.5) -> bool:
         try:
@@ -315,12 +359,12 @@ class LinkManager:
         reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}")
         try:
             async with asyncio.timeout(timeout_ms / 1000):
-                reply = await channel.request(Kind.HELLO, self._hello_body(remote_id))
+                reply, nonces = await self._hello(channel, remote_id)
             caps = probe_peer(reply.get("host"))
             int_field(reply, "cluster", 0)
         except (LLMException, TimeoutError, ProtocolError) as exc:
             reader.cancel()
-            sock.close(linger=0)
+            sock.close(linger=100)  # a BYE queued for a server that admitted us still goes out
             code = exc.status_code if isinstance(exc, LLMException) else S.LLM_LINK_FAILED
             log.info("link %d -> %d (%s) failed: %s", self._dd.cluster_id, remote_id, endpoint,
                      exc or "no answer in time")
@@ -348,7 +392,7 @@ class LinkManager:
             link.plane = "tcp"  # the server cannot use this host's shared memory: both ends use TCP
         if link.plane == "tcp":
             remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
-            error = await self._connect_data(link, ip_int_to_str(ip), reply.get("data"), remaining)
+            error = await self._connect_data(link, ip_int_to_str(ip), reply.get("data"), nonces, remaining)
             if error is not None:
                 log.info("link %d -> %d (%s): %s", self._dd.cluster_id, remote_id, endpoint, error)
                 with contextlib.suppress(LLMException):
@@ -388,8 +432,35 @@ class LinkManager:
         return NativeDataPlane(name, loop, broken,
                                (directory.address, directory.rows) if directory is not None else None)
 
-    async def _connect_data(self, link: Link, host: str, offer: Any, timeout: float) -> str | None:
+    async def _hello(self, channel: Channel, remote_id: int) -> tuple[dict[str, Any], tuple[bytes, bytes] | None]:
+        """Client side of the handshake, with the challenge when either end has a key; returns the server's
+        admission reply and, for an authenticated link, the nonces."""
+        client_nonce = auth.new_nonce()
+        body = {**self._hello_body(remote_id), "cn": client_nonce}
+        reply = await channel.request(Kind.HELLO, body)
+        key, server_nonce = self._auth_key, reply.get("challenge")
+        if server_nonce is None:
+            if key is not None:
+                channel.notify(Kind.BYE, {})  # the server admitted us: let it drop its end
+                channel.flush()
+                raise LLMException(f"cluster {remote_id} does not authenticate (no llm.AuthKey): refusing the link",
+                                   status_code=S.LLM_LINK_FAILED)
+            return reply, None
+        if key is None:
+            raise LLMException(f"cluster {remote_id} requires authentication: set llm.AuthKey / LLMConfig.auth_key",
+                               status_code=S.LLM_LINK_FAILED)
+        if not (isinstance(server_nonce, bytes) and len(server_nonce) == auth.NONCE_BYTES) or not auth.verify(
+                auth.proof(key, "server", client_nonce, server_nonce, self._dd.cluster_id, remote_id), reply.get("sp")):
+            raise LLMException(f"cluster {remote_id} does not hold the same auth key", status_code=S.LLM_LINK_FAILED)
+        client_proof = auth.proof(key, "client", client_nonce, server_nonce, self._dd.cluster_id, remote_id)
+        reply = await channel.request(Kind.HELLO, {**body, "sn": server_nonce, "cp": client_proof})
+        return reply, (client_nonce, server_nonce)
+
+    async def _connect_data(self, link: Link, host: str, offer: Any, nonces: tuple[bytes, bytes] | None,
+                            timeout: float) -> str | None:
         """Client side: open the link's data connections; returns what went wrong, or None."""
+        if nonces is not None and self._auth_key is not None and isinstance(offer, list) and len(offer) == 1:
+            offer = [offer[0], auth.data_token(self._auth_key, *nonces)]
         if not (isinstance(offer, list) and len(offer) == 2 and type(offer[0]) is int and 0 < offer[0] < 65536
                 and isinstance(offer[1], bytes) and len(offer[1]) == 16):
             return "the peer offers no TCP data connections"
