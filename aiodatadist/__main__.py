@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(rest)
+    if command == "soak":
+        from .soak import main as soak_main
+
+        return soak_main(rest)
     if command == "info":
         from .info import main as info_main
 
