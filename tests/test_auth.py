@@ -22,8 +22,8 @@ from aiodatadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
+    auth,
 )
-from aiodatadist import auth
 from aiodatadist.protocol import PROTOCOL_VERSION
 from aiodatadist.testing import cluster_info, fill_pattern, free_port
 

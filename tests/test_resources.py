@@ -12,7 +12,16 @@ import threading
 import numpy as np
 import pytest
 
-from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, LLMStatusCode, Placement
+from aiodatadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
 from aiodatadist.links import MAX_LINKS
 from aiodatadist.testing import PeerProcess, cluster_info, fill_pattern, free_port
 
