@@ -183,7 +183,7 @@ async def read_dealer(sock: zmq.asyncio.Socket, channel: Channel, tasks: TaskSet
         data = await sock.recv()
         try:
             messages = decode_batch(data)
-        except ProtocolError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a peer sends must not end the reader
             log.warning("dropping malformed message on %s: %s", channel.name, exc)
             continue
         for message in messages:
@@ -265,8 +265,8 @@ class Server:
             routing_id, data = frames
             try:
                 messages = decode_batch(data)
-            except ProtocolError as exc:
-                log.warning("dropping malformed message from %r: %s", routing_id, exc)
+            except Exception as exc:  # noqa: BLE001 - whatever a peer sends must not end the reader
+                log.warning("dropping malformed message from %r: %s", routing_id[:8], exc)
                 continue
             for message in messages:
                 channel = self.channels.get(routing_id)

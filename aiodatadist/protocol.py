@@ -110,7 +110,7 @@ def _check_envelope(message: Any) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError("message is not a map")
     kind = message.get("k")
-    if kind not in Kind.ALL:
+    if not isinstance(kind, str) or kind not in Kind.ALL:
         raise ProtocolError(f"unknown message kind {kind!r}")
     id_name = "r" if kind == Kind.REPLY else "i"
     int_field(message, id_name, 0, _U64)
