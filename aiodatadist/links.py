@@ -151,6 +151,7 @@ class LinkManager:
         self._probe = HostProbe()
         self._server: Server | None = None
         self._server_task: asyncio.Task[Any] | None = None
+        self._server_watch: asyncio.Task[Any] | None = None
         self._data_listener: socket.socket | None = None
         self._data_tokens: dict[bytes, Link] = {}
         key = datadist.settings.auth_key
@@ -189,6 +190,7 @@ class LinkManager:
         self.stop_listening()
         self._server = server
         self._server_task = self._tasks.spawn(server.serve(self._tasks), name=f"server-{endpoint}")
+        self._server_watch = self._tasks.spawn(self._watch_server(server), name=f"watch-{endpoint}")
         self._data_listener = data_listener
         self._tasks.spawn(self._accept_data(data_listener), name=f"data-{endpoint}")
         log.info("cluster %d listening on %s", self._dd.cluster_id, endpoint)
@@ -198,6 +200,9 @@ class LinkManager:
             self._data_listener.close()  # its accept task ends with an error, which it expects
             self._data_listener = None
         if self._server is not None:
+            if self._server_watch is not None:
+                self._server_watch.cancel()
+                self._server_watch = None
             if self._server_task is not None:
                 self._server_task.cancel()
             self._server.close()
@@ -548,6 +553,26 @@ class LinkManager:
     def notify(link: Link, kind: str, body: dict[str, Any]) -> None:
         """Queue a message that needs no answer (sent with the channel's next frame)."""
         link.channel.notify(kind, body)
+
+    async def _watch_server(self, server: Server) -> None:
+        """Server side: when a client connection breaks, find which links lost their peer (a PING to a vanished
+        routing id fails at once) and drop them, so that their transfers fail fast instead of timing out."""
+        monitor = server.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                served = [link for link in self.links.values() if not link.is_client and not link.closed]
+                for link in served:  # a vanished routing id fails the send at once (ROUTER_MANDATORY)
+                    link.channel.notify(Kind.PING, {})
+                await asyncio.sleep(0.05)  # a slow but living peer is never dropped: only failed sends count
+                for link in served:
+                    if link.channel.closed is not None and not link.closed:
+                        await self.drop(link, LLMLinkError(
+                            f"the connection of cluster {link.remote_cluster_id} broke (peer gone)"))
+        finally:
+            if not server.sock.closed:
+                server.sock.disable_monitor()
+            monitor.close(linger=0)
 
     async def _watch(self, link: Link) -> None:
         """Client side: a broken connection (the server died or closed) drops the link at once, so that waiting
