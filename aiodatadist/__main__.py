@@ -1,4 +1,4 @@
-"""Command line: ``python -m aiodatadist {demo,bench,info}``."""
+"""Command line: ``python -m aiodatadist {demo,bench,soak,info}``."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import sys
 
 __all__ = ["main"]
 
-USAGE = """usage: python -m aiodatadist {demo,bench,info} [options]
+USAGE = """usage: python -m aiodatadist {demo,bench,soak,info} [options]
 
   demo   a prompt and a decoder process move a paged KV cache; prints what happened
   bench  throughput and latency against the machine's own limits (see: bench --help)
+  soak   random concurrent transfers with cancellations for N seconds, every byte verified (see: soak --help)
   info   version, data planes, copy executor and threads, GPU
 """
 

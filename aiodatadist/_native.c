@@ -383,6 +383,21 @@ void adt_job_cancel(void *pool, void *job)
     adt_pool *p = (adt_pool *)pool;
     adt_job *j = (adt_job *)job;
     __atomic_store_n(&j->stop, 1, __ATOMIC_RELEASE);
+    /* Retire a job that no worker is running now, without waiting for a worker to reach it in the queue (busy
+     * workers may take a while).  Only if the mutex is free: the event loop must never wait for a worker. */
+    if (pthread_mutex_trylock(&p->lock) == 0) {
+        take_incoming(p);
+        int ann = 0, fd = j->notify_fd;
+        if (!__atomic_load_n(&j->done, __ATOMIC_RELAXED)) {
+            j->next_chunk = j->nchunks;
+            adt_job **pp = &p->head, *prev = NULL;
+            while (*pp && *pp != j) { prev = *pp; pp = &(*pp)->next; }
+            if (*pp) { *pp = j->next; if (p->tail == j) p->tail = prev; j->next = NULL; }
+            ann = finish_if_idle(j);
+        }
+        pthread_mutex_unlock(&p->lock);
+        if (ann) { announce(fd, j); return; }
+    }
     sem_post(&p->work);
 }
 

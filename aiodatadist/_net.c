@@ -173,8 +173,8 @@ static int plan_frames(net_job *j, uint64_t frame, int nconns)
         uint64_t share = (total + (uint64_t)nconns - 1) / (uint64_t)nconns;
         frame = share > MIN_FRAME ? share : MIN_FRAME;
     }
-    size_t pieces = 0;
-    for (size_t i = 0; i < j->n; i++) pieces += j->len[i] ? (size_t)((j->len[i] + frame - 1) / frame) : 0;
+    /* Every span is cut at each frame boundary inside it: at most one piece per span plus one per frame. */
+    size_t pieces = j->n + (size_t)(total / frame) + 1;
     uint64_t *addr = malloc((pieces ? pieces : 1) * sizeof *addr), *len = malloc((pieces ? pieces : 1) * sizeof *len);
     int64_t *bounds = malloc((pieces + 1) * sizeof *bounds);
     uint64_t *offsets = malloc((pieces + 1) * sizeof *offsets);

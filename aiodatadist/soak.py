@@ -13,7 +13,7 @@ over ``--transport``.  ``--concurrency`` workers each loop over random transfers
   prompt.
 
 40 % of them carry random layer ranges of equal length on both sides (``tensor_num_per_layer=2``).  Half of the
-calls are interrupted: a quarter run under ``asyncio.timeout`` of a random 0.05-30 ms, a quarter are cancelled
+calls race a deadline: a quarter run under ``asyncio.timeout`` of a random 0.05-30 ms, a quarter are cancelled
 after a random delay in the same range.  ``sync_kv_timeout`` (2000 ms) bounds every call.
 
 **Verification.**  Every source holds :func:`~aiodatadist.testing.pattern` bytes that nothing writes, and each
@@ -23,8 +23,7 @@ bytes are never 0).  After a completed transfer the whole destination must equal
 from the source pattern: pattern bytes where the transfer was asked to write, zeros everywhere else.  So the
 check also catches bytes written outside the request and late writes of an earlier, interrupted transfer (they
 land after the poisoning).  Decoder-side destinations are compared in place, prompt-side ones through the
-SHA-256 digest of every tensor (the agent's ``digest`` command).  A mismatch counts as a corrupted transfer
-and is described on stderr.
+SHA-256 digest of every tensor (the agent's ``digest`` command).  A mismatch counts as a corrupted transfer.
 
 **Figures.**  Transfers done per kind and per second, bytes moved, failures by status code name
 (``CANCELLED``: the caller's own deadline or cancellation), corrupted transfers, the latency of every call
@@ -32,14 +31,19 @@ and is described on stderr.
 ``sync_kv_timeout``: the worst value and how many were over 100 ms late), the worst wake-up delay of this
 process's event loop (which delays every return too, so it tells a busy machine from a slow cancellation),
 and the resident memory (VmRSS) of both processes after a warm-up (5 % of the run, at least 2 s) and at the
-end.  The exit status is 0 when at least one transfer completed, none was corrupted, no call returned more
-than 100 ms after its deadline and neither process's RSS grew by 5 % or more; otherwise 1.
+end.  The exit status is 0 when the prompt process stayed up, at least one transfer completed, none was
+corrupted, none failed other than by a deadline (``CANCELLED``, ``LLM_TIMEOUT``: nothing is released or
+unlinked during the run), no call returned more than 100 ms after its deadline and neither process's RSS grew
+by 5 % or more; otherwise 1 (a failed prompt process also ends the run early).  Each corrupted transfer (with
+the worker's previous transfer), call over 100 ms late and unexpected exception is described on stderr, the
+first ten of each kind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import math
@@ -60,7 +64,7 @@ from .cache import Cache
 from .config import LLMConfig
 from .datadist import LLMDataDist
 from .errors import LLMException, LLMStatusCode
-from .testing import PeerProcess, cluster_info, fill_pattern, free_port, pattern
+from .testing import PeerError, PeerProcess, cluster_info, fill_pattern, free_port, pattern
 from .types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 
 __all__ = ["main", "run_soak"]
@@ -80,10 +84,12 @@ LAYER_RANGE_SHARE = 0.4
 INTERRUPT_RANGE_S = (5e-5, 3e-2)  # own timeouts and cancellation delays, drawn log-uniformly
 SYNC_KV_TIMEOUT_MS = 2000
 LATE_LIMIT_S = 0.1
+EXPECTED_FAILURES = ("CANCELLED", "LLM_TIMEOUT")  # nothing is released or unlinked: any other failure is a bug
 RSS_GROWTH_LIMIT_PCT = 5.0
 PROGRESS_EVERY_S = 10.0
+PEER_EXIT_WAIT_S = 5.0  # how long a failed agent command waits for the prompt process's exit status
 LOOP_PROBE_S = 0.01  # how often the event loop's wake-up delay is sampled
-REPORTED_PROBLEMS = 10  # corrupted transfers and unexpected exceptions described on stderr, at most
+REPORTED_PER_KIND = 10  # corrupted transfers, late calls, unexpected exceptions: each described at most 10 times
 
 Progress = Callable[[str], None]
 
@@ -104,13 +110,16 @@ def _pattern_rows(seed: int, rows: int, tail: tuple[int, ...]) -> list[np.ndarra
     return [pattern(seed, t, nbytes).reshape(rows, -1) for t in range(TENSORS)]
 
 
-def _rss_kib(pid: int) -> int:
-    """Resident memory of a process (``VmRSS`` of ``/proc/<pid>/status``) in KiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+def _rss_kib(pid: int) -> int | None:
+    """Resident memory of a process (``VmRSS`` of ``/proc/<pid>/status``) in KiB; None once it has exited."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except FileNotFoundError:
+        pass
+    return None  # gone, or a zombie (no VmRSS line)
 
 
 def _distinct(rng: np.random.Generator, population: int, count: int) -> list[int]:
@@ -305,7 +314,7 @@ class _Tally:
     worst_late_s: float = 0.0
     late_calls: int = 0
     worst_loop_lag_s: float = 0.0
-    problems_reported: int = 0
+    reported: Counter[str] = field(default_factory=Counter)
 
     def record_call(self, mode: str, latency_s: float, late_s: float, failure: str | None) -> None:
         self.modes[mode] += 1
@@ -315,11 +324,11 @@ class _Tally:
         self.worst_late_s = max(self.worst_late_s, late_s)
         self.late_calls += late_s > LATE_LIMIT_S
 
-    def report_problem(self, text: str) -> None:
-        """Describe a corrupted transfer or an unexpected exception on stderr (the first few only)."""
-        self.problems_reported += 1
-        if self.problems_reported <= REPORTED_PROBLEMS:
-            sys.stderr.write(text.rstrip("\n") + "\n")
+    def report_problem(self, kind: str, text: str) -> None:
+        """Describe a problem of ``kind`` (CORRUPTED, LATE, UNEXPECTED) on stderr, the first few of each kind."""
+        self.reported[kind] += 1
+        if self.reported[kind] <= REPORTED_PER_KIND:
+            sys.stderr.write(f"{kind}: {text.rstrip()}\n")
             sys.stderr.flush()
 
 
@@ -343,15 +352,17 @@ async def _cancel_after(call: Callable[[], Coroutine[Any, Any, None]], delay: fl
 class _Soak:
     """The workers, the progress lines and the memory samples of one run."""
 
-    def __init__(self, rig: _Rig, prompt_pid: int, concurrency: int, seed: int, progress: Progress) -> None:
-        self._rig, self._prompt_pid, self._concurrency, self._seed = rig, prompt_pid, concurrency, seed
+    def __init__(self, rig: _Rig, peer: PeerProcess, concurrency: int, seed: int, progress: Progress) -> None:
+        self._rig, self._peer, self._concurrency, self._seed = rig, peer, concurrency, seed
         self._progress = progress
         self.tally = _Tally()
         self.rss_start: dict[str, int] = {}
+        self.aborted: str | None = None  # why the run stopped early
 
     def rss(self) -> dict[str, int]:
-        """Resident memory of both processes, in KiB."""
-        return {"decoder": _rss_kib(os.getpid()), "prompt": _rss_kib(self._prompt_pid)}
+        """Resident memory of both processes (of those still running), in KiB."""
+        pids = {"decoder": os.getpid(), "prompt": self._peer.pid}
+        return {name: kib for name, pid in pids.items() if (kib := _rss_kib(pid)) is not None}
 
     async def run(self, seconds: float) -> float:
         """Run the workers for ``seconds``; returns the duration (until the last call returned)."""
@@ -366,6 +377,12 @@ class _Soak:
             async with asyncio.TaskGroup() as group:
                 for w in range(self._concurrency):
                     group.create_task(self._worker(w, np.random.default_rng([self._seed, w]), end))
+        except* (PeerError, OSError) as failed:  # from the agent's commands: the prompt process is broken
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._peer.proc.wait(), PEER_EXIT_WAIT_S)
+            self.aborted = (f"the prompt process failed ({failed.exceptions[0]!r}; exit status "
+                            f"{self._peer.proc.returncode})")
+            self._progress(f"stopped: {self.aborted}")
         finally:
             for task in reporters:
                 task.cancel()
@@ -390,9 +407,9 @@ class _Soak:
             elapsed = loop.time() - started
             t, rss = self.tally, self.rss()
             done = sum(t.done.values())
-            self._progress(f"[{elapsed:6.1f} s] {done} transfers ({done / elapsed:.0f}/s), failures "
-                           f"{_counts(t.failures)}, corrupted {t.corrupted}, worst late {t.worst_late_s * 1e3:.1f} ms,"
-                           f" RSS decoder {rss['decoder'] / 1024:.0f} MiB, prompt {rss['prompt'] / 1024:.0f} MiB")
+            self._progress(f"{elapsed:.0f} s: {done} transfers ({done / elapsed:.0f}/s), failures "
+                           f"{_counts(t.failures)}, corrupted {t.corrupted}, worst late {t.worst_late_s * 1e3:.1f} ms, RSS "
+                           + ", ".join(f"{name} {kib / 1024:.0f} MiB" for name, kib in rss.items()))
 
     async def _worker(self, worker: int, rng: np.random.Generator, end: float) -> None:
         loop = asyncio.get_running_loop()
@@ -402,15 +419,17 @@ class _Soak:
             await transfer.destination.poison()
             mode = MODES[int(rng.choice(len(MODES), p=MODE_WEIGHTS))]
             limit = math.exp(rng.uniform(*np.log(INTERRUPT_RANGE_S)))
-            failure = await self._attempt(transfer.call, mode, limit)
+            how = f"{transfer.detail} ({mode}{f' after {limit * 1e3:.2f} ms' if mode != 'plain' else ''})"
+            failure = await self._attempt(transfer.call, mode, limit, how)
             if failure is None:
-                await self._verify(transfer, mode, previous)
-            previous = f"{transfer.detail} ({mode}, {limit * 1e3:.2f} ms): {failure or 'completed'}"
+                await self._verify(transfer, how, previous)
+            previous = f"{how}: {failure or 'completed'}"
             await asyncio.sleep(0)  # a loop of failing calls must not starve the event loop
 
-    async def _attempt(self, call: Callable[[], Coroutine[Any, Any, None]], mode: str, limit: float) -> str | None:
+    async def _attempt(self, call: Callable[[], Coroutine[Any, Any, None]], mode: str, limit: float, how: str
+                       ) -> str | None:
         """Make the call (``mode``: plain, under ``asyncio.timeout(limit)``, or cancelled after ``limit``);
-        records its latency and lateness and returns the failure (None when it completed)."""
+        records its latency and lateness (``how`` describes it) and returns the failure (None: completed)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + SYNC_KV_TIMEOUT_MS / 1000
@@ -435,19 +454,22 @@ class _Soak:
             failure = "CANCELLED" if mode != "plain" else type(exc).__name__
         except Exception as exc:  # noqa: BLE001 - a bug: count it, describe it, keep going
             failure = type(exc).__name__
-            self.tally.report_problem(f"UNEXPECTED {failure} ({mode}):\n{traceback.format_exc()}")
+            self.tally.report_problem("UNEXPECTED", f"{failure}: {how}:\n{traceback.format_exc()}")
         end = loop.time()
         self.tally.record_call(mode, end - start, end - deadline, failure)
+        if end - deadline > LATE_LIMIT_S:
+            self.tally.report_problem("LATE", f"{how} returned {(end - deadline) * 1e3:.1f} ms after its deadline "
+                                      f"({failure or 'completed'}, {(end - start) * 1e3:.1f} ms after the call)")
         return failure
 
-    async def _verify(self, transfer: _Transfer, mode: str, previous: str) -> None:
+    async def _verify(self, transfer: _Transfer, how: str, previous: str) -> None:
         bad = await transfer.destination.mismatches(transfer.move)
         if not bad:
             self.tally.done[transfer.kind] += 1
             self.tally.bytes_moved += transfer.move.nbytes
             return
         self.tally.corrupted += 1
-        self.tally.report_problem(f"CORRUPTED: {transfer.detail} ({mode}): tensors {bad} differ; "
+        self.tally.report_problem("CORRUPTED", f"{how}: tensors {bad} differ; "
                                   f"this worker's previous transfer: {previous}")
 
 
@@ -464,16 +486,19 @@ def _library_stats(dd: LLMDataDist) -> dict[str, dict[str, Any]]:
 
 def _memory(start: dict[str, int], end: dict[str, int]) -> dict[str, dict[str, float]]:
     return {name: {"start_kib": start[name], "end_kib": end[name],
-                   "growth_pct": (end[name] - start[name]) / start[name] * 100} for name in end}
+                   "growth_pct": (end[name] - start[name]) / start[name] * 100} for name in end if name in start}
 
 
 def _problems(figures: dict[str, Any]) -> list[str]:
     """Why the run failed (empty: it passed)."""
-    problems = []
+    problems = [figures["aborted"]] if figures["aborted"] else []
     if figures["done_total"] == 0:
         problems.append("no transfer completed")
     if figures["corrupted"]:
         problems.append(f"{figures['corrupted']} corrupted transfers")
+    unexpected = {name: n for name, n in figures["failures"].items() if name not in EXPECTED_FAILURES}
+    if unexpected:
+        problems.append(f"unexpected failures: {_counts(unexpected)}")
     if figures["late_over_100ms"]:
         problems.append(f"{figures['late_over_100ms']} calls returned > 100 ms after their deadline")
     problems.extend(f"{name} RSS grew {m['growth_pct']:.1f} %" for name, m in figures["rss"].items()
@@ -492,7 +517,7 @@ def _figures(soak: _Soak, duration: float, rss_end: dict[str, int], settings: di
         "late_worst_ms": t.worst_late_s * 1e3, "late_over_100ms": t.late_calls,
         "loop_lag_worst_ms": t.worst_loop_lag_s * 1e3,
         "latency_p50_ms": float(np.percentile(latencies, 50)), "latency_p99_ms": float(np.percentile(latencies, 99)),
-        "rss": _memory(soak.rss_start or rss_end, rss_end),
+        "rss": _memory(soak.rss_start or rss_end, rss_end), "aborted": soak.aborted,
     }
     figures["problems"] = _problems(figures)
     figures["ok"] = not figures["problems"]
@@ -515,7 +540,7 @@ async def run_soak(seconds: float, *, concurrency: int = 16, transport: str = "a
             if code != LLMStatusCode.LLM_SUCCESS:
                 raise RuntimeError(f"soak: link failed: {code}")
             plane = dd.links()[0]["plane"]
-            soak = _Soak(_Rig(peer, dd, prompt, 16 * seed), peer.pid, concurrency, seed, progress)
+            soak = _Soak(_Rig(peer, dd, prompt, 16 * seed), peer, concurrency, seed, progress)
             progress(f"prompt pid {peer.pid} linked over {plane}; {concurrency} workers for {seconds:g} s")
             duration = await soak.run(seconds)
             rss_end = soak.rss()

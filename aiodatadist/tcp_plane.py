@@ -62,6 +62,7 @@ class TransferJob:
         self.stop = StopFlag()
         self.ready = threading.Event()  # receive jobs: the destination spans are known
         self.future: asyncio.Future[None] = loop.create_future()
+        self.future.add_done_callback(_retrieved)  # an owner-side job may end with nobody awaiting it
         self.error: BaseException | None = None
         self.inflight = 0
         self.done = False
@@ -318,6 +319,11 @@ class PythonDataPlane:
             await asyncio.to_thread(_join, threads)
         for sock in self._socks:
             sock.close()
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _join(threads: list[threading.Thread]) -> None:

@@ -141,8 +141,13 @@ class PeerProcess:
         self._ids += 1
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[self._ids] = future
-        self.proc.stdin.write((json.dumps({"id": self._ids, "cmd": cmd, "args": args}) + "\n").encode())
-        await self.proc.stdin.drain()
+        try:
+            self.proc.stdin.write((json.dumps({"id": self._ids, "cmd": cmd, "args": args}) + "\n").encode())
+            await self.proc.stdin.drain()
+        except BaseException:
+            self._pending.pop(self._ids, None)
+            future.cancel()  # the peer is gone: nobody will ever resolve (or retrieve) it
+            raise
         return await future
 
     def kill(self) -> None:

@@ -454,7 +454,9 @@ class TransferService:
         tid = int_field(message, "tid", 0)
         ok, confirm = field(message, "ok", bool), message.get("confirm") is True
         lease, plane = link.leases.get(tid), link.data
-        assert lease is not None and lease.job is not None and plane is not None
+        if lease is None or lease.job is None or plane is None:  # a second END for this transfer: already settled
+            await link.channel.reply(message["i"], {})
+            return
         code, text = 0, ""
         try:
             if ok and (confirm or lease.job.kind == "send"):
