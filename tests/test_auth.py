@@ -75,7 +75,7 @@ async def test_the_same_key_links_and_transfers(transport: str) -> None:
 async def test_a_missing_or_wrong_key_fails_the_link_on_both_sides(server_key: str | None,
                                                                    client_key: str | None) -> None:
     async with instances(server_key, client_key) as (server, client, port):
-        code, codes = await client.link_clusters([cluster_info(1, port)], timeout=3000)
+        _, codes = await client.link_clusters([cluster_info(1, port)], timeout=3000)
         assert codes == [S.LLM_LINK_FAILED]
         await asyncio.sleep(0.2)
         assert client.links() == [] and server.links() == []

@@ -36,7 +36,7 @@ POISON = 0xA5
 PROMPT, DECODER = 11, 12
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def expected(seed: int, tensor: int) -> np.ndarray:
     return pattern(seed, tensor, BLOCKS * BLOCK).reshape(BLOCKS, BLOCK)
 

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=False, timeout=timeout,
+                          cwd=ROOT)
 
 
 def test_demo_moves_and_verifies_every_byte() -> None:

@@ -93,7 +93,7 @@ async def test_512_simultaneous_links_and_nothing_left_after_finalize() -> None:
         # one link more than the limit is refused by the server
         extra = LLMDataDist(LLMRole.DECODER, 999)
         await extra.init({})
-        code, codes = await extra.link_clusters([cluster_info(1, port)], timeout=5000)
+        _, codes = await extra.link_clusters([cluster_info(1, port)], timeout=5000)
         assert codes == [S.LLM_CLUSTER_NUM_EXCEED_LIMIT]
         await extra.finalize()
         await asyncio.gather(*(c.finalize() for c in clients))
