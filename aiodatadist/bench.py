@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .bench_baselines import copyto_gbps, socket_stream_gbps
+from .bench_baselines import gbps as _gbps
 from .cache import Cache
 from .config import LLMConfig
 from .datadist import LLMDataDist
@@ -60,10 +61,6 @@ def _blocks_desc() -> CacheDesc:
 
 def _slot_desc() -> CacheDesc:
     return CacheDesc(TENSORS, (1, SLOT_BYTES), DataType.DT_UINT8, Placement.HOST)
-
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
 
 
 async def _times(fn: Callable[[], Awaitable[Any]], repeat: int, warmup: int = 1) -> list[float]:

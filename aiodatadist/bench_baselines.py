@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["copyto_gbps", "socket_stream_gbps"]
+__all__ = ["copyto_gbps", "gbps", "socket_stream_gbps"]
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
+def gbps(nbytes: int, seconds: float) -> float:
+    """Bytes per second, in GB/s."""
     return nbytes / seconds / 1e9
 
 
@@ -33,7 +34,7 @@ def copyto_gbps(nbytes: int, repeat: int) -> float:
         start = time.perf_counter()
         np.copyto(dst, src)
         times.append(time.perf_counter() - start)
-    return _gbps(nbytes, statistics.median(times))
+    return gbps(nbytes, statistics.median(times))
 
 
 def _stream_sender(port: int, nbytes: int, rounds: int) -> None:
@@ -78,4 +79,4 @@ def socket_stream_gbps(nbytes: int, repeat: int) -> float:
             child.join(timeout=10)
             if child.is_alive():
                 child.kill()
-    return _gbps(nbytes, statistics.median(times))
+    return gbps(nbytes, statistics.median(times))

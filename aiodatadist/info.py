@@ -12,9 +12,9 @@ import zmq
 from . import __version__
 from .executor import default_workers
 from .links import native_data_plane
-from .tcp_plane import data_connections
 from .native import native_available
 from .peer import allowed_mechanisms
+from .tcp_plane import data_connections
 
 __all__ = ["main"]
 

@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from .errors import LLMException, LLMLinkError, LLMStatusCode
 from .native import native_pool
-from .tcp_plane import FRAME_BYTES, PULL, TransferJob
+from .tcp_plane import FRAME_BYTES, PULL, TransferJob, WaitingMixin
 
 __all__ = ["NativeDataPlane"]
 
@@ -33,7 +33,7 @@ def _u64(values: Any) -> UInt64Array:
     return np.ascontiguousarray(values, dtype=np.uint64)
 
 
-class NativeDataPlane:
+class NativeDataPlane(WaitingMixin):
     """One link's data connections, served by the helper's threads."""
 
     serves_reads = True
@@ -126,30 +126,6 @@ class NativeDataPlane:
             job.error = error
         if job.handle is not None and self._net is not None:
             self._lib.adt_net_cancel(self._net, job.handle, 1)
-
-    async def wait(self, job: TransferJob) -> None:
-        """Await a job; if the caller is cancelled, stop the job and return only once no thread touches it."""
-        try:
-            await asyncio.shield(job.future)
-        except asyncio.CancelledError:
-            self.cancel(job)
-            await self.wait_stopped(job)
-            raise
-
-    async def wait_stopped(self, job: TransferJob) -> None:
-        """Wait, through further cancellations, until no thread touches the job's memory."""
-        cancelled = False
-        while not job.future.done():
-            try:
-                await asyncio.shield(job.future)
-            except asyncio.CancelledError:
-                cancelled = True
-            except LLMException:
-                break
-        if not job.future.cancelled():
-            job.future.exception()
-        if cancelled:
-            raise asyncio.CancelledError
 
     # -- completion ------------------------------------------------------------------------------------------
     def _on_ready(self) -> None:

@@ -34,7 +34,7 @@ from .frames import HEADER, MAGIC, T_DATA, FrameError, recv_exact, recv_frame, s
 from .layout import Spans
 from .native import StopFlag
 
-__all__ = ["FRAME_BYTES", "PULL", "PUSH", "PythonDataPlane", "TransferJob", "data_connections"]
+__all__ = ["FRAME_BYTES", "PULL", "PUSH", "PythonDataPlane", "TransferJob", "WaitingMixin", "data_connections"]
 
 log = logging.getLogger("aiodatadist.tcp")
 UInt64Array = npt.NDArray[np.uint64]
@@ -77,7 +77,39 @@ class TransferJob:
         self.next_frame = 0
 
 
-class PythonDataPlane:
+class WaitingMixin:
+    """Awaiting a data plane's jobs (both implementations): cancellation stops the job, and the waiter returns
+    only once no I/O thread touches its memory."""
+
+    def cancel(self, job: TransferJob, error: BaseException | None = None) -> None:
+        raise NotImplementedError
+
+    async def wait(self, job: TransferJob) -> None:
+        """Await a job; if the caller is cancelled, stop the job and return only once no thread touches it."""
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            self.cancel(job)
+            await self.wait_stopped(job)
+            raise
+
+    async def wait_stopped(self, job: TransferJob) -> None:
+        """Wait, through further cancellations, until no thread touches the job's memory."""
+        cancelled = False
+        while not job.future.done():
+            try:
+                await asyncio.shield(job.future)
+            except asyncio.CancelledError:
+                cancelled = True
+            except BaseException:  # noqa: BLE001 - its error is the waiter's business
+                break
+        if not job.future.cancelled():
+            job.future.exception()
+        if cancelled:
+            raise asyncio.CancelledError
+
+
+class PythonDataPlane(WaitingMixin):
     """The data connections of one link and the transfers running on them (Python I/O threads: the fallback
     where the native helper is not built; it does not serve one-sided reads)."""
 
@@ -168,30 +200,6 @@ class PythonDataPlane:
                 self._queue.remove(job)
             job.ready.set()  # a receiver waiting for the destination drops the frame instead
             self._finish_if_idle(job)
-
-    async def wait(self, job: TransferJob) -> None:
-        """Await a job; if the caller is cancelled, stop the job and return only once no thread touches it."""
-        try:
-            await asyncio.shield(job.future)
-        except asyncio.CancelledError:
-            self.cancel(job)
-            await self.wait_stopped(job)
-            raise
-
-    async def wait_stopped(self, job: TransferJob) -> None:
-        """Wait, through further cancellations, until no thread touches the job's memory."""
-        cancelled = False
-        while not job.future.done():
-            try:
-                await asyncio.shield(job.future)
-            except asyncio.CancelledError:
-                cancelled = True
-            except BaseException:
-                break
-        if not job.future.cancelled():
-            job.future.exception()
-        if cancelled:
-            raise asyncio.CancelledError
 
     # -- bookkeeping (under the condition's lock) -------------------------------------------------------------
     def _check_open(self) -> None:
