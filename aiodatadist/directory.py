@@ -2,8 +2,9 @@
 
 An owner publishes each remote-accessible shared-memory cache in a row of a small ``memfd`` table that its
 same-host peers map read-only.  A row holds the cache id, the ``model_id`` the cache currently answers to as a
-``BlocksCacheKey`` (-1 if none) and a *stamp*: a number never used twice by this owner while the cache is
-live, 0 once it was released.  A requester that already resolved a key through the owner (one round trip,
+``BlocksCacheKey`` (-1 if none) and a *stamp*: a random 62-bit number, drawn afresh each time a cache is
+published and 0 once it was released.  The stamp is also a capability: a one-sided TCP read names it, and a
+peer learns it only from the owner's reply to a transfer the authenticated control plane agreed.  A requester that already resolved a key through the owner (one round trip,
 which also brings the cache's descriptor) keeps ``(row, stamp)``; later transfers by the same key check the row
 instead of asking again, copy, and check the stamp once more afterwards: a cache released in between fails the
 transfer with ``LLM_KV_CACHE_NOT_EXIST`` exactly as the round-trip path does.
@@ -16,8 +17,8 @@ back to the caller on release), so transfers on it always go through the owner.
 
 from __future__ import annotations
 
-import itertools
 import mmap
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,6 @@ class CacheDirectory:
         self.segment = SharedSegment(rows * _WORDS * 8, name="aiodatadist-directory")
         self._words = self.segment.array().view(np.int64)
         self._free = list(range(rows - 1, -1, -1))
-        self._stamps = itertools.count(1)
 
     @property
     def address(self) -> int:
@@ -62,7 +62,7 @@ class CacheDirectory:
         self._words[base_word + _MODEL] = model_id
         self._words[base_word + _BASE] = base
         self._words[base_word + _SIZE] = size
-        stamp = next(self._stamps)
+        stamp = secrets.randbits(62) + 1  # unguessable: a one-sided TCP read must present it
         self._words[base_word + _STAMP] = stamp  # last: a reader that sees the stamp sees the fields (x86 TSO)
         return row, stamp
 

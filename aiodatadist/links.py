@@ -25,7 +25,7 @@ from .peer import HostProbe, PeerCapabilities, PeerMemory, probe_peer
 from .protocol import PROTOCOL_VERSION, Kind, ProtocolError, int_field, segment_to_wire
 from .protocol import field as msg_field
 from .registry import CacheEntry
-from .tcp_plane import PythonDataPlane, TransferJob, data_connections
+from .tcp_plane import MAX_DATA_CONNECTIONS, PythonDataPlane, TransferJob, data_connections
 
 if TYPE_CHECKING:
     from .native_net import NativeDataPlane
@@ -82,6 +82,7 @@ class Link:
     data: DataPlane | None = None  # TCP plane: the link's data connections
     peer_serves_reads: bool = False  # TCP plane: the peer answers one-sided reads of its published caches
     data_token: bytes | None = None  # server side: what the client's data connections present
+    data_admits: int = 0  # server side: data connections still admitted with that token (then it is retired)
     tcp_jobs: dict[int, TransferJob] = field(default_factory=dict)  # requester side, TCP plane, by transfer id
     resolved: dict[tuple[str, int, int], Resolved] = field(default_factory=dict)  # requester side, by wire key
     closed: bool = False
@@ -288,6 +289,7 @@ class LinkManager:
                 link.data_token = secrets.token_bytes(16)
                 reply["data"] = [port, link.data_token]
             self._data_tokens[link.data_token] = link
+            link.data_admits = reply["dconns"] = data_connections()
             link.data = self._new_data_plane(link)
         await channel.reply(req_id, reply)
         link.map_directory(message.get("dir"))
@@ -397,7 +399,8 @@ class LinkManager:
             link.plane = "tcp"  # the server cannot use this host's shared memory: both ends use TCP
         if link.plane == "tcp":
             remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
-            error = await self._connect_data(link, ip_int_to_str(ip), reply.get("data"), nonces, remaining)
+            error = await self._connect_data(link, ip_int_to_str(ip), reply.get("data"), reply.get("dconns"), nonces,
+                                             remaining)
             if error is not None:
                 log.info("link %d -> %d (%s): %s", self._dd.cluster_id, remote_id, endpoint, error)
                 with contextlib.suppress(LLMException):
@@ -461,9 +464,11 @@ class LinkManager:
         reply = await channel.request(Kind.HELLO, {**body, "sn": server_nonce, "cp": client_proof})
         return reply, (client_nonce, server_nonce)
 
-    async def _connect_data(self, link: Link, host: str, offer: Any, nonces: tuple[bytes, bytes] | None,
+    async def _connect_data(self, link: Link, host: str, offer: Any, count: Any, nonces: tuple[bytes, bytes] | None,
                             timeout: float) -> str | None:
-        """Client side: open the link's data connections; returns what went wrong, or None."""
+        """Client side: open the ``count`` data connections the server admits; returns what went wrong, or None."""
+        if not (type(count) is int and 1 <= count <= MAX_DATA_CONNECTIONS):
+            return f"the peer offers a bad number of data connections: {count!r}"
         if nonces is not None and self._auth_key is not None and isinstance(offer, list) and len(offer) == 1:
             offer = [offer[0], auth.data_token(self._auth_key, *nonces)]
         if not (isinstance(offer, list) and len(offer) == 2 and type(offer[0]) is int and 0 < offer[0] < 65536
@@ -474,7 +479,7 @@ class LinkManager:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(timeout, 0.001)):
-                for _ in range(data_connections()):
+                for _ in range(count):
                     family = socket.AF_INET6 if ":" in host else socket.AF_INET
                     conn = socket.socket(family, socket.SOCK_STREAM)
                     try:
@@ -522,6 +527,9 @@ class LinkManager:
         if link is None or link.closed or link.data is None:
             conn.close()
             return
+        link.data_admits -= 1
+        if link.data_admits <= 0:  # every agreed connection is in: nobody else gets in with this token
+            self._data_tokens.pop(token, None)
         link.plane = "tcp"  # the client chose TCP (it may not reach this host's memory)
         link.data.attach(conn)
 

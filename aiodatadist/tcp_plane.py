@@ -34,7 +34,7 @@ from .frames import HEADER, MAGIC, T_DATA, FrameError, recv_exact, recv_frame, s
 from .layout import Spans
 from .native import StopFlag
 
-__all__ = ["FRAME_BYTES", "PULL", "PUSH", "PythonDataPlane", "TransferJob", "WaitingMixin", "data_connections"]
+__all__ = ["FRAME_BYTES", "MAX_DATA_CONNECTIONS", "PULL", "PUSH", "PythonDataPlane", "TransferJob", "WaitingMixin", "data_connections"]
 
 log = logging.getLogger("aiodatadist.tcp")
 UInt64Array = npt.NDArray[np.uint64]
@@ -42,6 +42,7 @@ FRAME_BYTES = 4 << 20
 SCRATCH_BYTES = 1 << 20
 PULL = 1  # frame flag: the transfer id is the receiver's own (the owner sends a pull)
 PUSH = 0  # the transfer id is the sender's (the requester sends a push)
+MAX_DATA_CONNECTIONS = 16  # per link (MAX_CONNS in _net.c)
 
 
 def data_connections() -> int:
@@ -49,7 +50,7 @@ def data_connections() -> int:
     cores, two connections moved 256 MiB 1.2x and 2 MiB 1.5x faster than one)."""
     value = os.environ.get("AIODATADIST_TCP_CONNECTIONS", "")
     if value.isdigit():
-        return max(1, min(16, int(value)))
+        return max(1, min(MAX_DATA_CONNECTIONS, int(value)))
     return max(2, min(4, os.cpu_count() or 2))
 
 

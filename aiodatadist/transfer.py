@@ -10,8 +10,8 @@ successful pull by ``CacheKey``, releases that key on the owner.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
+import secrets
 import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
@@ -56,6 +56,18 @@ Descriptor = tuple[CacheGeometry, "np.ndarray[Any, np.dtype[np.uint64]]", Any]
 END_ACK_TIMEOUT = 1.0
 STOP_ACK_TIMEOUT = 1.0  # a cut-short TCP push waits this long for the owner to stop writing, then drops the link
 S = LLMStatusCode
+
+
+def transfer_id(running: set[int]) -> int:
+    """A fresh transfer id: random, so that it is also the transfer's token on the data connections.
+
+    A TCP frame is written only into a transfer its receiving end registered under that id, which the
+    authenticated control plane agreed; 62 random bits cannot be guessed by whoever else reaches the port.
+    """
+    while True:
+        tid = secrets.randbits(62)
+        if tid and tid not in running:
+            return tid
 
 
 def wire_key(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> WireKey:
@@ -132,7 +144,6 @@ class TransferService:
 
     def __init__(self, datadist: LLMDataDist) -> None:
         self._dd = datadist
-        self._tids = itertools.count(1)
         self._pulling_keys: set[tuple[str, int, int]] = set()
         self.stats = StatsRecorder()
 
@@ -198,7 +209,7 @@ class TransferService:
         if tcp and link.data is None:
             raise LLMLinkError(f"the link to cluster {key.cluster_id} has no data connections")
         manager = self._dd.cache_manager
-        tid = next(self._tids)
+        tid = transfer_id(link.running)
         pull = params.op == "pull"
         consumes_key = pull and wkey.kind in ("req", "prefix")
         ok = ended = streaming = False
@@ -313,7 +324,7 @@ class TransferService:
         assert plane is not None and isinstance(plane, NativeDataPlane)
         owner_geometry, owner_addrs, _ = link.descriptors[resolved.cache_id]
         plan = transfer_plan(params, local.geometry, owner_geometry, resolved.slot)
-        tid = next(self._tids)
+        tid = transfer_id(link.running)
         with self._dd.cache_manager.registry.lease(local):
             job = plane.read(tid, resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id,
                              plan_side_spans(plan, owner_addrs, "src"), plan_side_spans(plan, local.addrs, "dst"))
@@ -336,7 +347,7 @@ class TransferService:
         plan = transfer_plan(params, local.geometry, descriptor[0], resolved.slot)
         local.leases += 1  # (registry.lease, inline on this hot path)
         try:
-            await self._copy(link, next(self._tids), plan, descriptor, local, params)
+            await self._copy(link, transfer_id(link.running), plan, descriptor, local, params)
         finally:
             self._dd.cache_manager.registry.release_lease(local)
         assert link.directory is not None

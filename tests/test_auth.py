@@ -20,6 +20,7 @@ from aiodatadist import (
     LLMConfig,
     LLMDataDist,
     LLMRole,
+    LLMException,
     LLMStatusCode,
     Placement,
     auth,
@@ -141,3 +142,60 @@ async def test_data_connections_need_the_derived_token() -> None:
 
         assert await asyncio.to_thread(intrude) == b""  # closed by the server
         assert link.data.connections == before
+
+
+async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
+    """Data connections are admitted only as many times as the handshake agreed (the token is then retired), and
+    even the linked peer gets nothing the control plane did not agree: DATA frames under guessed transfer ids are
+    dropped (a running push still lands byte-exact), and one-sided READs that guess a published cache's stamp are
+    refused.  Ids and stamps are random 62-bit numbers, never 1, 2, 3, ... as they were."""
+    from aiodatadist.frames import DATA_HELLO, MAGIC
+    from aiodatadist.tcp_plane import PUSH
+
+    big = CacheDesc(2, (64, 65536), DataType.DT_UINT8, Placement.HOST)  # 8 MiB per push
+    async with instances("s3cret", "s3cret", "tcp") as (server, client, port):
+        assert (await client.link_clusters([cluster_info(1, port)], timeout=3000))[0] == S.LLM_SUCCESS
+        dst = server.cache_manager.allocate_blocks_cache(big, BlocksCacheKey(1, 0))
+        src = client.cache_manager.allocate_blocks_cache(big)
+        data = fill_pattern(src, 5)
+        fill_pattern(dst, 6)
+        listener = server._links._data_listener
+        assert listener is not None
+        server_link = server._links.links[2]
+        assert server_link.data_token is not None and server_link.data is not None
+        before = server_link.data.connections
+
+        def late_connection() -> bytes:
+            with socket.create_connection(("127.0.0.1", listener.getsockname()[1])) as sock:
+                sock.sendall(DATA_HELLO.pack(MAGIC, server_link.data_token))  # the real token, once too often
+                sock.settimeout(3)
+                return sock.recv(1)
+
+        assert await asyncio.to_thread(late_connection) == b""
+        assert server_link.data.connections == before
+
+        link = client._links.links[1]
+        assert link.data is not None
+        garbage = client.cache_manager.allocate_blocks_cache(big)
+        fill_pattern(garbage, 7)
+        spans = (np.array(garbage.tensor_addrs, dtype=np.uint64), np.full(2, big.size, dtype=np.uint64))
+        for _ in range(4):
+            forged = [link.data.send(PUSH, tid, *spans) for tid in range(1, 9)]
+            await client.cache_manager.push_blocks(BlocksCacheKey(1, 0), src, list(range(64)), list(range(64)))
+            for job in forged:
+                await link.data.wait(job)
+            assert all(np.array_equal(a, b.reshape(-1)) for a, b in zip(data, dst.tensors))
+
+        local = (np.array([src.tensor_addrs[0]], dtype=np.uint64), np.array([4096], dtype=np.uint64))
+        remote = (np.array([dst.tensor_addrs[0]], dtype=np.uint64), np.array([4096], dtype=np.uint64))
+        mine = src.tensors[0].copy()
+        for row in range(4):
+            for stamp in range(1, 17):
+                job = link.data.read(10_000 + stamp, row, stamp, dst.cache_id, None, remote, local)
+                with pytest.raises(LLMException) as info:
+                    await link.data.wait(job)
+                assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        assert np.array_equal(mine, src.tensors[0])
+        out = client.cache_manager.allocate_blocks_cache(big)
+        await client.cache_manager.pull_blocks(BlocksCacheKey(1, 0), out, [3], [3])  # the link still serves
+        assert np.array_equal(out.tensors[1][3], data[1].reshape(64, -1)[3])
