@@ -27,7 +27,7 @@ from . import (
     LLMRole,
     Placement,
 )
-from .testing import cluster_info, fill_pattern
+from .testing import cluster_info, fill_pattern, tensor_bytes, write_tensor
 
 
 def make_key(spec: dict[str, Any]) -> CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey:
@@ -56,7 +56,8 @@ class Agent:
         return self.dd.cache_manager
 
     def _desc(self, a: dict[str, Any]) -> CacheDesc:
-        return CacheDesc(a["num_tensors"], tuple(a["shape"]), DataType[a.get("dtype", "DT_UINT8")], Placement.HOST)
+        return CacheDesc(a["num_tensors"], tuple(a["shape"]), DataType[a.get("dtype", "DT_UINT8")],
+                         Placement[a.get("placement", "HOST")])
 
     async def cmd_init(self, a: dict[str, Any]) -> Any:
         self.dd = LLMDataDist(LLMRole[a.get("role", "PROMPT")], a["cluster_id"])
@@ -107,17 +108,32 @@ class Agent:
         fill_pattern(self.caches[a["cache_id"]], a["seed"])
         return None
 
+    # Bulk work on a cache runs in a thread: this process's event loop keeps serving transfers meanwhile, as a
+    # serving framework's would (a loop blocked for tens of milliseconds delays every peer's requests).
     async def cmd_poison(self, a: dict[str, Any]) -> Any:
-        for t in self.caches[a["cache_id"]].tensors:
-            t.view(np.uint8)[...] = a.get("value", 0)
+        cache = self.caches[a["cache_id"]]
+
+        def poison() -> None:
+            for t in range(cache.cache_desc.num_tensors):
+                write_tensor(cache, t, np.full(cache.cache_desc.size, a.get("value", 0), dtype=np.uint8))
+
+        await asyncio.to_thread(poison)
         return None
 
     async def cmd_digest(self, a: dict[str, Any]) -> Any:
-        return [hashlib.sha256(t.view(np.uint8).tobytes()).hexdigest() for t in self.caches[a["cache_id"]].tensors]
+        cache = self.caches[a["cache_id"]]
+        return await asyncio.to_thread(
+            lambda: [hashlib.sha256(t.data).hexdigest() for t in tensor_bytes(cache)])
 
     async def cmd_read(self, a: dict[str, Any]) -> Any:
-        t = self.caches[a["cache_id"]].tensors[a["tensor"]].view(np.uint8).reshape(-1)
+        t = tensor_bytes(self.caches[a["cache_id"]])[a["tensor"]]
         return t[a["offset"]: a["offset"] + a["nbytes"]].tobytes().hex()
+
+    async def cmd_block_digests(self, a: dict[str, Any]) -> Any:
+        """sha256 of each ``block_bytes`` piece of tensor ``tensor`` (large caches, without moving the bytes)."""
+        cache = self.caches[a["cache_id"]]
+        t = (await asyncio.to_thread(tensor_bytes, cache))[a["tensor"]].reshape(-1, a["block_bytes"])
+        return await asyncio.to_thread(lambda: [hashlib.sha256(block).hexdigest() for block in t])
 
     async def cmd_release(self, a: dict[str, Any]) -> Any:
         cache = self.caches.pop(a["cache_id"])

@@ -267,6 +267,32 @@ def _format(r: dict[str, Any]) -> str:
     return text
 
 
+def _device_main(ordinal: int, repeat: int, quiet: bool, json_path: str | None) -> int:
+    from .bench_device import print_rows, run_device_bench
+    from .cuda import cuda_status, get_device
+    from .errors import LLMException
+
+    try:
+        device = get_device(ordinal)
+    except LLMException as exc:
+        sys.stderr.write(f"bench --device: {exc}\n")
+        return 2
+    started = time.perf_counter()
+
+    def progress(line: str) -> None:
+        if not quiet:
+            sys.stderr.write(f"[{time.perf_counter() - started:6.1f} s] {line}\n")
+
+    sys.stdout.write(f"aiodatadist bench --device: {device.name} ({cuda_status()}, {device.driver.path}), "
+                     f"repeat={repeat}; medians, baselines measured in this run\n")
+    rows = asyncio.run(run_device_bench(repeat, ordinal, progress))
+    print_rows(rows)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": device.name, "repeat": repeat, "results": rows}, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aiodatadist bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -279,7 +305,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true", help="also run NIXL (extra 'peers') in the same run")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--device", nargs="?", const=0, type=int, metavar="ORDINAL",
+                        help="run the GPU workloads instead (CUDA device ORDINAL, default 0): cross-process "
+                             "device pulls/pushes and swap_blocks, against the GPU's own cuMemcpy")
     args = parser.parse_args(argv)
+    if args.device is not None:
+        return _device_main(args.device, args.repeat, args.quiet, args.json)
     names = [ALIASES.get(w, w) for w in args.workloads]
     unknown = set(names) - set(WORKLOADS)
     if unknown:

@@ -3,6 +3,7 @@ through the linked peer, see :mod:`aiodatadist.transfer`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from ._checks import (
     require,
 )
 from .cache import Cache
+from .device import DeviceSupport, device_support, merged_ranges
 from .directory import CacheDirectory
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
 from .executor import CopyJob, ExecutorBase, wait_stopped
@@ -57,11 +59,6 @@ def _check_desc(cache_desc: Any) -> CacheDesc:
     require(1 <= len(desc.shape) < MAX_SHAPE_RANK, f"cache_desc.shape must have 1 to {MAX_SHAPE_RANK - 1} dims.")
     require(all(int(d) > 0 for d in desc.shape), f"cache_desc.shape {list(desc.shape)} must be all > 0.")
     desc.data_type.np_dtype  # noqa: B018 - raises LLM_PARAM_INVALID for DT_STRING
-    if desc.placement == Placement.DEVICE:
-        raise LLMException(
-            "Placement.DEVICE caches need CUDA device support, which is not available in this build.",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-        )
     return desc
 
 
@@ -85,8 +82,9 @@ class CacheManager(TransferMixin):
         self._datadist = datadist
         self._executor = executor
         self._registry = CacheRegistry(CacheDirectory())
-        self._jobs: set[CopyJob] = set()
+        self._jobs: dict[CopyJob, ExecutorBase] = {}  # running jobs and who runs them
         self._closed = False
+        self._device: DeviceSupport | None = None
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -105,14 +103,42 @@ class CacheManager(TransferMixin):
     def executor(self) -> ExecutorBase:
         return self._executor
 
+    def device(self) -> DeviceSupport:
+        """This instance's GPU (``device_id``), set up on first use; raises ``LLM_FEATURE_NOT_ENABLED`` saying
+        why when CUDA cannot be used."""
+        if self._device is None:
+            self._device = device_support(self._datadist.settings.device_id)
+        return self._device
+
+    def device_addrs(self, entry: CacheEntry) -> np.ndarray:
+        """The tensors' addresses as the GPU sees them: device memory as is, host memory page-locked (once per
+        cache, until it is freed)."""
+        if entry.on_device:
+            return entry.addrs
+        if entry.device_addrs is None:
+            device = self.device()
+            if entry.segment is not None:
+                spans = [(entry.segment.address, entry.segment.size)]
+            else:
+                spans = merged_ranges(entry.addrs, entry.desc.size)
+            deltas = []
+            for addr, size in spans:
+                deltas.append(device.pin(addr, size))
+                entry.on_free.append(functools.partial(device.unpin, addr, size))
+            starts = np.array([a for a, _ in spans], dtype=np.uint64)
+            which = np.searchsorted(starts, entry.addrs, side="right") - 1
+            entry.device_addrs = entry.addrs + np.array(deltas, dtype=np.uint64)[which]
+        return entry.device_addrs
+
     def start_job(self, plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: CopySpec | None,
-                  entries: tuple[CacheEntry, ...]) -> CopyJob:
+                  entries: tuple[CacheEntry, ...], *, on_device: bool = False) -> CopyJob:
         """Queue the copy of ``plan`` from tensors at ``src_addrs`` to ``dst_addrs``, touching ``entries``
-        (callers hold leases on them); ``copier`` None = both ends in this process."""
+        (callers hold leases on them); ``copier`` None = both ends in this process.  ``on_device``: the GPU
+        copies (addresses as :meth:`device_addrs` gives them)."""
         self._check_open()
-        job: CopyJob = self._executor.start_plan(plan, src_addrs, dst_addrs,
-                                                 copier or copier_for_local(plan.total_bytes))
-        self._jobs.add(job)
+        executor: ExecutorBase = self.device().executor if on_device else self._executor
+        job: CopyJob = executor.start_plan(plan, src_addrs, dst_addrs, copier or copier_for_local(plan.total_bytes))
+        self._jobs[job] = executor
         for entry in entries:
             entry.jobs.add(job)
         return job
@@ -120,26 +146,36 @@ class CacheManager(TransferMixin):
     async def wait_job(self, job: CopyJob, entries: tuple[CacheEntry, ...]) -> None:
         """Await a job; cancelling the caller stops it and returns only once its workers are done."""
         try:
-            await self._executor.wait(job)
+            await self._jobs.get(job, self._executor).wait(job)
         finally:
-            self._jobs.discard(job)
+            self._jobs.pop(job, None)
             for entry in entries:
                 entry.jobs.discard(job)
 
     async def wait_stopped(self, job: CopyJob) -> None:
         await wait_stopped(job)
 
+    def cancel_job(self, job: CopyJob, error: BaseException | None = None) -> None:
+        """Stop a job at its next chunk (a GPU copy cannot be stopped: its waiter waits for it)."""
+        self._jobs.get(job, self._executor).cancel(job, error)
+
     async def run_copy(self, plan: CopyPlan, src: CacheEntry, dst: CacheEntry) -> None:
-        """Copy a plan between two local caches while holding leases on them; cancellable at chunk boundaries."""
+        """Copy a plan between two local caches while holding leases on them; cancellable at chunk boundaries
+        (a GPU copy, when either cache is on the device, is waited for)."""
         self._check_open()
         entries = (dst,) if src is dst else (dst, src)
         with self._registry.lease(*entries):
-            await self.wait_job(self.start_job(plan, src.addrs, dst.addrs, None, entries), entries)
+            if src.on_device or dst.on_device:
+                job = self.start_job(plan, self.device_addrs(src), self.device_addrs(dst), None, entries,
+                                     on_device=True)
+            else:
+                job = self.start_job(plan, src.addrs, dst.addrs, None, entries)
+            await self.wait_job(job, entries)
 
     def _abort_jobs(self, jobs: list[CopyJob], reason: str) -> None:
         """Stop jobs that use caller-owned memory being released; waits at most one chunk per job."""
         for job in jobs:
-            self._executor.cancel(job, LLMException(reason, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST))
+            self.cancel_job(job, LLMException(reason, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST))
         for job in jobs:
             if not job.wait_stopped_sync(5.0):
                 log.error("a copy on released memory did not stop within 5 s; the memory may still be written")
@@ -149,6 +185,13 @@ class CacheManager(TransferMixin):
                   blocks_key: BlocksCacheKey | None) -> Cache:
         geometry = geometry_of(desc, is_blocks)
         bound = self._registry.check_keys(keys, geometry.slots) if keys else []
+        if desc.placement == Placement.DEVICE:
+            memory, addrs = self.device().allocate(desc.size, desc.num_tensors)
+            cache = self._registry.add(desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True,
+                                       segment=None, device_memory=memory, keys=bound, blocks_key=blocks_key,
+                                       owner=self)
+            log.debug("allocated device cache %d (%d x %d bytes)", cache.cache_id, desc.num_tensors, desc.size)
+            return cache
         segment = SharedSegment(desc.size * desc.num_tensors, name=f"aiodatadist-{self._datadist.cluster_id}")
         addrs = [segment.address + i * desc.size for i in range(desc.num_tensors)]
         cache = self._registry.add(desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True,
@@ -158,14 +201,16 @@ class CacheManager(TransferMixin):
 
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = ()) -> Cache:
-        """Allocate a contiguous host cache in shared memory; key ``i`` binds batch slot ``i``."""
+        """Allocate a contiguous cache (host: shared memory; ``Placement.DEVICE``: CUDA device memory of
+        ``device_id``); key ``i`` binds batch slot ``i``."""
         self._check_open()
         desc = _check_desc(cache_desc)
         keys = _check_cache_keys(cache_keys)
         return self._allocate(desc, is_blocks=False, keys=keys, blocks_key=None)
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
-        """Allocate a paged host cache (``shape[0]`` blocks) in shared memory, indexed by ``model_id``."""
+        """Allocate a paged cache (``shape[0]`` blocks; host: shared memory, ``Placement.DEVICE``: CUDA device
+        memory), indexed by ``model_id``."""
         self._check_open()
         desc = _check_desc(cache_desc)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
@@ -190,6 +235,8 @@ class CacheManager(TransferMixin):
         geometry = geometry_of(desc, is_blocks)
         bound = self._registry.check_keys(keys, geometry.slots) if keys else []
         self._registry.check_registered_addrs(len(values))
+        if desc.placement == Placement.DEVICE:
+            self.device().check_registered(values, desc.size)
         return self._registry.add(desc.copy(), values, is_blocks=is_blocks, remote_accessible=accessible,
                                   segment=None, keys=bound, blocks_key=blocks_key, owner=self)
 
@@ -219,6 +266,8 @@ class CacheManager(TransferMixin):
         jobs = self._registry.release(entry)
         if jobs:
             self._abort_jobs(jobs, f"cache {entry.cache_id} was unregistered during the transfer")
+        if not entry.owned:
+            self._registry.free_now(entry)  # unpin caller-owned host memory the GPU used
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a cache by id (unknown ids are ignored).  Transfers on caller-owned memory are aborted
@@ -307,8 +356,13 @@ class CacheManager(TransferMixin):
             require(not set(mapping.values()) & set(mapping.keys()),
                     "a destination block is also a source block of the same swap.")
         runs = swap_blocks_runs(mapping, src_entry.geometry, dst_entry.geometry)
-        await self.run_copy(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
-                            src_entry, dst_entry)
+        try:
+            await self.run_copy(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
+                                src_entry, dst_entry)
+        finally:
+            for entry in {src_entry, dst_entry}:
+                if entry.cache_id == -1:  # a create_cpu_cache handle: pinned (if at all) for this call only
+                    self._registry.free_now(entry)
 
     def _swap_entry(self, name: str, cache: Any) -> CacheEntry:
         check_isinstance(name, cache, Cache)
@@ -323,13 +377,15 @@ class CacheManager(TransferMixin):
             return
         self._closed = True  # no new copy may start while the running ones are stopped
         for job in list(self._jobs):
-            self._executor.cancel(job, LLMException("LLMDataDist was finalized during the transfer",
-                                                    status_code=LLMStatusCode.LLM_FAILED))
+            self.cancel_job(job, LLMException("LLMDataDist was finalized during the transfer",
+                                              status_code=LLMStatusCode.LLM_FAILED))
         for job in list(self._jobs):
             await wait_stopped(job)
         self._registry.close_all()
         if self._registry.directory is not None:
             self._registry.directory.close()
+        if self._device is not None:
+            self._device.close()
 
     def __repr__(self) -> str:
         return f"CacheManager(cluster_id={self._datadist.cluster_id}, caches={len(self._registry.entries())})"

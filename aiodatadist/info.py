@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import zmq
 
+from .cuda import cuda_status
 from . import __version__
 from .executor import default_workers
 from .links import native_data_plane
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         "forced with llm.Transport=tcp); chosen per link at the handshake, shown by LLMDataDist.links()",
         f"tcp data plane: {'native I/O threads, one-sided reads' if native_data_plane() else 'Python I/O threads'}"
         f", {data_connections()} connections per link (AIODATADIST_NET, AIODATADIST_TCP_CONNECTIONS)",
-        "GPU: not supported in this version (Placement.DEVICE -> LLM_FEATURE_NOT_ENABLED)",
+        f"GPU (Placement.DEVICE, CUDA driver API through ctypes): {cuda_status()}",
         f"cpus: {os.cpu_count()}",
     ]
     sys.stdout.write("\n".join(lines) + "\n")

@@ -27,14 +27,14 @@ from .protocol import field as msg_field
 from .registry import CacheEntry
 from .tcp_plane import MAX_DATA_CONNECTIONS, PythonDataPlane, TransferJob, data_connections
 
-if TYPE_CHECKING:
-    from .native_net import NativeDataPlane
-
-    DataPlane = NativeDataPlane | PythonDataPlane
 from .types import LLMClusterInfo, Transport, ip_int_to_str
 
 if TYPE_CHECKING:
     from .datadist import LLMDataDist
+    from .device import LinkDeviceState
+    from .native_net import NativeDataPlane
+
+    DataPlane = NativeDataPlane | PythonDataPlane
 
 __all__ = ["MAX_LINKS", "Link", "LinkManager"]
 
@@ -85,6 +85,7 @@ class Link:
     data_admits: int = 0  # server side: data connections still admitted with that token (then it is retired)
     tcp_jobs: dict[int, TransferJob] = field(default_factory=dict)  # requester side, TCP plane, by transfer id
     resolved: dict[tuple[str, int, int], Resolved] = field(default_factory=dict)  # requester side, by wire key
+    device: LinkDeviceState | None = None  # requester side: the peer's memory as this GPU reaches it
     closed: bool = False
 
     def __post_init__(self) -> None:

@@ -129,7 +129,8 @@ class PeerMemory:
         self._mappings: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
         self._populating: dict[tuple[int, int], asyncio.Task[Any]] = {}
 
-    def _local_base(self, identity: SegmentIdentity) -> int:
+    def local_base(self, identity: SegmentIdentity) -> int:
+        """Where a peer segment is mapped in this process (mapped on first use, then cached)."""
         key = (identity.inode, identity.device)
         found = self._mappings.get(key)
         if found is None:
@@ -155,7 +156,7 @@ class PeerMemory:
                 parsed = segment_from_wire(value)
                 if parsed is None or parsed[0].pid != self.caps.pid:
                     continue
-                self._local_base(parsed[0])
+                self.local_base(parsed[0])
             except (ProtocolError, OSError, ValueError) as exc:
                 log.debug("peer segment %r not mapped at link time: %s", value, exc)
                 continue
@@ -169,7 +170,7 @@ class PeerMemory:
         """How to copy spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
         if segment is not None and self.caps.can_map:
             identity, remote_base = segment
-            delta = (self._local_base(identity) - remote_base) % 2**64
+            delta = (self.local_base(identity) - remote_base) % 2**64
             if remote_is_src:
                 return CopySpec(0, streaming=streaming, src_delta=delta)
             return CopySpec(0, streaming=streaming, dst_delta=delta)

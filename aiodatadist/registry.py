@@ -8,7 +8,7 @@ transfers that use it, bounded by one copy chunk.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,9 +22,10 @@ from .directory import CacheDirectory
 from .errors import LLMException, LLMStatusCode
 from .layout import CacheGeometry
 from .memory import SharedSegment
-from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex
+from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
 
 if TYPE_CHECKING:
+    from .device import DeviceMemory
     from .executor import CopyJob
 
 __all__ = ["MAX_REGISTERED_ADDRS", "CacheEntry", "CacheRegistry", "geometry_of"]
@@ -53,6 +54,9 @@ class CacheEntry:
     leases: int = 0
     jobs: set[CopyJob] = field(default_factory=set)
     published: tuple[int, int] | None = None  # (row, stamp) in the cache directory
+    device_memory: DeviceMemory | None = None  # an allocated DEVICE cache's memory
+    device_addrs: npt.NDArray[np.uint64] | None = None  # host memory page-locked for GPU copies: its device view
+    on_free: list[Callable[[], None]] = field(default_factory=list)  # run before the memory goes (unpin, ...)
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -61,7 +65,11 @@ class CacheEntry:
     @property
     def owned(self) -> bool:
         """True when aiodatadist allocated the memory (False for caller-registered memory)."""
-        return self.segment is not None
+        return self.segment is not None or self.device_memory is not None
+
+    @property
+    def on_device(self) -> bool:
+        return self.desc.placement == Placement.DEVICE
 
 
 
@@ -110,13 +118,15 @@ class CacheRegistry:
         is_blocks: bool,
         remote_accessible: bool,
         segment: SharedSegment | None,
+        device_memory: DeviceMemory | None = None,
         keys: list[tuple[IndexKey, int]] = (),  # type: ignore[assignment]
         blocks_key: BlocksCacheKey | None = None,
         owner: object = None,
     ) -> Cache:
         cache_id = self._next_id
         self._next_id += 1
-        entry = CacheEntry(cache_id, desc, np.asarray(addrs, dtype=np.uint64), is_blocks, remote_accessible, segment)
+        entry = CacheEntry(cache_id, desc, np.asarray(addrs, dtype=np.uint64), is_blocks, remote_accessible, segment,
+                           device_memory=device_memory)
         entry.handle = Cache(cache_id, desc, addrs, is_blocks, entry=entry, owner=owner)
         self._by_id[cache_id] = entry
         for index, slot in keys:
@@ -129,9 +139,12 @@ class CacheRegistry:
                 self.directory.set_model(previous.published[0], -1)
             self._by_model[blocks_key.model_id] = entry  # last wins, as in the reference
             model = blocks_key.model_id if blocks_key.model_id < 2**63 else -1
-        if segment is not None and remote_accessible and self.directory is not None:
-            entry.published = self.directory.publish(cache_id, model, segment.address, segment.size)
-        if segment is None:
+        if remote_accessible and self.directory is not None:
+            if segment is not None:
+                entry.published = self.directory.publish(cache_id, model, segment.address, segment.size)
+            elif device_memory is not None:  # same-host peers only: no byte of it is served over TCP (size 0)
+                entry.published = self.directory.publish(cache_id, model, 0, 0)
+        if segment is None and device_memory is None:
             self._registered_addrs += len(addrs)
         return entry.handle
 
@@ -223,8 +236,19 @@ class CacheRegistry:
             self._maybe_free(entry)
 
     def _maybe_free(self, entry: CacheEntry) -> None:
-        if entry.released and not entry.keys and entry.leases == 0 and entry.segment is not None:
+        if entry.released and not entry.keys and entry.leases == 0:
+            self.free_now(entry)
+
+    @staticmethod
+    def free_now(entry: CacheEntry) -> None:
+        """Run the entry's release hooks and free memory aiodatadist allocated (once nothing uses it)."""
+        hooks, entry.on_free = entry.on_free, []
+        for hook in hooks:
+            hook()
+        if entry.segment is not None:
             entry.segment.close()
+        if entry.device_memory is not None:
+            entry.device_memory.close()
 
     def acquire(self, entry: CacheEntry) -> None:
         """Take a lease that outlives a call (owner side of a peer's transfer); see :meth:`release_lease`."""

@@ -22,9 +22,10 @@ from .cache import Cache
 from .config import LLMConfig
 from .datadist import LLMDataDist
 from .errors import LLMException, LLMStatusCode
-from .types import LLMClusterInfo, LLMRole
+from .types import LLMClusterInfo, LLMRole, Placement
 
-__all__ = ["PeerError", "PeerProcess", "cluster_info", "fill_pattern", "free_port", "linked_pair", "pattern"]
+__all__ = ["PeerError", "PeerProcess", "cluster_info", "fill_pattern", "free_port", "linked_pair", "pattern",
+           "tensor_bytes", "write_tensor"]
 
 
 def free_port() -> int:
@@ -73,12 +74,41 @@ def pattern(seed: int, tensor_index: int, nbytes: int) -> np.ndarray:
 
 
 def fill_pattern(cache: Cache, seed: int) -> list[np.ndarray]:
-    """Fill every tensor of a host cache with :func:`pattern` bytes; returns the bytes per tensor."""
+    """Fill every tensor of a cache (host or device) with :func:`pattern` bytes; returns the bytes per tensor."""
+    out = [pattern(seed, t, cache.cache_desc.size) for t in range(cache.cache_desc.num_tensors)]
+    for t, data in enumerate(out):
+        write_tensor(cache, t, data)
+    return out
+
+
+def _device_of(cache: Cache) -> Any:
+    owner = cache._owner
+    if owner is None or not hasattr(owner, "device"):
+        raise LLMException("not a cache of a CacheManager", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return owner.device().device
+
+
+def write_tensor(cache: Cache, index: int, data: np.ndarray) -> None:
+    """Overwrite tensor ``index`` of a cache (host or device) with ``data`` (its bytes, ``cache_desc.size``)."""
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    if raw.nbytes != cache.cache_desc.size:
+        raise ValueError(f"{raw.nbytes} bytes for a tensor of {cache.cache_desc.size}")
+    if cache.cache_desc.placement == Placement.DEVICE:
+        _device_of(cache).copy_htod(cache.tensor_addrs[index], raw.ctypes.data, raw.nbytes)
+    else:
+        cache.tensors[index].view(np.uint8).reshape(-1)[:] = raw
+
+
+def tensor_bytes(cache: Cache) -> list[np.ndarray]:
+    """A host copy of every tensor's bytes (flat ``uint8``), for a host or a device cache."""
+    if cache.cache_desc.placement != Placement.DEVICE:
+        return [t.view(np.uint8).reshape(-1).copy() for t in cache.tensors]
+    device, size = _device_of(cache), cache.cache_desc.size
     out = []
-    for t, tensor in enumerate(cache.tensors):
-        data = pattern(seed, t, tensor.nbytes)
-        tensor.view(np.uint8).reshape(-1)[:] = data
-        out.append(data)
+    for addr in cache.tensor_addrs:
+        buf = np.empty(size, dtype=np.uint8)
+        device.copy_dtoh(buf.ctypes.data, addr, size)
+        out.append(buf)
     return out
 
 

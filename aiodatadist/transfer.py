@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable
@@ -20,6 +21,7 @@ import numpy as np
 
 from ._checks import check_int, require
 from .cache_manager import STREAMING_THRESHOLD
+from .device import LinkDeviceState
 from .directory import Resolved
 from .errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from .layout import CacheGeometry, CopyPlan, TransferParams, plan_side_spans, transfer_plan
@@ -51,7 +53,9 @@ if TYPE_CHECKING:
 __all__ = ["TransferService", "wire_key"]
 
 log = logging.getLogger("aiodatadist.transfer")
-Descriptor = tuple[CacheGeometry, "np.ndarray[Any, np.dtype[np.uint64]]", Any]
+# geometry, tensor addresses, shared-memory segment (or None), device allocations to open by IPC (or None)
+Descriptor = tuple[CacheGeometry, "np.ndarray[Any, np.dtype[np.uint64]]", Any, Any]
+MAX_IPC_ALLOCATIONS = 4096
 """An owner's cache as the requester knows it: geometry, tensor addresses, shared-memory segment (or None)."""
 END_ACK_TIMEOUT = 1.0
 STOP_ACK_TIMEOUT = 1.0  # a cut-short TCP push waits this long for the owner to stop writing, then drops the link
@@ -109,7 +113,22 @@ def _parse_descriptor(value: Any) -> Descriptor:
     segment = segment_from_wire(value.get("segment"))
     if len(addrs) != geometry.num_tensors or not _addrs_inside(addrs, geometry.tensor_size, segment):
         raise ProtocolError("the owner announced addresses outside its cache")
-    return geometry, addrs, segment
+    return geometry, addrs, segment, _ipc_from_wire(value.get("ipc"))
+
+
+def _ipc_from_wire(value: Any) -> list[tuple[bytes, int, int]] | None:
+    """A device cache's allocations ``[handle, base, size]``, sorted by base (None: a host cache)."""
+    if value is None:
+        return None
+    if not (isinstance(value, list) and 0 < len(value) <= MAX_IPC_ALLOCATIONS):
+        raise ProtocolError("invalid device allocations")
+    out = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], bytes) and len(item[0]) == 64
+                and all(type(v) is int and 0 < v < 2**64 for v in item[1:]) and item[1] + item[2] < 2**64):
+            raise ProtocolError("invalid device allocation")
+        out.append((item[0], item[1], item[2]))
+    return sorted(out, key=lambda item: item[1])
 
 
 async def _shielded(coro: Any) -> None:
@@ -196,6 +215,9 @@ class TransferService:
             raise LLMException(f"cluster {key.cluster_id} is not linked", status_code=S.LLM_NOT_YET_LINK)
         wkey = wire_key(key)
         tcp = link.plane == "tcp"
+        if tcp and local.on_device:
+            raise LLMException(f"device caches move only between processes on one host (CUDA IPC); the link to "
+                               f"cluster {key.cluster_id} uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
         if tcp:
             remembered = link.resolved.get((wkey.kind, wkey.a, wkey.b)) if params.op == "pull" else None
             if remembered is not None:
@@ -284,13 +306,19 @@ class TransferService:
                     params: TransferParams) -> None:
         """Move the bytes (the caller holds a lease on ``local``); link closure cancels the job."""
         manager = self._dd.cache_manager
-        _, remote_addrs, segment = descriptor
+        geometry, remote_addrs, segment, ipc = descriptor
         pull = params.op == "pull"
         try:
-            copy = link.memory.copier(remote_is_src=pull, segment=segment,
-                                      streaming=plan.total_bytes >= STREAMING_THRESHOLD)
-            src, dst = (remote_addrs, local.addrs) if pull else (local.addrs, remote_addrs)
-            job = manager.start_job(plan, src, dst, copy, (local,))
+            if local.on_device or ipc is not None:  # the GPU copies (see aiodatadist.device)
+                remote = self._device_view(link, geometry, remote_addrs, segment, ipc)
+                mine = manager.device_addrs(local)
+                src, dst = (remote, mine) if pull else (mine, remote)
+                job = manager.start_job(plan, src, dst, None, (local,), on_device=True)
+            else:
+                copy = link.memory.copier(remote_is_src=pull, segment=segment,
+                                          streaming=plan.total_bytes >= STREAMING_THRESHOLD)
+                src, dst = (remote_addrs, local.addrs) if pull else (local.addrs, remote_addrs)
+                job = manager.start_job(plan, src, dst, copy, (local,))
             link.jobs[tid] = job
             try:
                 await manager.wait_job(job, (local,))
@@ -300,6 +328,24 @@ class TransferService:
             if isinstance(exc, LLMException):  # LLMTimeoutError / LLMLinkError are OSErrors too
                 raise
             raise LLMLinkError(f"copy with cluster {link.remote_cluster_id} failed: {exc}") from exc
+
+    def _device_view(self, link: Link, geometry: CacheGeometry, remote_addrs: np.ndarray, segment: Any,
+                     ipc: list[tuple[bytes, int, int]] | None) -> np.ndarray:
+        """The peer's tensors as this process's GPU reaches them: its device memory through IPC, its host
+        cache through the mapped segment, page-locked."""
+        if link.device is None:
+            link.device = LinkDeviceState(self._dd.cache_manager.device(), link.caps.pid == os.getpid())
+        if ipc is not None:
+            return link.device.remote_delta(ipc, remote_addrs, geometry.tensor_size)
+        if segment is None or not link.caps.can_map:
+            raise LLMException(f"a GPU copy needs the host cache of cluster {link.remote_cluster_id} mapped in "
+                               "this process: allocate it with allocate_cache/allocate_blocks_cache (caller-"
+                               "registered host memory is reachable only by process_vm_readv/writev)",
+                               status_code=S.LLM_FEATURE_NOT_ENABLED)
+        identity, remote_base = segment
+        local_base = link.memory.local_base(identity)
+        delta = link.device.pinned_delta(local_base, identity.size)
+        return remote_addrs + np.uint64((local_base - remote_base + delta) % 2**64)
 
     @staticmethod
     def _published(link: Link, wkey: WireKey) -> Resolved | None:
@@ -322,7 +368,7 @@ class TransferService:
         resolved (released or re-keyed): the caller then asks the owner again."""
         plane = link.data
         assert plane is not None and isinstance(plane, NativeDataPlane)
-        owner_geometry, owner_addrs, _ = link.descriptors[resolved.cache_id]
+        owner_geometry, owner_addrs, _, _ = link.descriptors[resolved.cache_id]
         plan = transfer_plan(params, local.geometry, owner_geometry, resolved.slot)
         tid = transfer_id(link.running)
         with self._dd.cache_manager.registry.lease(local):
@@ -408,6 +454,9 @@ class TransferService:
         registry = self._dd.cache_manager.registry
         entry, slot = registry.resolve_wire(key.kind, key.a, key.b)
         require(entry.remote_accessible, f"cache {entry.cache_id} is not remote accessible.")
+        if entry.on_device and link.plane == "tcp":
+            raise LLMException(f"cache {entry.cache_id} is a device cache: it moves only to a process on this host "
+                               "(CUDA IPC), and this link uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
         if params.op == "push":
             require(key.kind in ("id", "blocks"), "push addresses the destination by cache id or BlocksCacheKey.")
         plan = transfer_plan(params, peer_geometry, entry.geometry, slot)  # validates the owner's side too
@@ -444,6 +493,8 @@ class TransferService:
                 "segment": segment_to_wire(entry.segment.identity if entry.segment else None,
                                            entry.segment.address if entry.segment else 0),
             }
+            if entry.on_device:
+                reply["desc"]["ipc"] = self._dd.cache_manager.device().ipc_export(entry.addrs, entry.desc.size)
         return reply
 
     def _end(self, link: Link, message: dict[str, Any]) -> None:
@@ -496,7 +547,7 @@ class TransferService:
             if tid in link.running:
                 link.aborted.add(tid)  # the copy has not started yet: it must not start at all
         elif manager is not None:
-            manager.executor.cancel(job, error)
+            manager.cancel_job(job, error)
 
     def abort_remote(self, entry: CacheEntry) -> None:
         """Ask requesters whose running transfers use ``entry`` (being released) to stop."""
@@ -515,7 +566,7 @@ class TransferService:
         manager = self._dd._cache_manager
         if manager is not None:
             for job in list(link.jobs.values()):
-                manager.executor.cancel(job, error)
+                manager.cancel_job(job, error)
             for job in list(link.jobs.values()):
                 await manager.wait_stopped(job)
             for lease in link.leases.values():
@@ -523,3 +574,6 @@ class TransferService:
                 if lease.release_key is not None:
                     self._pulling_keys.discard(lease.release_key)
         link.leases.clear()
+        if link.device is not None:  # no GPU copy uses the peer's memory any more
+            link.device.close()
+            link.device = None

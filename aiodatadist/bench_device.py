@@ -1,0 +1,167 @@
+"""``bench --device``: GPU figures against the same GPU's own copy limits, measured in the same run.
+
+* ``d2d pull`` / ``d2d push``: a decoder in this process pulls (pushes) 64 tensors x 128 scattered 32 KiB blocks
+  (256 MiB) from (to) a prompt in another process, both caches in device memory, through CUDA IPC; baseline: a
+  same-process ``cuMemcpyDtoD`` of 256 MiB.
+* ``swap h2d`` / ``swap d2h``: ``swap_blocks`` of the same 256 MiB between a host blocks cache and a device one;
+  baselines: ``cuMemcpyHtoD`` / ``cuMemcpyDtoH`` of 256 MiB from / to page-locked host memory.
+* ``host->dev pull``: the decoder's device cache pulls the blocks from the prompt's *host* cache (no baseline
+  ratio target; shown against the pinned host-to-device copy).
+
+GB/s = bytes copied / second; medians over ``--repeat``.  Every transfer is checked byte-exact once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from . import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+from .testing import PeerProcess, cluster_info, free_port, tensor_bytes
+
+__all__ = ["run_device_bench"]
+
+TENSORS = 64
+BLOCKS = 256  # per tensor; 128 of them move
+MOVED = 128
+BLOCK_BYTES = 32 << 10
+MOVED_BYTES = TENSORS * MOVED * BLOCK_BYTES  # 256 MiB
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _median_time(fn: Callable[[], None], repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+async def _median_async(fn: Callable[[], Awaitable[Any]], repeat: int) -> float:
+    await fn()  # warm-up (opens IPC handles, page-locks host caches)
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def baselines(ordinal: int, repeat: int) -> dict[str, float]:
+    """Same-process copies of 256 MiB: device to device, and page-locked host to / from device (GB/s)."""
+    from .cuda import get_device
+
+    device = get_device(ordinal)
+    a, b = device.alloc(MOVED_BYTES), device.alloc(MOVED_BYTES)
+    host = device.alloc_pinned(MOVED_BYTES)
+    try:
+        device.memset(a, 7, MOVED_BYTES)
+        return {
+            "d2d": _gbps(MOVED_BYTES, _median_time(lambda: device.copy_dtod(b, a, MOVED_BYTES), repeat)),
+            "h2d": _gbps(MOVED_BYTES, _median_time(lambda: device.copy_htod(b, host, MOVED_BYTES), repeat)),
+            "d2h": _gbps(MOVED_BYTES, _median_time(lambda: device.copy_dtoh(host, a, MOVED_BYTES), repeat)),
+        }
+    finally:
+        device.free(a)
+        device.free(b)
+        device.free_pinned(host)
+
+
+def _desc(placement: Placement) -> CacheDesc:
+    return CacheDesc(TENSORS, (BLOCKS, BLOCK_BYTES), DataType.DT_UINT8, placement)
+
+
+async def run_device_bench(repeat: int, ordinal: int = 0,
+                           progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
+    """Run the device workloads; returns one row per figure (``name``, ``gbps``, ``baseline``, ``ratio``)."""
+    progress("baselines: cuMemcpy device-to-device and page-locked host<->device, 256 MiB")
+    base = await asyncio.to_thread(baselines, ordinal, repeat)
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, gbps: float, baseline: str) -> None:
+        rows.append({"name": name, "gbps": gbps, "baseline": baseline, "baseline_gbps": base[baseline],
+                     "ratio": gbps / base[baseline]})
+        progress(f"{name}: {gbps:.1f} GB/s ({gbps / base[baseline]:.2f}x {baseline})")
+
+    rng = np.random.default_rng(1)
+    src_blocks = [int(b) for b in rng.permutation(BLOCKS)[:MOVED]]
+    dst_blocks = [int(b) for b in rng.permutation(BLOCKS)[:MOVED]]
+    port = free_port()
+    cfg = LLMConfig()
+    cfg.listen_ip_info = f"127.0.0.1:{port}"
+    cfg.device_id = ordinal
+    prompt = await PeerProcess.start()
+    try:
+        await prompt.call("init", role="PROMPT", cluster_id=1, options=dict(cfg.generate_options()))
+        shape = {"num_tensors": TENSORS, "shape": [BLOCKS, BLOCK_BYTES], "blocks": True}
+        dev_src = (await prompt.call("allocate", **shape, placement="DEVICE", blocks_key=[1, 0]))["cache_id"]
+        host_src = (await prompt.call("allocate", **shape, placement="HOST", blocks_key=[1, 1]))["cache_id"]
+        await prompt.call("fill", cache_id=dev_src, seed=3)
+        await prompt.call("fill", cache_id=host_src, seed=4)
+        mine = LLMConfig()
+        mine.device_id = ordinal
+        async with LLMDataDist(LLMRole.DECODER, 2) as decoder:
+            await decoder.init(dict(mine.generate_options()))
+            code, _ = await decoder.link_clusters([cluster_info(1, port)], timeout=10_000)
+            if int(code) != 0:
+                raise RuntimeError(f"link failed: {code!r}")
+            cm = decoder.cache_manager
+            dst = cm.allocate_blocks_cache(_desc(Placement.DEVICE))
+            host = cm.allocate_blocks_cache(_desc(Placement.HOST))
+
+            async def pull(model: int) -> None:
+                await cm.pull_blocks(BlocksCacheKey(1, model), dst, src_blocks, dst_blocks)
+
+            progress("d2d pull: 64 x 128 scattered 32 KiB blocks from another process's device cache")
+            row("d2d pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(0), repeat)), "d2d")
+            await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
+
+            async def push() -> None:
+                await cm.push_blocks(BlocksCacheKey(1, 0), dst, dst_blocks, src_blocks)
+
+            row("d2d push", _gbps(MOVED_BYTES, await _median_async(push, repeat)), "d2d")
+            await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
+
+            mapping = dict(zip(src_blocks, dst_blocks))
+            reverse = dict(zip(dst_blocks, src_blocks))
+            progress("swap_blocks between a host blocks cache and a device blocks cache")
+            row("swap h2d", _gbps(MOVED_BYTES, await _median_async(lambda: cm.swap_blocks(host, dst, mapping),
+                                                                   repeat)), "h2d")
+            row("swap d2h", _gbps(MOVED_BYTES, await _median_async(lambda: cm.swap_blocks(dst, host, reverse),
+                                                                   repeat)), "d2h")
+            row("host->dev pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(1), repeat)), "h2d")
+            await _check(prompt, host_src, dst, src_blocks, dst_blocks)
+        await prompt.call("finalize")
+    finally:
+        await prompt.close()
+    return rows
+
+
+async def _check(prompt: PeerProcess, cache_id: int, dst: Any, src_blocks: list[int], dst_blocks: list[int]) -> None:
+    """The moved blocks of tensors 0 and 63 match the prompt's bytes (by digest of each block)."""
+    mine = tensor_bytes(dst)
+    for t in (0, TENSORS - 1):
+        theirs = await prompt.call("block_digests", cache_id=cache_id, tensor=t, block_bytes=BLOCK_BYTES)
+        got = mine[t].reshape(BLOCKS, BLOCK_BYTES)
+        for s, d in zip(src_blocks, dst_blocks):
+            if hashlib.sha256(got[d]).hexdigest() != theirs[s]:
+                raise AssertionError(f"tensor {t}: block {s} -> {d} differs")
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    sys.stdout.write(f"{'workload':<16} {'GB/s':>8}  {'baseline':<10} {'GB/s':>8}  ratio\n")
+    for r in rows:
+        sys.stdout.write(f"{r['name']:<16} {r['gbps']:8.1f}  {r['baseline']:<10} {r['baseline_gbps']:8.1f}  "
+                         f"{r['ratio']:.2f}x\n")

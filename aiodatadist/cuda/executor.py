@@ -1,0 +1,319 @@
+"""Span copies on a GPU, completed asynchronously: :class:`CudaExecutor`.
+
+A job is enqueued on the executor's stream without blocking: one ``cuMemcpyAsync`` for a single span, else
+one launch of the pointer-list kernel (``adt_copy_spans``) for all spans, its descriptors copied to the device
+on the same stream.  A stream callback enqueued after the copy tells the job's event loop that the GPU is done
+(``call_soon_threadsafe``): no polling, no thread blocked per job.
+
+A launched copy cannot be aborted.  :meth:`CudaExecutor.cancel` only records an error;
+:meth:`ExecutorBase.wait <aiodatadist.executor.ExecutorBase.wait>` of a cancelled caller still waits until the
+GPU has finished, so once it returns or raises nothing of the job is queued or running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import logging
+import threading
+from typing import Final, Self
+
+import numpy as np
+
+from ..errors import LLMException, LLMStatusCode
+from ..executor import ExecutorBase, resolve_job
+from ..layout import Spans
+from .driver import CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device
+from .kernels import KERNEL_NAME, choose_piece, launch_geometry, ptx_text, split_long_spans
+
+__all__ = ["CudaExecutor", "CudaJob"]
+
+log = logging.getLogger("aiodatadist.cuda")
+
+MIN_DESCRIPTORS: Final = 4096  # spans a descriptor buffer holds at least (96 KiB device + pinned host)
+MAX_SPANS: Final = 2**32 - 1  # the kernel's span count is an unsigned int
+
+
+class _Work:
+    """What the stream callback completes: a copy enqueued on a :class:`CudaExecutor`'s stream."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        self._status = 0  # CUresult the stream callback reported
+        self._executor: CudaExecutor | None = None
+        self._desc: _Descriptors | None = None
+
+    def wait_stopped_sync(self, timeout: float | None = None) -> bool:
+        """Block until the GPU no longer touches the job's memory (True), or ``timeout`` passed (False)."""
+        return self.stopped.wait(timeout)
+
+    def _gpu_done(self, status: int) -> None:
+        """On the driver's callback thread (no CUDA calls allowed there), or inline after a failed enqueue."""
+        self._status = status
+        desc, self._desc = self._desc, None
+        if desc is not None and self._executor is not None:
+            self._executor._release(desc)
+        self.stopped.set()
+        self._notify()
+
+    def _take_status(self) -> None:
+        """Turn a failure the stream reported into :attr:`error` (off the callback thread: it calls CUDA)."""
+        if self._status and self.error is None and self._executor is not None:
+            driver = self._executor.device.driver
+            self.error = CudaError(f"copy on {self._executor.device!r} failed: "
+                                   f"{driver.describe(self._status)}", result=self._status,
+                                   function=KERNEL_NAME)
+        self._status = 0
+
+    def _notify(self) -> None:
+        pass
+
+
+class CudaJob(_Work):
+    """One copy on the GPU: ``future`` (on the caller's loop) settles once ``stopped`` is set, i.e. once the
+    GPU finished touching the job's memory; ``error`` is what the future raises."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._loop = loop
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.stop_waiter: asyncio.Future[None] | None = None  # created by wait_stopped when it has to wait
+
+    def _notify(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._resolve)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _resolve(self) -> None:
+        self._take_status()
+        resolve_job(self)
+
+
+# Stream callbacks find their work by id: userData is an integer, never a pointer to a Python object.
+_pending: dict[int, _Work] = {}
+_pending_lock = threading.Lock()
+_ids = itertools.count(1)
+
+
+def _on_stream_done(stream: int | None, status: int, user_data: int | None) -> None:
+    try:
+        with _pending_lock:
+            work = _pending.pop(user_data or 0, None)
+        if work is not None:
+            work._gpu_done(int(status))
+    except BaseException:  # never propagate into the driver's thread
+        log.exception("CUDA stream callback failed")
+
+
+# Module-level and never freed: the driver may call it as long as the process lives.
+_STREAM_DONE = STREAM_CALLBACK(_on_stream_done)
+
+
+class _Descriptors:
+    """A job's span descriptors: page-locked staging memory and the device copy the kernel reads."""
+
+    __slots__ = ("capacity", "dev", "host", "view")
+
+    def __init__(self, device: Device, capacity: int) -> None:
+        self.capacity = capacity
+        self.host = device.alloc_pinned(24 * capacity)
+        try:
+            self.dev = device.alloc(24 * capacity)
+        except BaseException:
+            device.free_pinned(self.host)
+            raise
+        self.view = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * capacity)).from_address(self.host))
+
+    def free(self, device: Device) -> None:
+        device.free(self.dev)
+        device.free_pinned(self.host)
+
+
+class CudaExecutor(ExecutorBase):
+    """Copies :class:`~aiodatadist.layout.Spans` with one GPU, asynchronously, in submission order.
+
+    Span addresses must be usable by the device: device pointers (of this GPU or, with peer access, another),
+    IPC-opened pointers, or device pointers of registered/pinned host memory.  Spans must not overlap.
+    ``start`` and ``run`` belong on the event loop thread; ``close`` when no job is awaited any more.
+    """
+
+    workers = 1
+
+    def __init__(self, device: Device, *, piece_bytes: int | None = None) -> None:
+        self.device = device
+        self._piece_bytes = piece_bytes
+        self._lock = threading.Lock()
+        self._free: list[_Descriptors] = []
+        self._all: list[_Descriptors] = []
+        self._closed = False
+        drv = device.driver
+        device.make_current()
+        stream = ctypes.c_void_p()
+        drv.call("cuStreamCreate", ctypes.byref(stream), CU_STREAM_NON_BLOCKING)
+        self._stream = ctypes.c_void_p(stream.value)
+        try:
+            module = ctypes.c_void_p()
+            drv.call("cuModuleLoadData", ctypes.byref(module), ptx_text())
+            self._module = ctypes.c_void_p(module.value)
+            function = ctypes.c_void_p()
+            try:
+                drv.call("cuModuleGetFunction", ctypes.byref(function), self._module, KERNEL_NAME.encode())
+            except BaseException:
+                drv.fn("cuModuleUnload")(self._module)
+                raise
+        except BaseException:
+            drv.fn("cuStreamDestroy_v2")(self._stream)
+            raise
+        self._function = ctypes.c_void_p(function.value)
+
+    # -- jobs ---------------------------------------------------------------------------------------------
+
+    def start(self, spans: Spans, copier: object = None, *, chunk_bytes: int | None = None) -> CudaJob:
+        """Enqueue the copy of ``spans`` (call on the event loop thread; never blocks on the GPU); await it with
+        :meth:`wait`.  ``copier`` and ``chunk_bytes`` exist for the executor interface and are ignored.
+
+        Driver errors while enqueueing do not raise here: the job fails with a :class:`CudaError`
+        (``LLM_DEVICE_MEM_ERROR``, or ``LLM_DEVICE_OUT_OF_MEMORY``).
+        """
+        job = CudaJob(asyncio.get_running_loop())
+        self._submit(spans, job)
+        return job
+
+    async def run(self, spans: Spans, copier: object = None, *, chunk_bytes: int | None = None) -> None:
+        """Copy ``spans``; if the caller is cancelled, return (raise) only once the GPU finished the copy, so
+        nothing writes into the destination afterwards.  The copy itself always runs to its end."""
+        await self.wait(self.start(spans, copier, chunk_bytes=chunk_bytes))
+
+    def cancel(self, job: CudaJob, error: BaseException | None = None) -> None:
+        """A copy on the GPU cannot be stopped: record ``error`` (if given and the job is not done) for the
+        job's waiter and return.  The waiter (:meth:`wait` of a cancelled caller) returns only after the GPU
+        finished the job, so nothing writes into the destination afterwards."""
+        if error is not None and job.error is None and not job.stopped.is_set():
+            job.error = error
+
+    def run_sync(self, spans: Spans) -> None:
+        """Copy ``spans`` and block until the GPU is done (for tests and tools; not on an event loop)."""
+        work = _Work()
+        self._submit(spans, work)
+        work.stopped.wait()
+        work._take_status()
+        if work.error is not None:
+            raise work.error
+
+    def _submit(self, spans: Spans, work: _Work) -> None:
+        work._executor = self
+        if self._closed:
+            work.error = LLMException("the CUDA executor is closed", status_code=LLMStatusCode.LLM_FAILED)
+            work._gpu_done(0)
+            return
+        length = np.asarray(spans.length, dtype=np.uint64)
+        src = np.asarray(spans.src, dtype=np.uint64)
+        dst = np.asarray(spans.dst, dtype=np.uint64)
+        if len(length) and not length.all():  # zero-length spans copy nothing
+            keep = length != 0
+            src, dst, length = src[keep], dst[keep], length[keep]
+        if not len(length):
+            work._gpu_done(0)
+            return
+        drv = self.device.driver
+        enqueued = False  # whether the stream may still read the descriptor staging memory
+        try:
+            self.device.make_current()
+            if len(length) == 1:
+                drv.call("cuMemcpyAsync", int(dst[0]), int(src[0]), int(length[0]), self._stream)
+            else:
+                piece = self._piece_bytes or choose_piece(int(length.sum()), sm_count=self.device.sm_count)
+                pieces = split_long_spans(src, dst, length, piece)
+                n = len(pieces)
+                if n > MAX_SPANS:
+                    raise LLMException(f"{n} spans are more than one kernel launch takes ({MAX_SPANS})",
+                                       status_code=LLMStatusCode.LLM_PARAM_INVALID)
+                desc = work._desc = self._acquire(n)
+                view = desc.view
+                view[:n] = pieces.src
+                view[n:2 * n] = pieces.dst
+                view[2 * n:3 * n] = pieces.length
+                drv.call("cuMemcpyHtoDAsync_v2", desc.dev, desc.host, 24 * n, self._stream)
+                enqueued = True
+                grid, block = launch_geometry(n, int(pieces.length.max()), sm_count=self.device.sm_count)
+                args = (ctypes.c_uint64(desc.dev), ctypes.c_uint64(desc.dev + 8 * n),
+                        ctypes.c_uint64(desc.dev + 16 * n), ctypes.c_uint32(n))
+                params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+                drv.call("cuLaunchKernel", self._function, grid, 1, 1, block, 1, 1, 0, self._stream, params,
+                         None)
+        except CudaError as exc:
+            work.error = exc  # still completed through the stream, after whatever was enqueued
+        key = next(_ids)
+        with _pending_lock:
+            _pending[key] = work
+        try:
+            drv.call("cuStreamAddCallback", self._stream, _STREAM_DONE, ctypes.c_void_p(key), 0)
+        except CudaError as exc:
+            with _pending_lock:
+                _pending.pop(key, None)
+            if work.error is None:
+                work.error = exc
+            if enqueued:  # the descriptors may still be read: reuse them only after the stream drained
+                self._drain_quietly()
+            work._gpu_done(0)
+
+    # -- descriptor buffers -------------------------------------------------------------------------------
+
+    def _acquire(self, n: int) -> _Descriptors:
+        with self._lock:
+            fits = [d for d in self._free if d.capacity >= n]
+            if fits:
+                best = min(fits, key=lambda d: d.capacity)
+                self._free.remove(best)
+                return best
+        capacity = max(MIN_DESCRIPTORS, 1 << (n - 1).bit_length())
+        desc = _Descriptors(self.device, capacity)
+        with self._lock:
+            self._all.append(desc)
+        return desc
+
+    def _release(self, desc: _Descriptors) -> None:
+        """Back into the pool once the stream is past the job (on the driver's callback thread)."""
+        with self._lock:
+            self._free.append(desc)
+
+    def _drain_quietly(self) -> None:
+        result = self.device.driver.fn("cuStreamSynchronize")(self._stream)
+        if result:
+            log.warning("cuStreamSynchronize after a failed enqueue: %s", self.device.driver.describe(result))
+
+    # -- teardown -----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for every enqueued job, then free the descriptor buffers, the module and the stream (blocking:
+        call it off the event loop when jobs may still run)."""
+        if self._closed:
+            return
+        self._closed = True
+        drv = self.device.driver
+        self.device.make_current()
+        self._drain_quietly()
+        with self._lock:
+            buffers, self._all, self._free = self._all, [], []
+        for desc in buffers:
+            try:
+                desc.free(self.device)
+            except CudaError as exc:
+                log.warning("freeing CUDA descriptor buffers: %s", exc)
+        for name, handle in (("cuModuleUnload", self._module), ("cuStreamDestroy_v2", self._stream)):
+            result = drv.fn(name)(handle)
+            if result:
+                log.warning("%s: %s", name, drv.describe(result))
+
+    def shutdown(self) -> None:
+        """Same as :meth:`close` (the name :class:`~aiodatadist.executor.CopyExecutor` uses)."""
+        self.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,250 @@
+"""CUDA device caches: their memory, the addresses a GPU copy uses, and what links hold of peers' device memory.
+
+Every copy that touches a ``Placement.DEVICE`` cache runs on the GPU of this instance (``device_id``), as one
+launch of the pointer-list kernel (:mod:`aiodatadist.cuda`), whatever the other end is:
+
+* device memory of this process: its own address;
+* a same-host peer's device memory: its CUDA IPC handle, opened once per process and allocation
+  (:class:`IpcMappings`), closed when the last link that uses it closes;
+* host memory (this instance's shared-memory caches, caller-registered memory, a peer's segment mapped into this
+  process): page-locked once with ``cuMemHostRegister`` and read or written by the kernel over the bus.
+
+The CUDA driver is loaded only when the first DEVICE cache is made; without it those calls raise
+``LLM_FEATURE_NOT_ENABLED`` saying why, and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._checks import require
+from .errors import LLMException, LLMStatusCode
+from .memory.segment import PAGE
+
+if TYPE_CHECKING:
+    from .cuda import CudaExecutor, Device
+
+__all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "device_support", "merged_ranges"]
+
+log = logging.getLogger("aiodatadist.device")
+UInt64Array = npt.NDArray[np.uint64]
+ALIGN = 256  # tensors of an allocated device cache start on 256-byte boundaries (16-byte vector copies)
+
+
+class DeviceMemory:
+    """``cuMemAlloc``'d memory of an allocated DEVICE cache; freed once nothing uses it (see the registry)."""
+
+    def __init__(self, device: Device, size: int) -> None:
+        self.device = device
+        self.size = size
+        self.address = device.alloc(size)
+
+    def close(self) -> None:
+        if self.address:
+            address, self.address = self.address, 0
+            self.device.free(address)
+
+
+def _page_range(addr: int, nbytes: int) -> tuple[int, int]:
+    start = addr // PAGE * PAGE
+    return start, -(-(addr + nbytes) // PAGE) * PAGE
+
+
+class DeviceSupport:
+    """One instance's GPU: allocation, the copy executor (one stream) and page-locked host ranges."""
+
+    def __init__(self, ordinal: int) -> None:
+        from .cuda import CudaExecutor, get_device
+
+        self.device: Device = get_device(ordinal)
+        self.executor: CudaExecutor = CudaExecutor(self.device)
+        self._pinned: dict[int, tuple[int, int, int]] = {}  # host start -> (host end, device base, users)
+        self._lock = threading.Lock()
+
+    # -- device memory ---------------------------------------------------------------------------------------
+    def allocate(self, tensor_size: int, num_tensors: int) -> tuple[DeviceMemory, list[int]]:
+        """Device memory for ``num_tensors`` tensors of ``tensor_size`` bytes; returns it and the tensors'
+        addresses (each 256-byte aligned)."""
+        stride = -(-tensor_size // ALIGN) * ALIGN
+        memory = DeviceMemory(self.device, stride * num_tensors)
+        return memory, [memory.address + i * stride for i in range(num_tensors)]
+
+    def check_registered(self, addrs: list[int], tensor_size: int) -> None:
+        """Caller-owned device addresses must be device memory of this GPU, each tensor inside one allocation."""
+        for addr in addrs:
+            require(self.device.is_device_pointer(addr),
+                    f"address {addr:#x} is not device memory of CUDA device {self.device.ordinal}.")
+            base, size = self.device.address_range(addr)
+            require(addr + tensor_size <= base + size,
+                    f"tensor at {addr:#x} ({tensor_size} bytes) runs past the end of its allocation "
+                    f"({base:#x}, {size} bytes).")
+
+    def ipc_export(self, addrs: UInt64Array, tensor_size: int) -> list[list[Any]]:
+        """The IPC handles a same-host peer opens to reach these device tensors: ``[handle, base, size]`` per
+        distinct allocation."""
+        seen: dict[int, list[Any]] = {}
+        for addr in addrs.tolist():
+            base, size = self.device.address_range(int(addr))
+            if base not in seen:
+                seen[base] = [self.device.ipc_handle(base), base, size]
+        return list(seen.values())
+
+    # -- host memory the GPU reaches -------------------------------------------------------------------------
+    def pin(self, addr: int, nbytes: int) -> int:
+        """Page-lock host memory ``[addr, addr + nbytes)`` (whole pages) for GPU copies; returns the offset to
+        add to its host addresses to get device addresses.  Pair with :meth:`unpin`."""
+        start, end = _page_range(addr, nbytes)
+        with self._lock:
+            found = self._pinned.get(start)
+            if found is not None and found[0] >= end:
+                self._pinned[start] = (found[0], found[1], found[2] + 1)
+                return (found[1] - start) % 2**64
+            if found is not None:
+                raise LLMException(f"host memory at {start:#x} is already page-locked with another size",
+                                   status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            device_base = self.device.register_host(start, end - start)
+            self._pinned[start] = (end, device_base, 1)
+            return (device_base - start) % 2**64
+
+    def unpin(self, addr: int, nbytes: int) -> None:
+        start, _ = _page_range(addr, nbytes)
+        with self._lock:
+            found = self._pinned.get(start)
+            if found is None:
+                return
+            if found[2] > 1:
+                self._pinned[start] = (found[0], found[1], found[2] - 1)
+                return
+            del self._pinned[start]
+        try:
+            self.device.unregister_host(start)
+        except LLMException as exc:
+            log.warning("cannot unpin host memory at %#x: %s", start, exc)
+
+    def close(self) -> None:
+        """Stop the executor (after its work is done) and unpin every host range still pinned."""
+        self.executor.close()
+        with self._lock:
+            starts, self._pinned = list(self._pinned), {}
+        for start in starts:
+            try:
+                self.device.unregister_host(start)
+            except LLMException:
+                pass
+
+
+def merged_ranges(addrs: UInt64Array, nbytes: int) -> list[tuple[int, int]]:
+    """The whole-page ranges ``(start, size)`` covering tensors of ``nbytes`` at ``addrs``, overlapping and
+    touching ones merged (page-locking the same page twice fails), in address order."""
+    ranges: list[tuple[int, int]] = []
+    for addr in sorted(int(a) for a in addrs):
+        start, end = _page_range(addr, nbytes)
+        if ranges and start <= ranges[-1][0] + ranges[-1][1]:
+            last_start, last_size = ranges[-1]
+            ranges[-1] = (last_start, max(last_start + last_size, end) - last_start)
+        else:
+            ranges.append((start, end - start))
+    return ranges
+
+
+def device_support(ordinal: int) -> DeviceSupport:
+    """A new :class:`DeviceSupport`; raises ``LLM_FEATURE_NOT_ENABLED`` (saying why) without a usable GPU."""
+    return DeviceSupport(ordinal)
+
+
+class IpcMappings:
+    """Peers' device allocations opened in this process, one mapping per allocation shared by every link
+    (CUDA lets a process open a handle once), closed when the last user lets go."""
+
+    def __init__(self) -> None:
+        self._open: dict[bytes, tuple[int, int]] = {}  # handle -> (local base, users)
+        self._lock = threading.Lock()
+
+    def acquire(self, device: Device, handle: bytes) -> int:
+        with self._lock:
+            found = self._open.get(handle)
+            if found is not None:
+                self._open[handle] = (found[0], found[1] + 1)
+                return found[0]
+            base = device.ipc_open(handle)
+            self._open[handle] = (base, 1)
+            return base
+
+    def release(self, device: Device, handle: bytes) -> None:
+        with self._lock:
+            found = self._open.get(handle)
+            if found is None:
+                return
+            if found[1] > 1:
+                self._open[handle] = (found[0], found[1] - 1)
+                return
+            del self._open[handle]
+        try:
+            device.ipc_close(found[0])
+        except LLMException as exc:
+            log.warning("cannot close a peer's device memory: %s", exc)
+
+
+IPC = IpcMappings()
+
+
+class LinkDeviceState:
+    """What one link holds of its peer for GPU copies: opened IPC allocations and pinned peer segments.
+
+    Released (after every copy on the link stopped) when the link closes, before the segments are unmapped.
+    """
+
+    def __init__(self, support: DeviceSupport, same_process: bool) -> None:
+        self.support = support
+        self.same_process = same_process
+        self._handles: dict[bytes, int] = {}  # handle -> local base
+        self._views: dict[int, tuple[UInt64Array, UInt64Array]] = {}  # id(remote addrs) -> (them, their view)
+        self._pinned: dict[int, tuple[int, int]] = {}  # local mapping address -> (size, device offset)
+
+    def remote_delta(self, ipc: list[tuple[bytes, int, int]], remote_addrs: UInt64Array,
+                     tensor_size: int) -> UInt64Array:
+        """Addresses in this process for a peer's device tensors (each inside one of the ``ipc`` allocations);
+        computed once per described cache (a descriptor never changes)."""
+        if self.same_process:
+            return remote_addrs
+        known = self._views.get(id(remote_addrs))
+        if known is not None and known[0] is remote_addrs:
+            return known[1]
+        bases = np.array([base for _, base, _ in ipc], dtype=np.uint64)
+        ends = np.array([base + size for _, base, size in ipc], dtype=np.uint64)
+        local = np.empty(len(ipc), dtype=np.uint64)
+        for i, (handle, _, _) in enumerate(ipc):
+            found = self._handles.get(handle)
+            if found is None:
+                found = self._handles[handle] = IPC.acquire(self.support.device, handle)
+            local[i] = found
+        which = np.searchsorted(bases, remote_addrs, side="right") - 1
+        inside = (which >= 0) & (remote_addrs + np.uint64(tensor_size) <= ends[np.maximum(which, 0)])
+        if not bool(inside.all()):
+            raise LLMException("the peer described device tensors outside its IPC allocations",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+        view = remote_addrs - bases[which] + local[which]
+        self._views[id(remote_addrs)] = (remote_addrs, view)  # holding remote_addrs keeps its id unique
+        return view
+
+    def pinned_delta(self, local_base: int, size: int) -> int:
+        """Page-lock a peer segment mapped at ``local_base`` in this process (once per link); returns the offset
+        from its addresses here to device addresses."""
+        found = self._pinned.get(local_base)
+        if found is None:
+            found = self._pinned[local_base] = (size, self.support.pin(local_base, size))
+        return found[1]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            IPC.release(self.support.device, handle)
+        self._handles.clear()
+        self._views.clear()
+        for base, (size, _) in self._pinned.items():
+            self.support.unpin(base, size)
+        self._pinned.clear()

@@ -1,0 +1,66 @@
+"""The CPU side of DEVICE caches (CI has no GPU): refusal without CUDA, page-range math, wire validation."""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
+from aiodatadist.cuda import cuda_status
+from aiodatadist.device import merged_ranges
+from aiodatadist.protocol import ProtocolError
+from aiodatadist.testing import linked_pair
+from aiodatadist.transfer import _ipc_from_wire
+
+PAGE = mmap.PAGESIZE
+DEV = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.DEVICE)
+no_gpu = pytest.mark.skipif(not cuda_status().startswith("CUDA unavailable"), reason="a GPU is present")
+
+
+@no_gpu
+async def test_device_caches_are_refused_with_the_reason_and_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIODATADIST_LIBCUDA", "/nonexistent/libcuda.so.1")
+    async with linked_pair() as (prompt, decoder):
+        cm = prompt.cache_manager
+        for call in (lambda: cm.allocate_blocks_cache(DEV, BlocksCacheKey(1, 0)), lambda: cm.allocate_cache(DEV),
+                     lambda: cm.register_blocks_cache(DEV, [1 << 20, 2 << 20])):
+            with pytest.raises(LLMException) as info:
+                call()
+            assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+            assert "CUDA" in str(info.value) or "libcuda" in str(info.value)
+        assert cm.registry.entries() == []
+        host = cm.allocate_blocks_cache(CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST),
+                                        BlocksCacheKey(1, 0))
+        assert host.cache_id == 1  # no id was used up by the refused calls
+        dst = decoder.cache_manager.allocate_blocks_cache(CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST))
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [1])
+
+
+@given(st.lists(st.integers(0, 1 << 30), min_size=1, max_size=12), st.integers(1, 3 * PAGE))
+def test_merged_ranges_cover_every_tensor_with_disjoint_whole_pages(addrs: list[int], nbytes: int) -> None:
+    ranges = merged_ranges(np.array(addrs, dtype=np.uint64), nbytes)
+    for start, size in ranges:
+        assert start % PAGE == 0 and size % PAGE == 0 and size > 0
+    for (s1, n1), (s2, _) in itertools.pairwise(ranges):
+        assert s1 + n1 < s2  # disjoint and not touching (touching ones merge)
+    for a in addrs:
+        assert any(s <= a and a + nbytes <= s + n for s, n in ranges)
+    covered = sum(n for _, n in ranges)
+    pages = {p for a in addrs for p in range(a // PAGE, (a + nbytes - 1) // PAGE + 1)}
+    assert covered <= (len(pages) + 2 * len(ranges)) * PAGE  # nothing far beyond the tensors' pages
+
+
+def test_ipc_allocations_from_the_wire_are_validated() -> None:
+    handle = bytes(range(64))
+    assert _ipc_from_wire(None) is None
+    assert _ipc_from_wire([[handle, 3 << 20, 1 << 20], [handle, 1 << 20, 1 << 20]]) == [
+        (handle, 1 << 20, 1 << 20), (handle, 3 << 20, 1 << 20)]  # sorted by base
+    for bad in ([], "x", [[handle[:63], 1, 1]], [[handle, 0, 1]], [[handle, 1, 0]], [[handle, 2**64 - 1, 2]],
+                [[handle, 1]], [[handle, 1, True]], [[handle, 1, 1]] * 5000):
+        with pytest.raises(ProtocolError):
+            _ipc_from_wire(bad)

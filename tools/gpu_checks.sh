@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 6 in one run (< 5 minutes on a lent H100): install the package into the machine's
+# Python (offline: wheels the core lacks there come from $WHEELS), run tests/gpu, then `bench --device`.
+# Usage: bash tools/gpu_checks.sh [OUTDIR]   (results: OUTDIR/gpu-tests.txt, bench-device.txt, bench-device.json)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-${OUT:-/tmp/gpu-checks}}
+WHEELS=${WHEELS:-.gpuwheels}
+mkdir -p "$OUTDIR"
+PY=${PYTHON:-python3}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY --version
+} > "$OUTDIR/env.txt" 2>&1
+if [ -d "$WHEELS" ]; then
+  $PY -m pip install -q --no-index --find-links "$WHEELS" pyzmq pytest-asyncio >> "$OUTDIR/env.txt" 2>&1
+fi
+$PY -m pip install -q --no-build-isolation --no-deps -e . >> "$OUTDIR/env.txt" 2>&1
+$PY -m aiodatadist info >> "$OUTDIR/env.txt" 2>&1
+timeout 240 $PY -m pytest -q -p no:cacheprovider -rs --timeout 100 tests/gpu tests/test_device_cpu.py tests/test_cuda_cpu.py \
+  > "$OUTDIR/gpu-tests.txt" 2>&1
+echo "pytest rc=$?" >> "$OUTDIR/gpu-tests.txt"
+timeout 150 $PY -m aiodatadist bench --device --repeat 9 --json "$OUTDIR/bench-device.json" \
+  > "$OUTDIR/bench-device.txt" 2>&1
+echo "bench rc=$?" >> "$OUTDIR/bench-device.txt"
+tail -n 30 "$OUTDIR/gpu-tests.txt"
+cat "$OUTDIR/bench-device.txt"
