@@ -63,7 +63,7 @@ class DeviceSupport:
 
         self.device: Device = get_device(ordinal)
         self.executor: CudaExecutor = CudaExecutor(self.device)
-        self._pinned: dict[int, tuple[int, int, int]] = {}  # host start -> (host end, device base, users)
+        self._mine: dict[tuple[int, int], int] = {}  # ranges this instance pinned (see PINNED), with counts
         self._lock = threading.Lock()
 
     # -- device memory ---------------------------------------------------------------------------------------
@@ -98,44 +98,72 @@ class DeviceSupport:
     def pin(self, addr: int, nbytes: int) -> int:
         """Page-lock host memory ``[addr, addr + nbytes)`` (whole pages) for GPU copies; returns the offset to
         add to its host addresses to get device addresses.  Pair with :meth:`unpin`."""
-        start, end = _page_range(addr, nbytes)
+        delta = PINNED.pin(self.device, addr, nbytes)
         with self._lock:
-            found = self._pinned.get(start)
-            if found is not None and found[0] >= end:
-                self._pinned[start] = (found[0], found[1], found[2] + 1)
-                return (found[1] - start) % 2**64
-            if found is not None:
-                raise LLMException(f"host memory at {start:#x} is already page-locked with another size",
-                                   status_code=LLMStatusCode.LLM_PARAM_INVALID)
-            device_base = self.device.register_host(start, end - start)
-            self._pinned[start] = (end, device_base, 1)
-            return (device_base - start) % 2**64
+            key = (addr, nbytes)
+            self._mine[key] = self._mine.get(key, 0) + 1
+        return delta
 
     def unpin(self, addr: int, nbytes: int) -> None:
+        with self._lock:
+            key = (addr, nbytes)
+            if not self._mine.get(key):
+                return
+            self._mine[key] -= 1
+            if not self._mine[key]:
+                del self._mine[key]
+        PINNED.unpin(self.device, addr, nbytes)
+
+    def close(self) -> None:
+        """Stop the executor (after its work is done) and let go of every host range this instance pinned."""
+        self.executor.close()
+        with self._lock:
+            mine, self._mine = self._mine, {}
+        for (addr, nbytes), count in mine.items():
+            for _ in range(count):
+                PINNED.unpin(self.device, addr, nbytes)
+
+
+class PinnedHostMemory:
+    """Host ranges page-locked for the GPU, for the whole process (CUDA registers memory process-wide, and
+    refuses to register a page twice): reference-counted by range, so that several instances, caches and
+    concurrent swaps over the same memory share one registration."""
+
+    def __init__(self) -> None:
+        self._ranges: dict[int, tuple[int, int, int]] = {}  # host start -> (host end, device base, users)
+        self._lock = threading.Lock()
+
+    def pin(self, device: Device, addr: int, nbytes: int) -> int:
+        start, end = _page_range(addr, nbytes)
+        with self._lock:
+            found = self._ranges.get(start)
+            if found is None:
+                device_base = device.register_host(start, end - start)
+                self._ranges[start] = (end, device_base, 1)
+                return (device_base - start) % 2**64
+            if found[0] < end:
+                raise LLMException(f"host memory at {start:#x} is already page-locked for {found[0] - start} "
+                                   f"bytes, not {end - start}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            self._ranges[start] = (found[0], found[1], found[2] + 1)
+            return (found[1] - start) % 2**64
+
+    def unpin(self, device: Device, addr: int, nbytes: int) -> None:
         start, _ = _page_range(addr, nbytes)
         with self._lock:
-            found = self._pinned.get(start)
+            found = self._ranges.get(start)
             if found is None:
                 return
             if found[2] > 1:
-                self._pinned[start] = (found[0], found[1], found[2] - 1)
+                self._ranges[start] = (found[0], found[1], found[2] - 1)
                 return
-            del self._pinned[start]
+            del self._ranges[start]
         try:
-            self.device.unregister_host(start)
+            device.unregister_host(start)
         except LLMException as exc:
             log.warning("cannot unpin host memory at %#x: %s", start, exc)
 
-    def close(self) -> None:
-        """Stop the executor (after its work is done) and unpin every host range still pinned."""
-        self.executor.close()
-        with self._lock:
-            starts, self._pinned = list(self._pinned), {}
-        for start in starts:
-            try:
-                self.device.unregister_host(start)
-            except LLMException:
-                pass
+
+PINNED = PinnedHostMemory()
 
 
 def merged_ranges(addrs: UInt64Array, nbytes: int) -> list[tuple[int, int]]:

@@ -59,6 +59,7 @@ MAX_IPC_ALLOCATIONS = 4096
 """An owner's cache as the requester knows it: geometry, tensor addresses, shared-memory segment (or None)."""
 END_ACK_TIMEOUT = 1.0
 STOP_ACK_TIMEOUT = 1.0  # a cut-short TCP push waits this long for the owner to stop writing, then drops the link
+SLOW_STOP_ACK = 0.05  # a confirmation slower than this is logged, with the owner's own share of it
 S = LLMStatusCode
 
 
@@ -277,9 +278,16 @@ class TransferService:
 
     @staticmethod
     async def _stop_remote_receive(links: Any, link: Link, tid: int) -> None:
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(STOP_ACK_TIMEOUT):
-                await link.channel.request(Kind.END, {"tid": tid, "ok": False})
+                reply = await link.channel.request(Kind.END, {"tid": tid, "ok": False})
+            took = time.perf_counter() - started
+            if took > SLOW_STOP_ACK:
+                owner = reply.get("waited")
+                log.warning("cluster %d took %.1f ms to confirm the end of a cut-short push (its receiving end "
+                            "stopped after %s ms)", link.remote_cluster_id, took * 1e3,
+                            f"{owner:.1f}" if isinstance(owner, float) else "?")
         except (LLMException, TimeoutError):
             if not link.closed:  # it may still write what it receives: the link cannot be trusted any more
                 await links.drop(link, LLMLinkError(
@@ -520,6 +528,7 @@ class TransferService:
             await link.channel.reply(message["i"], {})
             return
         code, text = 0, ""
+        started = time.perf_counter()
         try:
             if ok and (confirm or lease.job.kind == "send"):
                 await plane.wait(lease.job)
@@ -530,7 +539,7 @@ class TransferService:
             code, text, ok = int(exc.status_code), str(exc), False
         finally:
             self._end(link, {"tid": tid, "ok": ok})
-        await link.channel.reply(message["i"], code=code, msg=text)
+        await link.channel.reply(message["i"], {"waited": (time.perf_counter() - started) * 1e3}, code=code, msg=text)
 
     def _abort(self, link: Link, message: dict[str, Any]) -> None:
         """The owner released the cache of a running transfer: stop our copy at the next chunk."""

@@ -2,6 +2,10 @@
 # The GPU checks of issue 6 in one run (< 5 minutes on a lent H100): install the package into the machine's
 # Python (offline: wheels the core lacks there come from $WHEELS), run tests/gpu, then `bench --device`.
 # Usage: bash tools/gpu_checks.sh [OUTDIR]   (results: OUTDIR/gpu-tests.txt, bench-device.txt, bench-device.json)
+# The lent machines have no network and no pyzmq; fetch the wheels first, on a machine with one, into the
+# (git-ignored) folder the device tool carries:
+#   pip download --only-binary=:all: --python-version 3.12 --no-deps -d .gpuwheels pyzmq pytest-asyncio==0.24.0
+# then, with the device tool: run(command="bash tools/gpu_checks.sh $OUT", carry=[".gpuwheels"], timeout_s=420)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-${OUT:-/tmp/gpu-checks}}

@@ -106,6 +106,23 @@ async def test_swap_blocks_between_host_and_device(cpu: str) -> None:
             assert np.array_equal(back[t][11], host_data[t][11])
 
 
+async def test_concurrent_swaps_share_page_locked_host_memory() -> None:
+    """Two instances and several concurrent swaps over the same caller-owned host memory: CUDA refuses to
+    page-lock a page twice, so the registration is shared (process-wide, counted) and released by the last."""
+    keep = [np.random.default_rng(t).integers(1, 256, HOST.size, dtype=np.uint8) for t in range(4)]
+    async with linked_pair() as (prompt, decoder):
+        handles = [Cache.create_cpu_cache(HOST, [int(k.ctypes.data) for k in keep]) for _ in range(2)]
+        caches = [prompt.cache_manager.allocate_blocks_cache(DEV), decoder.cache_manager.allocate_blocks_cache(DEV)]
+        swaps = [(cm, handles[i % 2], caches[i % 2], {i: 63 - i})
+                 for i, cm in enumerate([prompt.cache_manager, decoder.cache_manager] * 3)]
+        await asyncio.gather(*(cm.swap_blocks(h, c, m) for cm, h, c, m in swaps))
+        for i, (_, _, cache, _) in enumerate(swaps):
+            got = blocks_of(tensor_bytes(cache))
+            assert all(np.array_equal(got[t][63 - i], keep[t].reshape(BLOCKS, BLOCK)[i]) for t in range(4))
+        from aiodatadist.device import PINNED
+        assert PINNED._ranges == {}  # each swap let go of its pin
+
+
 async def test_register_device_memory_the_caller_owns() -> None:
     async with linked_pair() as (prompt, decoder):
         device = prompt.cache_manager.device().device
