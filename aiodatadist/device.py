@@ -232,6 +232,8 @@ class LinkDeviceState:
         self.same_process = same_process
         self._handles: dict[bytes, int] = {}  # handle -> local base
         self._views: dict[int, tuple[UInt64Array, UInt64Array]] = {}  # id(remote addrs) -> (them, their view)
+        self._busy: dict[bytes, int] = {}  # GPU copies running on an opened allocation
+        self._forgotten: set[bytes] = set()  # freed by the peer while busy: closed when idle
         self._pinned: dict[int, tuple[int, int]] = {}  # local mapping address -> (size, device offset)
 
     def remote_delta(self, ipc: list[tuple[bytes, int, int]], remote_addrs: UInt64Array,
@@ -267,6 +269,36 @@ class LinkDeviceState:
         if found is None:
             found = self._pinned[local_base] = (size, self.support.pin(local_base, size))
         return found[1]
+
+    def forget_pinned(self, local_base: int) -> None:
+        """A peer segment mapped at ``local_base`` is about to be unmapped: unpin it first."""
+        found = self._pinned.pop(local_base, None)
+        if found is not None:
+            self.support.unpin(local_base, found[0])
+
+    def hold(self, ipc: list[tuple[bytes, int, int]]) -> None:
+        for handle, _, _ in ipc:
+            self._busy[handle] = self._busy.get(handle, 0) + 1
+
+    def release(self, ipc: list[tuple[bytes, int, int]]) -> None:
+        for handle, _, _ in ipc:
+            left = self._busy.get(handle, 0) - 1
+            if left > 0:
+                self._busy[handle] = left
+            else:
+                self._busy.pop(handle, None)
+                if handle in self._forgotten:
+                    self.forget_handle(handle)
+
+    def forget_handle(self, handle: bytes) -> None:
+        """The peer freed the allocation of ``handle``: close it here once no copy uses it."""
+        if self._busy.get(handle):
+            self._forgotten.add(handle)
+            return
+        self._forgotten.discard(handle)
+        if self._handles.pop(handle, None) is not None:
+            self._views.clear()
+            IPC.release(self.support.device, handle)
 
     def close(self) -> None:
         for handle in self._handles:

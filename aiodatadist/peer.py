@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,8 @@ class PeerMemory:
         self.caps = caps
         self._mappings: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
         self._populating: dict[tuple[int, int], asyncio.Task[Any]] = {}
+        self._holds: dict[tuple[int, int], int] = {}  # copies running on a mapping
+        self._forgotten: dict[tuple[int, int], Callable[[int], None]] = {}  # freed by the peer, unmap when idle
 
     def local_base(self, identity: SegmentIdentity) -> int:
         """Where a peer segment is mapped in this process (mapped on first use, then cached)."""
@@ -140,8 +143,44 @@ class PeerMemory:
             # Fault the page tables in the background (GIL released); transfers need not wait for it.
             task = asyncio.ensure_future(asyncio.to_thread(populate, found[1], identity.size, write=True))
             self._populating[key] = task
-            task.add_done_callback(lambda _: self._populating.pop(key, None))
+            task.add_done_callback(lambda _: self._populated(key))
         return found[1]
+
+    def _populated(self, key: tuple[int, int]) -> None:
+        self._populating.pop(key, None)
+        self._unmap_if_idle(key)
+
+    def hold(self, identity: SegmentIdentity) -> tuple[int, int]:
+        """A copy is about to use the mapping of ``identity``: it is not unmapped before :meth:`release`."""
+        key = (identity.inode, identity.device)
+        self._holds[key] = self._holds.get(key, 0) + 1
+        return key
+
+    def release(self, key: tuple[int, int]) -> None:
+        left = self._holds.get(key, 0) - 1
+        if left > 0:
+            self._holds[key] = left
+        else:
+            self._holds.pop(key, None)
+            self._unmap_if_idle(key)
+
+    def forget(self, key: tuple[int, int], before_unmap: Callable[[int], None]) -> None:
+        """The peer freed the segment ``(inode, device)``: unmap it once no copy uses it (``before_unmap`` gets
+        its address here first, e.g. to unpin it), so that its pages go back to the system."""
+        if key in self._mappings:
+            self._forgotten[key] = before_unmap
+            self._unmap_if_idle(key)
+
+    def _unmap_if_idle(self, key: tuple[int, int]) -> None:
+        if key not in self._forgotten or self._holds.get(key) or key in self._populating:
+            return
+        before_unmap = self._forgotten.pop(key)
+        mapping, base = self._mappings.pop(key)
+        before_unmap(base)
+        try:
+            mapping.close()
+        except BufferError:  # still exported somewhere: the next collection unmaps it
+            pass
 
     def premap(self, segments: Any) -> list[asyncio.Task[Any]]:
         """Map the segments a peer announced at link time; returns the page-table population tasks.
@@ -188,6 +227,7 @@ class PeerMemory:
             except BufferError:
                 pass
         self._mappings.clear()
+        self._forgotten.clear()
 
 
 def _unreachable_reason(caps: PeerCapabilities, segment: tuple[SegmentIdentity, int] | None) -> str:

@@ -55,11 +55,12 @@ class Kind:
     BEGIN = "begin"          # requester -> owner: resolve a key for a transfer, take a lease
     END = "end"              # requester -> owner: transfer finished (ok or not), drop the lease
     ABORT = "abort"          # owner -> requester: the cache of a running transfer was released, stop
+    FREED = "freed"          # owner -> same-host peers: a cache's memory is gone, unmap / close what maps it
     PING = "ping"            # either side: liveness check
     REPLY = "reply"          # response to any request
 
-    REQUESTS = frozenset({HELLO, BYE, BEGIN, END, ABORT, PING})
-    INLINE = frozenset({BEGIN, END, ABORT, PING, REPLY})  # handled in the reader task: they never wait
+    REQUESTS = frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING})
+    INLINE = frozenset({BEGIN, END, ABORT, FREED, PING, REPLY})  # handled in the reader task: they never wait
     ALL = REQUESTS | {REPLY}
 
 

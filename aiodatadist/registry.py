@@ -57,6 +57,8 @@ class CacheEntry:
     device_memory: DeviceMemory | None = None  # an allocated DEVICE cache's memory
     device_addrs: npt.NDArray[np.uint64] | None = None  # host memory page-locked for GPU copies: its device view
     on_free: list[Callable[[], None]] = field(default_factory=list)  # run before the memory goes (unpin, ...)
+    exported: set[bytes] = field(default_factory=set)  # CUDA IPC handles of its allocations given to peers
+    freed: bool = False
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -83,6 +85,7 @@ class CacheRegistry:
 
     def __init__(self, directory: CacheDirectory | None = None) -> None:
         self.directory = directory
+        self.on_freed: Callable[[CacheEntry], None] | None = None  # told once an entry's memory is gone
         self._next_id = 1
         self._by_id: dict[int, CacheEntry] = {}
         self._by_key: dict[IndexKey, tuple[CacheEntry, int]] = {}
@@ -239,12 +242,17 @@ class CacheRegistry:
         if entry.released and not entry.keys and entry.leases == 0:
             self.free_now(entry)
 
-    @staticmethod
-    def free_now(entry: CacheEntry) -> None:
-        """Run the entry's release hooks and free memory aiodatadist allocated (once nothing uses it)."""
+    def free_now(self, entry: CacheEntry) -> None:
+        """Run the entry's release hooks, free memory aiodatadist allocated (once nothing here uses it) and tell
+        :attr:`on_freed` (peers that mapped it let go of their mappings)."""
+        if entry.freed:
+            return
+        entry.freed = True
         hooks, entry.on_free = entry.on_free, []
         for hook in hooks:
             hook()
+        if self.on_freed is not None and entry.cache_id > 0:
+            self.on_freed(entry)
         if entry.segment is not None:
             entry.segment.close()
         if entry.device_memory is not None:

@@ -316,6 +316,10 @@ class TransferService:
         manager = self._dd.cache_manager
         geometry, remote_addrs, segment, ipc = descriptor
         pull = params.op == "pull"
+        # The peer may free this cache meanwhile (FREED): its mapping here stays until the copy is done.
+        held = link.memory.hold(segment[0]) if segment is not None else None
+        if ipc is not None:
+            self._link_device(link).hold(ipc)
         try:
             if local.on_device or ipc is not None:  # the GPU copies (see aiodatadist.device)
                 remote = self._device_view(link, geometry, remote_addrs, segment, ipc)
@@ -336,15 +340,24 @@ class TransferService:
             if isinstance(exc, LLMException):  # LLMTimeoutError / LLMLinkError are OSErrors too
                 raise
             raise LLMLinkError(f"copy with cluster {link.remote_cluster_id} failed: {exc}") from exc
+        finally:
+            if held is not None:
+                link.memory.release(held)
+            if ipc is not None and link.device is not None:
+                link.device.release(ipc)
+
+    def _link_device(self, link: Link) -> LinkDeviceState:
+        if link.device is None:
+            link.device = LinkDeviceState(self._dd.cache_manager.device(), link.caps.pid == os.getpid())
+        return link.device
 
     def _device_view(self, link: Link, geometry: CacheGeometry, remote_addrs: np.ndarray, segment: Any,
                      ipc: list[tuple[bytes, int, int]] | None) -> np.ndarray:
         """The peer's tensors as this process's GPU reaches them: its device memory through IPC, its host
         cache through the mapped segment, page-locked."""
-        if link.device is None:
-            link.device = LinkDeviceState(self._dd.cache_manager.device(), link.caps.pid == os.getpid())
+        device = self._link_device(link)
         if ipc is not None:
-            return link.device.remote_delta(ipc, remote_addrs, geometry.tensor_size)
+            return device.remote_delta(ipc, remote_addrs, geometry.tensor_size)
         if segment is None or not link.caps.can_map:
             raise LLMException(f"a GPU copy needs the host cache of cluster {link.remote_cluster_id} mapped in "
                                "this process: allocate it with allocate_cache/allocate_blocks_cache (caller-"
@@ -352,7 +365,7 @@ class TransferService:
                                status_code=S.LLM_FEATURE_NOT_ENABLED)
         identity, remote_base = segment
         local_base = link.memory.local_base(identity)
-        delta = link.device.pinned_delta(local_base, identity.size)
+        delta = device.pinned_delta(local_base, identity.size)
         return remote_addrs + np.uint64((local_base - remote_base + delta) % 2**64)
 
     @staticmethod
@@ -450,6 +463,9 @@ class TransferService:
         if kind == Kind.ABORT:
             self._abort(link, message)
             return None
+        if kind == Kind.FREED:
+            self._freed(link, message)
+            return None
         raise ProtocolError(f"unexpected request {kind!r}")
 
     def _begin(self, link: Link, message: dict[str, Any]) -> dict[str, Any]:
@@ -502,7 +518,9 @@ class TransferService:
                                            entry.segment.address if entry.segment else 0),
             }
             if entry.on_device:
-                reply["desc"]["ipc"] = self._dd.cache_manager.device().ipc_export(entry.addrs, entry.desc.size)
+                exported = self._dd.cache_manager.device().ipc_export(entry.addrs, entry.desc.size)
+                entry.exported.update(handle for handle, _, _ in exported)
+                reply["desc"]["ipc"] = exported
         return reply
 
     def _end(self, link: Link, message: dict[str, Any]) -> None:
@@ -557,6 +575,40 @@ class TransferService:
                 link.aborted.add(tid)  # the copy has not started yet: it must not start at all
         elif manager is not None:
             manager.cancel_job(job, error)
+
+    def _freed(self, link: Link, message: dict[str, Any]) -> None:
+        """The peer freed a cache: forget its description and let go of what maps it here (once idle)."""
+        cid = int_field(message, "cid", 1, 2**63 - 1)
+        link.descriptors.pop(cid, None)
+        for key, resolved in list(link.resolved.items()):
+            if resolved.cache_id == cid:
+                del link.resolved[key]
+        seg = message.get("seg")
+        if isinstance(seg, list) and len(seg) == 2 and all(type(v) is int for v in seg):
+            device = link.device
+            link.memory.forget((seg[0], seg[1]), device.forget_pinned if device is not None else lambda _: None)
+        handles = message.get("ipc")
+        if isinstance(handles, list) and link.device is not None:
+            for handle in handles[:MAX_IPC_ALLOCATIONS]:
+                if isinstance(handle, bytes) and len(handle) == 64:
+                    link.device.forget_handle(handle)
+
+    def announce_freed(self, entry: CacheEntry) -> None:
+        """Owner side: ``entry``'s memory is gone; same-host peers that mapped it let go of their mappings (a
+        peer's mapping would otherwise keep freed pages alive until the link closes)."""
+        links = self._dd._links
+        if links is None:
+            return
+        body: dict[str, Any] = {"cid": entry.cache_id}
+        if entry.segment is not None:
+            body["seg"] = [entry.segment.identity.inode, entry.segment.identity.device]
+        if entry.exported:
+            body["ipc"] = sorted(entry.exported)
+        if len(body) == 1:
+            return
+        for link in list(links.links.values()):
+            if link.caps.same_host and not link.closed:
+                links.notify(link, Kind.FREED, body)
 
     def abort_remote(self, entry: CacheEntry) -> None:
         """Ask requesters whose running transfers use ``entry`` (being released) to stop."""

@@ -165,3 +165,51 @@ async def test_a_crashed_peer_leaves_nothing_behind(transport: str) -> None:
                         fds, threads, memfds, before)
             finally:
                 await peer.close()
+
+
+def peer_mappings(owner_cluster: int) -> int:
+    """Mappings in this process of an owner's cache segments (memfds named after its cluster id)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if f"memfd:aiodatadist-{owner_cluster} " in line)
+
+
+async def test_caches_the_owner_frees_are_unmapped_by_the_requester() -> None:
+    """A serving prompt allocates a cache per request and frees it once the decoder pulled it: the decoder's
+    mappings of freed caches go too (they kept the freed pages alive until unlink), also when the pull was
+    one-sided (no lease on the owner) and the cache is freed while that pull runs."""
+    from aiodatadist import CacheKey
+    from aiodatadist.testing import linked_pair
+
+    per_request = CacheDesc(2, (1, 4 << 20), DataType.DT_UINT8, Placement.HOST)
+    async with linked_pair() as (prompt, decoder):
+        dst = decoder.cache_manager.allocate_cache(per_request)
+        for i in range(60):
+            src = prompt.cache_manager.allocate_cache(per_request, [CacheKey(1, i)])
+            data = fill_pattern(src, i)
+            await decoder.cache_manager.pull_cache(CacheKey(1, i), dst, 0)
+            assert np.array_equal(dst.tensors[1].reshape(-1), data[1])
+            prompt.cache_manager.deallocate_cache(src)
+        await asyncio.sleep(0.1)
+        assert peer_mappings(1) <= 2, peer_mappings(1)  # not 60
+
+        big = CacheDesc(4, (64, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 256 MiB
+        src = prompt.cache_manager.allocate_blocks_cache(big, BlocksCacheKey(1, 7))
+        data = fill_pattern(src, 99)
+        out = decoder.cache_manager.allocate_blocks_cache(big)
+        blocks = list(range(64))
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 7), out, [0], [0])  # resolved: now one-sided
+        for _ in range(3):
+            pull = asyncio.create_task(decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 7), out, blocks, blocks))
+            await asyncio.sleep(0.002)
+            prompt.cache_manager.deallocate_blocks_cache(src)  # freed at once: nothing of the owner holds it
+            try:
+                await pull
+                assert all(np.array_equal(a.reshape(-1), b) for a, b in zip(out.tensors, data))
+            except Exception as exc:  # noqa: BLE001 - NOT_EXIST is the other allowed outcome
+                assert getattr(exc, "status_code", None) == S.LLM_KV_CACHE_NOT_EXIST, exc
+            src = prompt.cache_manager.allocate_blocks_cache(big, BlocksCacheKey(1, 7))
+            data = fill_pattern(src, 99)
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 7), out, [0], [0])
+        prompt.cache_manager.deallocate_blocks_cache(src)
+        await asyncio.sleep(0.1)
+        assert peer_mappings(1) <= 2, peer_mappings(1)

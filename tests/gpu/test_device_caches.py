@@ -227,6 +227,25 @@ async def test_cross_process_pull_and_push(owner: str, mine: str) -> None:
         assert not IPC._open  # closed with the link
 
 
+async def test_a_freed_peer_allocation_is_closed_here_while_linked() -> None:
+    """The owner frees a device cache: the requester closes its IPC mapping at once, not at unlink (the mapping
+    would keep the freed device memory alive)."""
+    async with peer_prompt("DEVICE") as (peer, decoder, cid):
+        dst = decoder.cache_manager.allocate_blocks_cache(DEV)
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [1])
+        assert len(IPC._open) == 1
+        await peer.call("release", cache_id=cid)
+        for _ in range(100):
+            if not IPC._open:
+                break
+            await asyncio.sleep(0.02)
+        assert not IPC._open
+        assert len(decoder.links()) == 1  # still linked
+        with pytest.raises(LLMException) as info:
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [1])
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+
+
 async def test_cross_process_pull_cache_by_id() -> None:
     async with peer_prompt("DEVICE") as (peer, decoder, _):
         cid = (await peer.call("allocate", num_tensors=4, shape=[BLOCKS, BLOCK], placement="DEVICE"))["cache_id"]
