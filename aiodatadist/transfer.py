@@ -318,9 +318,11 @@ class TransferService:
         pull = params.op == "pull"
         # The peer may free this cache meanwhile (FREED): its mapping here stays until the copy is done.
         held = link.memory.hold(segment[0]) if segment is not None else None
-        if ipc is not None:
-            self._link_device(link).hold(ipc)
+        device = None
         try:
+            if ipc is not None:
+                device = self._link_device(link)
+                device.hold(ipc)
             if local.on_device or ipc is not None:  # the GPU copies (see aiodatadist.device)
                 remote = self._device_view(link, geometry, remote_addrs, segment, ipc)
                 mine = manager.device_addrs(local)
@@ -343,8 +345,8 @@ class TransferService:
         finally:
             if held is not None:
                 link.memory.release(held)
-            if ipc is not None and link.device is not None:
-                link.device.release(ipc)
+            if device is not None and ipc is not None:
+                device.release(ipc)
 
     def _link_device(self, link: Link) -> LinkDeviceState:
         if link.device is None:

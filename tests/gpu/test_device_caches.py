@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -345,3 +346,44 @@ def test_bench_device_runs_and_checks_its_bytes(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["results"]
     assert [r["name"] for r in rows] == ["d2d pull", "d2d push", "swap h2d", "swap d2h", "host->dev pull"]
     assert all(r["gbps"] > 0 and r["ratio"] > 0 for r in rows)
+
+
+async def test_a_requester_without_cuda_gets_a_clear_error_and_keeps_its_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only decoder pulling a GPU prompt's device cache: LLM_FEATURE_NOT_ENABLED saying why, and the link
+    still moves host caches."""
+    from aiodatadist.cuda import driver
+
+    gpu_env = {driver.ENV_LIBCUDA: os.environ.get(driver.ENV_LIBCUDA, "")} if os.environ.get(driver.ENV_LIBCUDA) \
+        else {}
+    port = free_port()
+    cfg = LLMConfig()
+    cfg.listen_ip_info = f"127.0.0.1:{port}"
+    peer = await PeerProcess.start(env=gpu_env)
+    try:
+        await peer.call("init", role="PROMPT", cluster_id=1, options=dict(cfg.generate_options()))
+        await peer.call("allocate", num_tensors=4, shape=[BLOCKS, BLOCK], blocks=True, placement="DEVICE",
+                        blocks_key=[1, 0])
+        host_cid = (await peer.call("allocate", num_tensors=4, shape=[BLOCKS, BLOCK], blocks=True,
+                                    placement="HOST", blocks_key=[1, 1]))["cache_id"]
+        await peer.call("fill", cache_id=host_cid, seed=21)
+        monkeypatch.setenv(driver.ENV_LIBCUDA, "/nonexistent/libcuda.so.1")  # this process: no CUDA
+        monkeypatch.setattr(driver, "_driver", None)
+        async with LLMDataDist(LLMRole.DECODER, 2) as decoder:
+            await decoder.init({})
+            code, _ = await decoder.link_clusters([cluster_info(1, port)], timeout=10_000)
+            assert code == S.LLM_SUCCESS
+            dst = decoder.cache_manager.allocate_blocks_cache(HOST)
+            for _ in range(2):
+                with pytest.raises(LLMException) as info:
+                    await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+                assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
+                assert "libcuda" in str(info.value)
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 1), dst, [3], [4])
+            theirs = await peer_blocks(peer, host_cid)
+            assert all(np.array_equal(blocks_of(tensor_bytes(dst))[t][4], theirs[t][3]) for t in range(4))
+            await peer.call("release", cache_id=host_cid)  # its FREED is handled without CUDA too
+            await asyncio.sleep(0.1)
+            assert len(decoder.links()) == 1
+        await peer.call("finalize")
+    finally:
+        await peer.close()
