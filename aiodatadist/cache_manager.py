@@ -18,7 +18,7 @@ from ._checks import (
     require,
 )
 from .cache import Cache
-from .device import DeviceSupport, device_support, merged_ranges
+from .device import DeviceSupport, merged_ranges
 from .directory import CacheDirectory
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
 from .executor import CopyJob, ExecutorBase, wait_stopped
@@ -111,7 +111,7 @@ class CacheManager(TransferMixin):
         """This instance's GPU (``device_id``), set up on first use; raises ``LLM_FEATURE_NOT_ENABLED`` saying
         why when CUDA cannot be used."""
         if self._device is None:
-            self._device = device_support(self._datadist.settings.device_id)
+            self._device = DeviceSupport(self._datadist.settings.device_id)
         return self._device
 
     def device_addrs(self, entry: CacheEntry) -> np.ndarray:

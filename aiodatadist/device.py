@@ -5,7 +5,7 @@ launch of the pointer-list kernel (:mod:`aiodatadist.cuda`), whatever the other 
 
 * device memory of this process: its own address;
 * a same-host peer's device memory: its CUDA IPC handle, opened once per process and allocation
-  (:class:`IpcMappings`), closed when the last link that uses it closes;
+  (:class:`IpcMappings`), closed when the peer frees it or the last link that uses it closes;
 * host memory (this instance's shared-memory caches, caller-registered memory, a peer's segment mapped into this
   process): page-locked once with ``cuMemHostRegister`` and read or written by the kernel over the bus.
 
@@ -29,7 +29,7 @@ from .memory.segment import PAGE
 if TYPE_CHECKING:
     from .cuda import CudaExecutor, Device
 
-__all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "device_support", "merged_ranges"]
+__all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "PinnedHostMemory", "merged_ranges"]
 
 log = logging.getLogger("aiodatadist.device")
 UInt64Array = npt.NDArray[np.uint64]
@@ -56,7 +56,8 @@ def _page_range(addr: int, nbytes: int) -> tuple[int, int]:
 
 
 class DeviceSupport:
-    """One instance's GPU: allocation, the copy executor (one stream) and page-locked host ranges."""
+    """One instance's GPU: allocation, the copy executor (one stream) and page-locked host ranges.  Creating
+    it raises ``LLM_FEATURE_NOT_ENABLED`` (saying why) without a usable GPU."""
 
     def __init__(self, ordinal: int) -> None:
         from .cuda import CudaExecutor, get_device
@@ -178,11 +179,6 @@ def merged_ranges(addrs: UInt64Array, nbytes: int) -> list[tuple[int, int]]:
         else:
             ranges.append((start, end - start))
     return ranges
-
-
-def device_support(ordinal: int) -> DeviceSupport:
-    """A new :class:`DeviceSupport`; raises ``LLM_FEATURE_NOT_ENABLED`` (saying why) without a usable GPU."""
-    return DeviceSupport(ordinal)
 
 
 class IpcMappings:
