@@ -623,11 +623,11 @@ class LinkManager:
                 self._server.channels.pop(link.routing_id, None)
             if link.reader is not None:
                 link.reader.cancel()
+            if link.sock is not None:  # before any await: a cancellation below must not leave it open
+                link.sock.close(linger=100)
             if link.watcher is not None and link.watcher is not asyncio.current_task():
                 link.watcher.cancel()
                 await asyncio.gather(link.watcher, return_exceptions=True)  # it closes its monitor socket
-            if link.sock is not None:
-                link.sock.close(linger=100)
         log.info("cluster %d dropped link to %d: %s", self._dd.cluster_id, link.remote_cluster_id, error)
 
     # -- requests from peers ---------------------------------------------------------------------------------
@@ -657,6 +657,12 @@ class LinkManager:
             await self.drop(link, LLMLinkError(f"cluster {self._dd.cluster_id} was finalized"))
         self.stop_listening()
         await self._tasks.close()
+        # term() waits for every socket of the context to be closed: close any that a torn-down link or
+        # watcher left open (closing twice is harmless), here on the loop thread that owns them.
+        for sock in list(getattr(self._ctx, "_sockets", ())):
+            if not sock.closed:
+                log.debug("closing a socket left open at finalize: %r", sock)
+                sock.close(linger=100)
         # Closed sockets linger briefly so that the BYEs reach the peers; term() waits for that, off the loop.
         await asyncio.to_thread(self._ctx.term)
         self._probe.close()
