@@ -623,7 +623,9 @@ class LinkManager:
                 self._server.channels.pop(link.routing_id, None)
             if link.reader is not None:
                 link.reader.cancel()
-            if link.sock is not None:  # before any await: a cancellation below must not leave it open
+            if link.sock is not None and not link.sock.closed:  # before any await: a cancellation below
+                if link.watcher is not None:  # must not leave it open; its monitor's inproc address goes too
+                    link.sock.disable_monitor()
                 link.sock.close(linger=100)
             if link.watcher is not None and link.watcher is not asyncio.current_task():
                 link.watcher.cancel()
