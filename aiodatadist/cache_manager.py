@@ -85,10 +85,7 @@ class CacheManager(TransferMixin):
         self._jobs: dict[CopyJob, ExecutorBase] = {}  # running jobs and who runs them
         self._closed = False
         self._device: DeviceSupport | None = None
-        self._registry.on_freed = self._announce_freed
-
-    def _announce_freed(self, entry: CacheEntry) -> None:
-        self._datadist._transfers.announce_freed(entry)
+        self._registry.on_freed = datadist._transfers.announce_freed  # peers let go of what they mapped
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
