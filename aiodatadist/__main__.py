@@ -22,19 +22,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "demo":
-        from .demo import main as demo_main
+        from .tools.demo import main as demo_main
 
         return demo_main(rest)
     if command == "bench":
-        from .bench import main as bench_main
+        from .tools.bench import main as bench_main
 
         return bench_main(rest)
     if command == "soak":
-        from .soak import main as soak_main
+        from .tools.soak import main as soak_main
 
         return soak_main(rest)
     if command == "info":
-        from .info import main as info_main
+        from .tools.info import main as info_main
 
         return info_main(rest)
     sys.stderr.write(USAGE)

@@ -1,5 +1,5 @@
 """``CacheManager``: allocate/register caches and move their bytes (local copies here; pulls and pushes
-through the linked peer, see :mod:`aiodatadist.transfer`)."""
+through the linked peer, see :mod:`aiodatadist.transfer.service`)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,8 @@ from ._checks import (
     require,
 )
 from .cache import Cache
-from .device import DeviceSupport, merged_ranges
-from .directory import CacheDirectory
+from .copy.python_pool import CopyJob, ExecutorBase, wait_stopped
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
-from .executor import CopyJob, ExecutorBase, wait_stopped
 from .layout import (
     CacheGeometry,
     CopyPlan,
@@ -34,7 +32,9 @@ from .layout import (
 from .memory import SharedSegment
 from .native import CopySpec, local_copier
 from .registry import CacheEntry, CacheRegistry, geometry_of
-from .transfer_api import TransferMixin
+from .transfer.validate import TransferMixin
+from .transport.device import DeviceSupport, merged_ranges
+from .transport.directory import CacheDirectory
 from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
 
 if TYPE_CHECKING:

@@ -7,14 +7,14 @@ import logging
 from types import TracebackType
 
 from ._checks import check_bool, check_int, check_isinstance, require
+from ._settings import Settings, parse_listen_ip_info, parse_options
 from .cache_manager import CacheManager
 from .config import OptionKey
+from .control.links import LinkManager
+from .copy.python_pool import release_shared_executor, shared_executor
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
-from .executor import release_shared_executor, shared_executor
-from .links import LinkManager
-from .options import Settings, parse_listen_ip_info, parse_options
 from .stats import StatsSnapshot
-from .transfer import TransferService
+from .transfer.service import TransferService
 from .types import LLMClusterInfo, LLMRole
 
 __all__ = ["LLMDataDist"]

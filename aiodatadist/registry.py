@@ -18,15 +18,15 @@ import numpy.typing as npt
 
 from ._checks import require
 from .cache import Cache
-from .directory import CacheDirectory
 from .errors import LLMException, LLMStatusCode
 from .layout import CacheGeometry
 from .memory import SharedSegment
+from .transport.directory import CacheDirectory
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
 
 if TYPE_CHECKING:
-    from .device import DeviceMemory
-    from .executor import CopyJob
+    from .copy.python_pool import CopyJob
+    from .transport.device import DeviceMemory
 
 __all__ = ["MAX_REGISTERED_ADDRS", "CacheEntry", "CacheRegistry", "geometry_of"]
 

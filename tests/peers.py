@@ -1,7 +1,7 @@
 """Helpers for the two-process tests (``test_transfers.py``, ``test_links.py``).
 
 Every such test has two real OS processes on 127.0.0.1 with random ports: an ``LLMDataDist`` in the test's own
-process and event loop (a :class:`LocalSide`) and one in an ``aiodatadist._agent`` child process driven through
+process and event loop (a :class:`LocalSide`) and one in an ``aiodatadist.testing._agent`` child process driven through
 :class:`aiodatadist.testing.PeerProcess` (a :class:`PeerSide`).  Both sides offer the same small async API, so a
 transfer test is written once and run with either side as the requester and either side as the server.
 
@@ -81,7 +81,7 @@ def sha256(data: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(data).view(np.uint8).tobytes()).hexdigest()
 
 
-# -- key specs (the dict form understood by aiodatadist._agent.make_key) ---------------------------------------
+# -- key specs (the dict form understood by aiodatadist.testing._agent.make_key) ---------------------------------------
 
 def req_key(owner: int, req_id: int, model_id: int = 0) -> dict[str, Any]:
     return {"type": "req", "cluster_id": owner, "req_id": req_id, "model_id": model_id}
@@ -338,7 +338,7 @@ class LocalSide(Side):
 
 
 class PeerSide(Side):
-    """An ``LLMDataDist`` in an ``aiodatadist._agent`` child process."""
+    """An ``LLMDataDist`` in an ``aiodatadist.testing._agent`` child process."""
 
     name = "peer"
 

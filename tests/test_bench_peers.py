@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from aiodatadist.bench_peers import VARIANTS, WORKLOADS, nixl_available, run_nixl
+from aiodatadist.tools.bench.peers import VARIANTS, WORKLOADS, nixl_available, run_nixl
 
 pytest.importorskip("nixl")
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import fill_random, next_cluster_id, tensor_bytes
 
-import aiodatadist.executor as executor_module
+import aiodatadist.copy.python_pool as executor_module
 from aiodatadist import (
     BlocksCacheKey,
     Cache,
@@ -36,7 +36,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.executor import CopyExecutor
+from aiodatadist.copy.python_pool import CopyExecutor
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
 NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from aiodatadist import LLMConfig, LlmConfig, LLMException, LLMStatusCode
-from aiodatadist.options import DEFAULT_SYNC_KV_TIMEOUT_MS, parse_options
+from aiodatadist._settings import DEFAULT_SYNC_KV_TIMEOUT_MS, parse_options
 from aiodatadist.types import Transport
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID

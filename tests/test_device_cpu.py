@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from aiodatadist.cuda import cuda_status
-from aiodatadist.device import merged_ranges
-from aiodatadist.protocol import ProtocolError
+from aiodatadist.protocol.codec import ProtocolError
 from aiodatadist.testing import linked_pair
-from aiodatadist.transfer import _ipc_from_wire
+from aiodatadist.transfer.service import _ipc_from_wire
+from aiodatadist.transport.device import merged_ranges
 
 PAGE = mmap.PAGESIZE
 DEV = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.DEVICE)

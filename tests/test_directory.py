@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMException, LLMStatusCode, Placement
-from aiodatadist.directory import CacheDirectory, DirectoryView
 from aiodatadist.memory import SegmentIdentity
-from aiodatadist.protocol import Kind
+from aiodatadist.protocol.codec import Kind
 from aiodatadist.testing import fill_pattern, linked_pair
+from aiodatadist.transport.directory import CacheDirectory, DirectoryView
 
 NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiodatadist.executor import CopyExecutor
+from aiodatadist.copy.native_pool import NativeExecutor
+from aiodatadist.copy.python_pool import CopyExecutor
 from aiodatadist.layout import CacheGeometry, Spans, b2b_runs, make_plan
 from aiodatadist.native import CopySpec, native_pool
-from aiodatadist.native_pool import NativeExecutor
 
 EXECUTORS = ["python"] + (["native"] if native_pool() is not None else [])
 

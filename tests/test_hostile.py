@@ -29,10 +29,10 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.frames import HEADER, MAGIC
 from aiodatadist.layout import CacheGeometry
-from aiodatadist.protocol import PROTOCOL_VERSION, geometry_to_wire
+from aiodatadist.protocol.codec import PROTOCOL_VERSION, geometry_to_wire
 from aiodatadist.testing import cluster_info, fill_pattern, free_port
+from aiodatadist.transport.tcp.frames import HEADER, MAGIC
 
 S = LLMStatusCode
 DESC = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)

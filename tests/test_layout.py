@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from aiodatadist.copy.python_pool import split_spans
 from aiodatadist.errors import LLMException, LLMStatusCode
-from aiodatadist.executor import split_spans
 from aiodatadist.layout import (
     CacheGeometry,
     Runs,

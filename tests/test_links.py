@@ -37,7 +37,7 @@ from peers import (
     start_peer,
 )
 
-import aiodatadist.links
+import aiodatadist.control.links
 from aiodatadist import LLMClusterInfo, LLMException, LLMRole, LLMStatusCode
 from aiodatadist.testing import PeerError, cluster_info, free_port
 
@@ -263,7 +263,7 @@ async def test_no_local_ip_info_is_fine_with_local_comm_res(peer: PeerSide, make
 
 async def test_at_most_512_links_per_server(peer: PeerSide, make_local: MakeLocal) -> None:
     """The real cap: 512 in-process clients link to the peer process, the 513th is refused."""
-    assert aiodatadist.links.MAX_LINKS == 512
+    assert aiodatadist.control.links.MAX_LINKS == 512
     clients = list(await asyncio.gather(*(make_local() for _ in range(512))))
     results = await asyncio.gather(*(link(c, peer, timeout=20000) for c in clients))
     assert all(r == OK for r in results), {str(r) for r in results if r != OK}
@@ -286,7 +286,7 @@ async def _peer_link_count(peer: PeerSide, n: int) -> bool:
 async def test_client_side_link_cap(peer: PeerSide, make_local: MakeLocal, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cap applies to the linking instance too (``MAX_LINKS`` patched to 2 here, so that it needs only
     three servers: the peer process and two in-process servers)."""
-    monkeypatch.setattr(aiodatadist.links, "MAX_LINKS", 2)
+    monkeypatch.setattr(aiodatadist.control.links, "MAX_LINKS", 2)
     local = await make_local()
     first = await make_local(listen=True, role=LLMRole.PROMPT)
     second = await make_local(listen=True, role=LLMRole.PROMPT)

@@ -22,7 +22,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.links import MAX_LINKS
+from aiodatadist.control.links import MAX_LINKS
 from aiodatadist.testing import PeerProcess, cluster_info, fill_pattern, free_port
 
 S = LLMStatusCode

@@ -1,6 +1,6 @@
 """Pulls and pushes between two real processes linked over ZeroMQ on 127.0.0.1, checked byte for byte.
 
-One peer process per module runs the remote ``LLMDataDist`` (``aiodatadist._agent``); the other end lives in
+One peer process per module runs the remote ``LLMDataDist`` (``aiodatadist.testing._agent``); the other end lives in
 the test's event loop.  Every test runs in both topologies (the peer is the server / the peer is the client) and,
 where it matters, with either end as the requester, so "either side may pull or push" is covered for servers
 pulling from their clients as well.  Caches hold random non-zero pattern bytes on both ends; expected contents are

@@ -6,7 +6,7 @@ on the same stream.  A stream callback enqueued after the copy tells the job's e
 (``call_soon_threadsafe``): no polling, no thread blocked per job.
 
 A launched copy cannot be aborted.  :meth:`CudaExecutor.cancel` only records an error;
-:meth:`ExecutorBase.wait <aiodatadist.executor.ExecutorBase.wait>` of a cancelled caller still waits until the
+:meth:`ExecutorBase.wait <aiodatadist.copy.python_pool.ExecutorBase.wait>` of a cancelled caller still waits until the
 GPU has finished, so once it returns or raises nothing of the job is queued or running.
 """
 
@@ -21,8 +21,8 @@ from typing import Final, Self
 
 import numpy as np
 
+from ..copy.python_pool import ExecutorBase, resolve_job
 from ..errors import LLMException, LLMStatusCode
-from ..executor import ExecutorBase, resolve_job
 from ..layout import Spans
 from .driver import CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device
 from .kernels import KERNEL_NAME, choose_piece, launch_geometry, ptx_text, split_long_spans
@@ -309,7 +309,7 @@ class CudaExecutor(ExecutorBase):
                 log.warning("%s: %s", name, drv.describe(result))
 
     def shutdown(self) -> None:
-        """Same as :meth:`close` (the name :class:`~aiodatadist.executor.CopyExecutor` uses)."""
+        """Same as :meth:`close` (the name :class:`~aiodatadist.copy.python_pool.CopyExecutor` uses)."""
         self.close()
 
     def __enter__(self) -> Self:

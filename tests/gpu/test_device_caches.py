@@ -32,8 +32,8 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.device import IPC
 from aiodatadist.testing import PeerProcess, cluster_info, fill_pattern, free_port, linked_pair, tensor_bytes
+from aiodatadist.transport.device import IPC
 
 S = LLMStatusCode
 BLOCKS, BLOCK = 64, 4096 + 16  # deliberately not a multiple of 256: unaligned spans too
@@ -120,7 +120,7 @@ async def test_concurrent_swaps_share_page_locked_host_memory() -> None:
         for i, (_, _, cache, _) in enumerate(swaps):
             got = blocks_of(tensor_bytes(cache))
             assert all(np.array_equal(got[t][63 - i], keep[t].reshape(BLOCKS, BLOCK)[i]) for t in range(4))
-        from aiodatadist.device import PINNED
+        from aiodatadist.transport.device import PINNED
         assert PINNED._ranges == {}  # each swap let go of its pin
 
 

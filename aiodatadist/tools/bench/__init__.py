@@ -29,15 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from .bench_baselines import copyto_gbps, socket_stream_gbps
-from .bench_baselines import gbps as _gbps
-from .cache import Cache
-from .config import LLMConfig
-from .datadist import LLMDataDist
-from .errors import LLMStatusCode
-from .native import native_available
-from .testing import PeerProcess, cluster_info, fill_pattern, free_port
-from .types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
+from ...cache import Cache
+from ...config import LLMConfig
+from ...datadist import LLMDataDist
+from ...errors import LLMStatusCode
+from ...native import native_available
+from ...testing import PeerProcess, cluster_info, fill_pattern, free_port
+from ...types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
+from .baselines import copyto_gbps, socket_stream_gbps
+from .baselines import gbps as _gbps
 
 __all__ = ["main", "run_bench"]
 
@@ -240,7 +240,7 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
             baseline = ("np.copyto 256 MiB", copy_base)
         rows.extend(await bench_transport(transport, directions, remote, repeat, concurrency, baseline, progress))
     if peers:
-        from .bench_peers import run_nixl
+        from .peers import run_nixl
 
         peer_rows: list[dict[str, Any]] = []
         wanted = remote & {"paged", "whole", "small"}
@@ -268,9 +268,9 @@ def _format(r: dict[str, Any]) -> str:
 
 
 def _device_main(ordinal: int, repeat: int, quiet: bool, json_path: str | None) -> int:
-    from .bench_device import print_rows, run_device_bench
-    from .cuda import cuda_status, get_device
-    from .errors import LLMException
+    from ...cuda import cuda_status, get_device
+    from ...errors import LLMException
+    from .device import print_rows, run_device_bench
 
     try:
         device = get_device(ordinal)
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1 or args.concurrency < 1:
         parser.error("--repeat and --concurrency must be >= 1")
     if args.peers:
-        from .bench_peers import nixl_available
+        from .peers import nixl_available
 
         if not nixl_available():
             parser.error("--peers needs NIXL: pip install --no-deps nixl nixl-cu12 (or the extra 'peers')")

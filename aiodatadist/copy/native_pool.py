@@ -2,7 +2,7 @@
 
 Python only submits a job (span arrays, chunk boundaries, a :class:`~aiodatadist.native.CopySpec`) and learns
 about its end through a pipe watched by the event loop (workers write the addresses of finished jobs), so copies overlap with the loop's work instead of
-contending with it for the interpreter lock.  Same contract as :class:`~aiodatadist.executor.CopyExecutor`:
+contending with it for the interpreter lock.  Same contract as :class:`~aiodatadist.copy.python_pool.CopyExecutor`:
 cancelling stops the job at its next span and ``wait`` returns only when no worker touches its memory.
 """
 
@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import LLMException, LLMStatusCode
-from .executor import (
+from ..errors import LLMException, LLMStatusCode
+from ..layout import CopyPlan, Spans
+from ..native import CopySpec, native_pool
+from .python_pool import (
     PIECE,
     ExecutorBase,
     default_workers,
@@ -27,8 +29,6 @@ from .executor import (
     worker_nice,
     worker_spin_ns,
 )
-from .layout import CopyPlan, Spans
-from .native import CopySpec, native_pool
 
 __all__ = ["NativeExecutor", "NativeJob"]
 
@@ -215,7 +215,7 @@ class NativeExecutor(ExecutorBase):
 
 def make_executor() -> Any:
     """The native executor where the helper is built (unless ``AIODATADIST_EXECUTOR=python``)."""
-    from .executor import CopyExecutor
+    from .python_pool import CopyExecutor
 
     if native_pool() is not None and os.environ.get("AIODATADIST_EXECUTOR", "native") != "python":
         return NativeExecutor()

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import (
+from .. import (
     BlocksCacheKey,
     Cache,
     CacheDesc,
@@ -27,7 +27,7 @@ from . import (
     LLMRole,
     Placement,
 )
-from .testing import cluster_info, fill_pattern, tensor_bytes, write_tensor
+from . import cluster_info, fill_pattern, tensor_bytes, write_tensor
 
 
 def make_key(spec: dict[str, Any]) -> CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey:

@@ -27,7 +27,7 @@ Variants, each in a fresh pair of spawned processes (UCX reads its environment w
 * ``nixl-ucx-tcp``: ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES=lo`` in both processes; without the device
   restriction UCX stripes the reads over ``lo`` and every other up interface.
 
-``python -m aiodatadist.bench_peers`` prints both variants with ``repeat=5``.
+``python -m aiodatadist.tools.bench.peers`` prints both variants with ``repeat=5``.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from . import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
-from .testing import PeerProcess, cluster_info, free_port, tensor_bytes
+from ... import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+from ...testing import PeerProcess, cluster_info, free_port, tensor_bytes
 
 __all__ = ["run_device_bench"]
 
@@ -61,7 +61,7 @@ async def _median_async(fn: Callable[[], Awaitable[Any]], repeat: int) -> float:
 
 def baselines(ordinal: int, repeat: int) -> dict[str, float]:
     """Same-process copies of 256 MiB: device to device, and page-locked host to / from device (GB/s)."""
-    from .cuda import get_device
+    from ...cuda import get_device
 
     device = get_device(ordinal)
     a, b = device.alloc(MOVED_BYTES), device.alloc(MOVED_BYTES)

@@ -22,13 +22,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .memory import SegmentIdentity, SharedSegment, map_peer_segment
-from .native import CopySpec, populate, process_vm_read, pvm_copier
-from .protocol import ProtocolError, segment_from_wire
+from ..memory import SegmentIdentity, SharedSegment, map_peer_segment
+from ..native import CopySpec, populate, process_vm_read, pvm_copier
+from ..protocol.codec import ProtocolError, segment_from_wire
 
 __all__ = ["HostProbe", "PeerCapabilities", "PeerMemory", "allowed_mechanisms"]
 
-log = logging.getLogger("aiodatadist.peer")
+log = logging.getLogger("aiodatadist.transport.same_host")
 UInt64Array = npt.NDArray[np.uint64]
 NONCE_BYTES = 32
 MAX_ANNOUNCED_SEGMENTS = 4096

@@ -9,13 +9,13 @@ import sys
 import numpy as np
 import zmq
 
-from .cuda import cuda_status
-from . import __version__
-from .executor import default_workers
-from .links import native_data_plane
-from .native import native_available
-from .peer import allowed_mechanisms
-from .tcp_plane import data_connections
+from .. import __version__
+from ..control.links import native_data_plane
+from ..copy.python_pool import default_workers
+from ..cuda import cuda_status
+from ..native import native_available
+from ..transport.same_host import allowed_mechanisms
+from ..transport.tcp.python_plane import data_connections
 
 __all__ = ["main"]
 

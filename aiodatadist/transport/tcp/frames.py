@@ -18,7 +18,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from .native import native_pool
+from ...native import native_pool
 
 __all__ = ["DATA_HELLO", "HEADER", "MAGIC", "T_DATA", "FrameError", "recv_exact", "recv_frame", "send_frame"]
 

@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ._checks import require
-from .errors import LLMException, LLMStatusCode
-from .memory.segment import PAGE
+from .._checks import require
+from ..errors import LLMException, LLMStatusCode
+from ..memory.segment import PAGE
 
 if TYPE_CHECKING:
-    from .cuda import CudaExecutor, Device
+    from ..cuda import CudaExecutor, Device
 
 __all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "PinnedHostMemory", "merged_ranges"]
 
-log = logging.getLogger("aiodatadist.device")
+log = logging.getLogger("aiodatadist.transport.device")
 UInt64Array = npt.NDArray[np.uint64]
 ALIGN = 256  # tensors of an allocated device cache start on 256-byte boundaries (16-byte vector copies)
 
@@ -60,7 +60,7 @@ class DeviceSupport:
     it raises ``LLM_FEATURE_NOT_ENABLED`` (saying why) without a usable GPU."""
 
     def __init__(self, ordinal: int) -> None:
-        from .cuda import CudaExecutor, get_device
+        from ..cuda import CudaExecutor, get_device
 
         self.device: Device = get_device(ordinal)
         self.executor: CudaExecutor = CudaExecutor(self.device)

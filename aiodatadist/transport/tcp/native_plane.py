@@ -1,6 +1,6 @@
 """The TCP data plane on the native helper (``_net.c``): I/O threads that never take the GIL, and one-sided reads.
 
-Same interface as :class:`~aiodatadist.tcp_plane.PythonDataPlane` (``send``/``receive``/``set_destination``/
+Same interface as :class:`~aiodatadist.transport.tcp.python_plane.PythonDataPlane` (``send``/``receive``/``set_destination``/
 ``cancel``/``wait``/``aclose``), plus :meth:`NativeDataPlane.read`: a pull by an already-resolved key that the
 owner's native threads serve straight from its cache directory, without its event loop and without a
 control-plane round trip.  Job ends arrive through a pipe watched by the event loop, as for the copy pool.
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import LLMException, LLMLinkError, LLMStatusCode
-from .native import native_pool
-from .tcp_plane import FRAME_BYTES, PULL, TransferJob, WaitingMixin
+from ...errors import LLMException, LLMLinkError, LLMStatusCode
+from ...native import native_pool
+from .python_plane import FRAME_BYTES, PULL, TransferJob, WaitingMixin
 
 __all__ = ["NativeDataPlane"]
 

@@ -14,8 +14,8 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from .layout import CacheGeometry
-from .memory import SegmentIdentity
+from ..layout import CacheGeometry
+from ..memory import SegmentIdentity
 
 __all__ = [
     "MAX_LIST_ITEMS",

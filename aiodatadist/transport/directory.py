@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .memory import SegmentIdentity, SharedSegment, map_peer_segment
-from .native import native_pool
+from ..memory import SegmentIdentity, SharedSegment, map_peer_segment
+from ..native import native_pool
 
 __all__ = ["DIRECTORY_ROWS", "CacheDirectory", "DirectoryView", "Resolved"]
 

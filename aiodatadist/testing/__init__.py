@@ -2,7 +2,7 @@
 
 ``linked_pair()`` gives a prompt (server) and a decoder (client) in this process and event loop.
 ``PeerProcess`` runs an ``LLMDataDist`` in a separate OS process driven by JSON commands (see
-:mod:`aiodatadist._agent`), for tests that need two real processes.
+:mod:`aiodatadist.testing._agent`), for tests that need two real processes.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from .cache import Cache
-from .config import LLMConfig
-from .datadist import LLMDataDist
-from .errors import LLMException, LLMStatusCode
-from .types import LLMClusterInfo, LLMRole, Placement
+from ..cache import Cache
+from ..config import LLMConfig
+from ..datadist import LLMDataDist
+from ..errors import LLMException, LLMStatusCode
+from ..types import LLMClusterInfo, LLMRole, Placement
 
 __all__ = ["PeerError", "PeerProcess", "cluster_info", "fill_pattern", "free_port", "linked_pair", "pattern",
            "tensor_bytes", "write_tensor"]
@@ -133,7 +133,7 @@ class PeerProcess:
     @classmethod
     async def start(cls, *, env: dict[str, str] | None = None) -> PeerProcess:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "aiodatadist._agent",
+            sys.executable, "-m", "aiodatadist.testing._agent",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             env={**os.environ, **(env or {})}, limit=1 << 24,
         )

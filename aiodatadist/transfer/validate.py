@@ -1,10 +1,10 @@
-"""The pull/push methods of :class:`CacheManager`: argument validation, then :mod:`aiodatadist.transfer`."""
+"""The pull/push methods of :class:`CacheManager`: argument validation, then :mod:`aiodatadist.transfer.service`."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._checks import (
+from .._checks import (
     U64_MAX,
     check_int,
     check_int_list,
@@ -13,13 +13,13 @@ from ._checks import (
     param_invalid,
     require,
 )
-from .cache import Cache
-from .layout import TransferParams
-from .registry import CacheEntry
-from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+from ..cache import Cache
+from ..layout import TransferParams
+from ..registry import CacheEntry
+from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 
 if TYPE_CHECKING:
-    from .datadist import LLMDataDist
+    from ..datadist import LLMDataDist
 
 __all__ = ["TransferMixin"]
 

@@ -19,14 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._checks import check_int, require
-from .cache_manager import STREAMING_THRESHOLD
-from .device import LinkDeviceState
-from .directory import Resolved
-from .errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
-from .layout import CacheGeometry, CopyPlan, TransferParams, plan_side_spans, transfer_plan
-from .native_net import NativeDataPlane
-from .protocol import (
+from .._checks import check_int, require
+from ..cache_manager import STREAMING_THRESHOLD
+from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
+from ..layout import CacheGeometry, CopyPlan, TransferParams, plan_side_spans, transfer_plan
+from ..protocol.codec import (
     Kind,
     ProtocolError,
     WireKey,
@@ -41,18 +38,21 @@ from .protocol import (
     segment_to_wire,
     uint64_array,
 )
-from .registry import CacheEntry
-from .stats import StatsRecorder
-from .tcp_plane import PULL, PUSH, TransferJob
-from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+from ..registry import CacheEntry
+from ..stats import StatsRecorder
+from ..transport.device import LinkDeviceState
+from ..transport.directory import Resolved
+from ..transport.tcp.native_plane import NativeDataPlane
+from ..transport.tcp.python_plane import PULL, PUSH, TransferJob
+from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 
 if TYPE_CHECKING:
-    from .datadist import LLMDataDist
-    from .links import Link
+    from ..control.links import Link
+    from ..datadist import LLMDataDist
 
 __all__ = ["TransferService", "wire_key"]
 
-log = logging.getLogger("aiodatadist.transfer")
+log = logging.getLogger("aiodatadist.transfer.service")
 # geometry, tensor addresses, shared-memory segment (or None), device allocations to open by IPC (or None)
 Descriptor = tuple[CacheGeometry, "np.ndarray[Any, np.dtype[np.uint64]]", Any, Any]
 MAX_IPC_ALLOCATIONS = 4096
@@ -323,7 +323,7 @@ class TransferService:
             if ipc is not None:
                 device = self._link_device(link)
                 device.hold(ipc)
-            if local.on_device or ipc is not None:  # the GPU copies (see aiodatadist.device)
+            if local.on_device or ipc is not None:  # the GPU copies (see aiodatadist.transport.device)
                 remote = self._device_view(link, geometry, remote_addrs, segment, ipc)
                 mine = manager.device_addrs(local)
                 src, dst = (remote, mine) if pull else (mine, remote)
@@ -494,7 +494,7 @@ class TransferService:
                                    status_code=S.LLM_REPEAT_REQUEST)
             self._pulling_keys.add(release_key)
         registry.acquire(entry)
-        from .links import Lease
+        from ..control.links import Lease
 
         lease = link.leases[tid] = Lease(entry, release_key)
         if link.plane == "tcp" and link.data is not None:

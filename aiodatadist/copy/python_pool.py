@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .layout import CopyPlan, Spans, plan_to_spans
-from .native import CopySpec, StopFlag, bind_runner
+from ..layout import CopyPlan, Spans, plan_to_spans
+from ..native import CopySpec, StopFlag, bind_runner
 
 __all__ = ["CopyExecutor", "CopyJob", "ExecutorBase", "release_shared_executor", "shared_executor"]
 

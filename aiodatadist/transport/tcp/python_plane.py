@@ -28,11 +28,11 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from .errors import LLMException, LLMLinkError, LLMStatusCode
-from .executor import split_spans
+from ...copy.python_pool import split_spans
+from ...errors import LLMException, LLMLinkError, LLMStatusCode
+from ...layout import Spans
+from ...native import StopFlag
 from .frames import HEADER, MAGIC, T_DATA, FrameError, recv_exact, recv_frame, send_frame
-from .layout import Spans
-from .native import StopFlag
 
 __all__ = ["FRAME_BYTES", "MAX_DATA_CONNECTIONS", "PULL", "PUSH", "PythonDataPlane", "TransferJob", "WaitingMixin", "data_connections"]
 

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from .config import LLMConfig
-from .datadist import LLMDataDist
-from .errors import LLMStatusCode
-from .testing import cluster_info, fill_pattern, free_port, pattern
-from .types import BlocksCacheKey, CacheDesc, DataType, LLMRole, Placement
+from ..config import LLMConfig
+from ..datadist import LLMDataDist
+from ..errors import LLMStatusCode
+from ..testing import cluster_info, fill_pattern, free_port, pattern
+from ..types import BlocksCacheKey, CacheDesc, DataType, LLMRole, Placement
 
 __all__ = ["main"]
 

@@ -14,25 +14,24 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from . import auth
-from .control import Channel, Server, TaskSet, connect_dealer, dealer_sender, new_context, read_dealer
-from .directory import DirectoryView, Resolved
-from .errors import LLMException, LLMLinkError, LLMStatusCode
-from .executor import CopyJob
-from .frames import DATA_HELLO, MAGIC
-from .native import native_pool
-from .peer import HostProbe, PeerCapabilities, PeerMemory, probe_peer
-from .protocol import PROTOCOL_VERSION, Kind, ProtocolError, int_field, segment_to_wire
-from .protocol import field as msg_field
-from .registry import CacheEntry
-from .tcp_plane import MAX_DATA_CONNECTIONS, PythonDataPlane, TransferJob, data_connections
-
-from .types import LLMClusterInfo, Transport, ip_int_to_str
+from ..copy.python_pool import CopyJob
+from ..errors import LLMException, LLMLinkError, LLMStatusCode
+from ..native import native_pool
+from ..protocol import auth
+from ..protocol.codec import PROTOCOL_VERSION, Kind, ProtocolError, int_field, segment_to_wire
+from ..protocol.codec import field as msg_field
+from ..registry import CacheEntry
+from ..transport.directory import DirectoryView, Resolved
+from ..transport.same_host import HostProbe, PeerCapabilities, PeerMemory, probe_peer
+from ..transport.tcp.frames import DATA_HELLO, MAGIC
+from ..transport.tcp.python_plane import MAX_DATA_CONNECTIONS, PythonDataPlane, TransferJob, data_connections
+from ..types import LLMClusterInfo, Transport, ip_int_to_str
+from .channel import Channel, Server, TaskSet, connect_dealer, dealer_sender, new_context, read_dealer
 
 if TYPE_CHECKING:
-    from .datadist import LLMDataDist
-    from .device import LinkDeviceState
-    from .native_net import NativeDataPlane
+    from ..datadist import LLMDataDist
+    from ..transport.device import LinkDeviceState
+    from ..transport.tcp.native_plane import NativeDataPlane
 
     DataPlane = NativeDataPlane | PythonDataPlane
 
@@ -299,7 +298,7 @@ class LinkManager:
 
     async def _authenticate(self, server: Server, routing_id: bytes, req_id: Any, message: dict[str, Any],
                             cluster: int) -> tuple[bytes, bytes] | None:
-        """Server side of the challenge (see :mod:`aiodatadist.auth`): the nonces once the client proved it holds
+        """Server side of the challenge (see :mod:`aiodatadist.protocol.auth`): the nonces once the client proved it holds
         the key; None after answering with a challenge or a refusal."""
         assert self._auth_key is not None
         client_nonce = message.get("cn")
@@ -434,7 +433,7 @@ class LinkManager:
         name, loop = f"{self._dd.cluster_id}-{link.remote_cluster_id}", asyncio.get_running_loop()
         if not native_data_plane():
             return PythonDataPlane(name, loop, broken)
-        from .native_net import NativeDataPlane
+        from ..transport.tcp.native_plane import NativeDataPlane
 
         manager = self._dd._cache_manager
         directory = manager.registry.directory if manager is not None else None

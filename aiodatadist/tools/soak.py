@@ -60,12 +60,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cache import Cache
-from .config import LLMConfig
-from .datadist import LLMDataDist
-from .errors import LLMException, LLMStatusCode
-from .testing import PeerError, PeerProcess, cluster_info, fill_pattern, free_port, pattern
-from .types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
+from ..cache import Cache
+from ..config import LLMConfig
+from ..datadist import LLMDataDist
+from ..errors import LLMException, LLMStatusCode
+from ..testing import PeerError, PeerProcess, cluster_info, fill_pattern, free_port, pattern
+from ..types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 
 __all__ = ["main", "run_soak"]
 

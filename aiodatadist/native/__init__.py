@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from .layout import Spans
+    from ..layout import Spans
 
 ChunkRunner = Callable[[int, int, "StopFlag"], None]
 """Copies spans ``[lo, hi)`` of a bound span list, stopping early once the flag is set."""
@@ -44,7 +44,7 @@ IOV_MAX: Final = 1024
 
 
 def _load_native() -> ctypes.CDLL | None:
-    spec = importlib.util.find_spec("aiodatadist._native")
+    spec = importlib.util.find_spec("aiodatadist.native._native")
     if spec is None or spec.origin is None:
         log.info("native span copier not built; using ctypes.memmove per span")
         return None
@@ -152,7 +152,7 @@ class CopySpec:
     def translate(self, spans: Spans) -> Spans:
         if not self.src_delta and not self.dst_delta:
             return spans
-        from .layout import Spans as _Spans
+        from ..layout import Spans as _Spans
 
         return _Spans(spans.src + np.uint64(self.src_delta), spans.dst + np.uint64(self.dst_delta), spans.length)
 

@@ -16,12 +16,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from .errors import LLMException, LLMLinkError, LLMStatusCode
-from .protocol import MAX_MESSAGE_BYTES, Kind, ProtocolError, decode_batch, encode, encode_batch
+from ..errors import LLMException, LLMLinkError, LLMStatusCode
+from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, ProtocolError, decode_batch, encode, encode_batch
 
 __all__ = ["Channel", "RequestHandler", "Server", "TaskSet", "connect_dealer", "new_context"]
 
-log = logging.getLogger("aiodatadist.control")
+log = logging.getLogger("aiodatadist.control.channel")
 
 FRAME_MESSAGES = 256  # messages per frame (receivers accept up to protocol.MAX_BATCH)
 
