@@ -23,8 +23,8 @@ from aiodatadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
-    auth,
 )
+from aiodatadist.protocol import auth
 from aiodatadist.protocol.codec import PROTOCOL_VERSION
 from aiodatadist.testing import cluster_info, fill_pattern, free_port
 
