@@ -13,15 +13,20 @@ import numpy as np
 
 from .errors import LLMException, LLMStatusCode
 
+U64_LIMIT = 2**64
+"""Values of a C ``uint64_t`` are ``0 <= v < U64_LIMIT``; addresses wrap modulo it."""
+U64_MAX = U64_LIMIT - 1
+I64_MAX = 2**63 - 1
+I64_MIN = -(2**63)
+
 _RANGES = {
-    "uint64": (0, 2**64 - 1),
-    "int64": (-(2**63), 2**63 - 1),
+    "uint64": (0, U64_MAX),
+    "int64": (I64_MIN, I64_MAX),
     "uint32": (0, 2**32 - 1),
     "int32": (-(2**31), 2**31 - 1),
     "uint16": (0, 2**16 - 1),
     "uint8": (0, 2**8 - 1),
 }
-U64_MAX = 2**64 - 1
 
 
 def _type_names(types: Sequence[type]) -> list[str]:

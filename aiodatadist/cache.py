@@ -12,7 +12,7 @@ from .errors import LLMException, LLMStatusCode
 from .types import CacheDesc, Placement
 
 if TYPE_CHECKING:
-    from .registry import CacheEntry
+    from .memory import SharedSegment
 
 __all__ = ["Cache"]
 
@@ -24,7 +24,7 @@ class Cache:
     ``tensors`` raises ``LLM_KV_CACHE_NOT_EXIST``.
     """
 
-    __slots__ = ("_cache_desc", "_cache_id", "_entry", "_is_blocks_cache", "_owner", "_tensor_addrs")
+    __slots__ = ("_cache_desc", "_cache_id", "_is_blocks_cache", "_owner", "_segment", "_tensor_addrs")
 
     def __init__(
         self,
@@ -33,14 +33,14 @@ class Cache:
         tensor_addrs: list[int],
         is_blocks_cache: bool,
         *,
-        entry: CacheEntry | None = None,
+        segment: SharedSegment | None = None,
         owner: object | None = None,
     ) -> None:
         self._cache_id = cache_id
         self._cache_desc = cache_desc
         self._tensor_addrs = list(tensor_addrs)
         self._is_blocks_cache = is_blocks_cache
-        self._entry = entry
+        self._segment = segment  # the shared memory of an allocated host cache
         self._owner = owner
 
     @classmethod
@@ -81,10 +81,10 @@ class Cache:
                                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         shape = tuple(int(d) for d in desc.shape)
         dtype = desc.data_type.np_dtype
-        if self._entry is not None and self._entry.segment is not None:
-            whole = self._entry.segment.array()
+        if self._segment is not None:
+            whole, base = self._segment.array(), self._segment.address
             return [
-                whole[a - self._entry.segment.address: a - self._entry.segment.address + desc.size]
+                whole[a - base: a - base + desc.size]
                 .view(dtype).reshape(shape)
                 for a in self._tensor_addrs
             ]
@@ -96,7 +96,7 @@ class Cache:
 
     def _invalidate(self) -> None:
         self._tensor_addrs = []
-        self._entry = None
+        self._segment = None
 
     def __repr__(self) -> str:
         return (f"Cache(cache_id={self._cache_id}, is_blocks_cache={self._is_blocks_cache}, "

@@ -1,12 +1,11 @@
 """``CacheManager``: allocate/register caches and move their bytes (local copies here; pulls and pushes
-through the linked peer, see :mod:`aiodatadist.transfer.service`)."""
+through the linked peer, see :mod:`aiodatadist.transfer`)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -17,9 +16,9 @@ from ._checks import (
     check_isinstance,
     require,
 )
+from ._settings import Settings
 from .cache import Cache
-from .copy.python_pool import CopyJob, ExecutorBase, wait_stopped
-from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .errors import LLMException, LLMNotInitializedError
 from .layout import (
     CacheGeometry,
     CopyPlan,
@@ -30,26 +29,17 @@ from .layout import (
     swap_blocks_runs,
 )
 from .memory import SharedSegment
-from .native import CopySpec, local_copier
 from .registry import CacheEntry, CacheRegistry, geometry_of
-from .transfer.validate import TransferMixin
-from .transport.device import DeviceSupport, merged_ranges
-from .transport.directory import CacheDirectory
-from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
-
-if TYPE_CHECKING:
-    from .datadist import LLMDataDist
+from .transfer import validate
+from .transfer.engine import CopyEngine
+from .transfer.service import TransferService
+from .transport.device import DeviceSupport
+from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
 
 __all__ = ["CacheManager"]
 
 log = logging.getLogger("aiodatadist.cache")
-STREAMING_THRESHOLD = 1 << 20
 MAX_SHAPE_RANK = 32
-
-
-def copier_for_local(total_bytes: int) -> CopySpec:
-    """The copier for spans mapped in this process; large transfers bypass the CPU caches."""
-    return local_copier(streaming=total_bytes >= STREAMING_THRESHOLD)
 
 
 def _check_desc(cache_desc: Any) -> CacheDesc:
@@ -70,22 +60,20 @@ def _check_cache_keys(cache_keys: Any) -> list[CacheKey]:
     return list(cache_keys)
 
 
-# -- pulls and pushes (requester side); the heavy lifting is in transfer.py ----------------------------------------
-
-class CacheManager(TransferMixin):
+class CacheManager:
     """Caches of one :class:`LLMDataDist` instance and the operations on them.
 
     Bookkeeping methods are plain (they never block on I/O); copies and transfers are coroutines.
     """
 
-    def __init__(self, datadist: LLMDataDist, executor: ExecutorBase) -> None:
-        self._datadist = datadist
-        self._executor = executor
-        self._registry = CacheRegistry(CacheDirectory())
-        self._jobs: dict[CopyJob, ExecutorBase] = {}  # running jobs and who runs them
+    def __init__(self, cluster_id: int, settings: Settings, registry: CacheRegistry, engine: CopyEngine,
+                 transfers: TransferService) -> None:
+        self._cluster_id = cluster_id
+        self._settings = settings
+        self._registry = registry
+        self._engine = engine
+        self._transfers = transfers
         self._closed = False
-        self._device: DeviceSupport | None = None
-        self._registry.on_freed = datadist._transfers.announce_freed  # peers let go of what they mapped
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -94,92 +82,41 @@ class CacheManager(TransferMixin):
 
     def _entry(self, name: str, cache: Any) -> CacheEntry:
         check_isinstance(name, cache, Cache)
-        return self._registry.entry_of(cache, self)
+        return self._registry.entry_of(cache, cache.cache_id)
 
     @property
     def registry(self) -> CacheRegistry:
         return self._registry
 
     @property
-    def executor(self) -> ExecutorBase:
-        return self._executor
+    def engine(self) -> CopyEngine:
+        return self._engine
 
     def device(self) -> DeviceSupport:
         """This instance's GPU (``device_id``), set up on first use; raises ``LLM_FEATURE_NOT_ENABLED`` saying
         why when CUDA cannot be used."""
-        if self._device is None:
-            self._device = DeviceSupport(self._datadist.settings.device_id)
-        return self._device
-
-    def device_addrs(self, entry: CacheEntry) -> np.ndarray:
-        """The tensors' addresses as the GPU sees them: device memory as is, host memory page-locked (once per
-        cache, until it is freed)."""
-        if entry.on_device:
-            return entry.addrs
-        if entry.device_addrs is None:
-            device = self.device()
-            if entry.segment is not None:
-                spans = [(entry.segment.address, entry.segment.size)]
-            else:
-                spans = merged_ranges(entry.addrs, entry.desc.size)
-            deltas = []
-            for addr, size in spans:
-                deltas.append(device.pin(addr, size))
-                entry.on_free.append(functools.partial(device.unpin, addr, size))
-            starts = np.array([a for a, _ in spans], dtype=np.uint64)
-            which = np.searchsorted(starts, entry.addrs, side="right") - 1
-            entry.device_addrs = entry.addrs + np.array(deltas, dtype=np.uint64)[which]
-        return entry.device_addrs
-
-    def start_job(self, plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: CopySpec | None,
-                  entries: tuple[CacheEntry, ...], *, on_device: bool = False) -> CopyJob:
-        """Queue the copy of ``plan`` from tensors at ``src_addrs`` to ``dst_addrs``, touching ``entries``
-        (callers hold leases on them); ``copier`` None = both ends in this process.  ``on_device``: the GPU
-        copies (addresses as :meth:`device_addrs` gives them)."""
-        self._check_open()
-        executor: ExecutorBase = self.device().executor if on_device else self._executor
-        job: CopyJob = executor.start_plan(plan, src_addrs, dst_addrs, copier or copier_for_local(plan.total_bytes))
-        self._jobs[job] = executor
-        for entry in entries:
-            entry.jobs.add(job)
-        return job
-
-    async def wait_job(self, job: CopyJob, entries: tuple[CacheEntry, ...]) -> None:
-        """Await a job; cancelling the caller stops it and returns only once its workers are done."""
-        try:
-            await self._jobs.get(job, self._executor).wait(job)
-        finally:
-            self._jobs.pop(job, None)
-            for entry in entries:
-                entry.jobs.discard(job)
-
-    async def wait_stopped(self, job: CopyJob) -> None:
-        await wait_stopped(job)
-
-    def cancel_job(self, job: CopyJob, error: BaseException | None = None) -> None:
-        """Stop a job at its next chunk (a GPU copy cannot be stopped: its waiter waits for it)."""
-        self._jobs.get(job, self._executor).cancel(job, error)
+        return self._engine.device()
 
     async def run_copy(self, plan: CopyPlan, src: CacheEntry, dst: CacheEntry) -> None:
         """Copy a plan between two local caches while holding leases on them; cancellable at chunk boundaries
         (a GPU copy, when either cache is on the device, is waited for)."""
         self._check_open()
         entries = (dst,) if src is dst else (dst, src)
+        engine = self._engine
         with self._registry.lease(*entries):
             if src.on_device or dst.on_device:
-                job = self.start_job(plan, self.device_addrs(src), self.device_addrs(dst), None, entries,
-                                     on_device=True)
+                job = engine.start_job(plan, engine.device_addrs(src), engine.device_addrs(dst), None, entries,
+                                       on_device=True)
             else:
-                job = self.start_job(plan, src.addrs, dst.addrs, None, entries)
-            await self.wait_job(job, entries)
+                job = engine.start_job(plan, src.addrs, dst.addrs, None, entries)
+            await engine.wait_job(job, entries)
 
-    def _abort_jobs(self, jobs: list[CopyJob], reason: str) -> None:
-        """Stop jobs that use caller-owned memory being released; waits at most one chunk per job."""
-        for job in jobs:
-            self.cancel_job(job, LLMException(reason, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST))
-        for job in jobs:
-            if not job.wait_stopped_sync(5.0):
-                log.error("a copy on released memory did not stop within 5 s; the memory may still be written")
+    def _handle(self, entry: CacheEntry) -> Cache:
+        """The user's handle of a new entry."""
+        cache = Cache(entry.cache_id, entry.desc, entry.addrs.tolist(), entry.is_blocks, segment=entry.segment,
+                      owner=self)
+        entry.handle = cache
+        return cache
 
     # -- allocation ------------------------------------------------------------------------------------------
     def _allocate(self, desc: CacheDesc, *, is_blocks: bool, keys: list[CacheKey],
@@ -188,15 +125,15 @@ class CacheManager(TransferMixin):
         bound = self._registry.check_keys(keys, geometry.slots) if keys else []
         if desc.placement == Placement.DEVICE:
             memory, addrs = self.device().allocate(desc.size, desc.num_tensors)
-            cache = self._registry.add(desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True,
-                                       segment=None, device_memory=memory, keys=bound, blocks_key=blocks_key,
-                                       owner=self)
+            cache = self._handle(self._registry.add(
+                desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True, segment=None, device_memory=memory,
+                keys=bound, blocks_key=blocks_key))
             log.debug("allocated device cache %d (%d x %d bytes)", cache.cache_id, desc.num_tensors, desc.size)
             return cache
-        segment = SharedSegment(desc.size * desc.num_tensors, name=f"aiodatadist-{self._datadist.cluster_id}")
+        segment = SharedSegment(desc.size * desc.num_tensors, name=f"aiodatadist-{self._cluster_id}")
         addrs = [segment.address + i * desc.size for i in range(desc.num_tensors)]
-        cache = self._registry.add(desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True,
-                                   segment=segment, keys=bound, blocks_key=blocks_key, owner=self)
+        cache = self._handle(self._registry.add(desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True,
+                                                segment=segment, keys=bound, blocks_key=blocks_key))
         log.debug("allocated cache %d (%d x %d bytes)", cache.cache_id, desc.num_tensors, desc.size)
         return cache
 
@@ -238,8 +175,9 @@ class CacheManager(TransferMixin):
         self._registry.check_registered_addrs(len(values))
         if desc.placement == Placement.DEVICE:
             self.device().check_registered(values, desc.size)
-        return self._registry.add(desc.copy(), values, is_blocks=is_blocks, remote_accessible=accessible,
-                                  segment=None, keys=bound, blocks_key=blocks_key, owner=self)
+        return self._handle(self._registry.add(desc.copy(), values, is_blocks=is_blocks,
+                                               remote_accessible=accessible, segment=None, keys=bound,
+                                               blocks_key=blocks_key))
 
     def register_cache(self, cache_desc: CacheDesc, addrs: list[int],
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = (),
@@ -263,10 +201,10 @@ class CacheManager(TransferMixin):
     # -- release ---------------------------------------------------------------------------------------------
     def _release(self, entry: CacheEntry) -> None:
         if not entry.owned:  # caller-owned memory: peers reading or writing it directly must stop too
-            self._datadist._transfers.abort_remote(entry)
+            self._transfers.abort_remote(entry)
         jobs = self._registry.release(entry)
         if jobs:
-            self._abort_jobs(jobs, f"cache {entry.cache_id} was unregistered during the transfer")
+            self._engine.abort_jobs(jobs, f"cache {entry.cache_id} was unregistered during the transfer")
         if not entry.owned:
             self._registry.free_now(entry)  # unpin caller-owned host memory the GPU used
 
@@ -285,7 +223,7 @@ class CacheManager(TransferMixin):
         self._check_open()
         check_isinstance(name, cache, Cache)
         try:
-            entry = self._registry.entry_of(cache, self)
+            entry = self._registry.entry_of(cache, cache.cache_id)
         except LLMException:
             return
         require(entry.is_blocks == blocks,
@@ -369,7 +307,69 @@ class CacheManager(TransferMixin):
         check_isinstance(name, cache, Cache)
         if cache.cache_id == -1 and cache.tensor_addrs:  # Cache.create_cpu_cache: caller-owned, unregistered
             return CacheEntry(-1, cache.cache_desc, np.asarray(cache.tensor_addrs, dtype=np.uint64), True, False)
-        return self._registry.entry_of(cache, self)
+        return self._registry.entry_of(cache, cache.cache_id)
+
+    # -- pulls and pushes (requester side: checks here, the conversation in aiodatadist.transfer) ------------
+    async def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache, batch_index: int = 0,
+                         size: int = -1, **kwargs: Any) -> None:
+        """Pull one batch slot of a remote contiguous cache into slot ``batch_index`` of ``cache``.
+
+        Bounded by ``sync_kv_timeout`` (``LLMTimeoutError``); cancelling behaves the same.  After a timeout or
+        cancellation the destination slot holds an unspecified mix of old and new bytes, and nothing is
+        written into it after the call has returned.  A successful pull by ``CacheKey`` releases that key on
+        the owner.
+        """
+        self._check_open()
+        local, params = validate.pull_cache(self._entry, self._remote_accessible(), cache_key, cache, batch_index,
+                                            size, kwargs)
+        await self._transfers.run(cache_key, local, params)
+
+    async def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, dst_cache: Cache,
+                          src_blocks: tuple[int, ...] | list[int] | None = (),
+                          dst_blocks: tuple[int, ...] | list[int] = (), **kwargs: Any) -> None:
+        """Pull remote blocks (``BlocksCacheKey``: B2B) or a remote contiguous slot cut into blocks (C2B) into
+        ``dst_blocks`` of ``dst_cache``; block ``src_blocks[i]`` lands in ``dst_blocks[i]``.
+
+        Timeouts and cancellation as :meth:`pull_cache`: the listed destination blocks are unspecified
+        afterwards and never written once the call has returned.
+        """
+        self._check_open()
+        local, params = validate.pull_blocks(self._entry, src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
+        await self._transfers.run(src_cache_key, local, params)
+
+    async def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
+                         src_layer_range: range | None = None, dst_layer_range: range | None = None,
+                         size: int = -1, tensor_num_per_layer: int = 2) -> None:
+        """Push slot ``src_batch_index`` of a local contiguous cache into a remote cache's slot.
+
+        Every layer is validated before any byte moves.  Timeouts and cancellation as :meth:`pull_cache`
+        (here the remote slot is left unspecified, and never written after the call has returned).
+        """
+        self._check_open()
+        layers = {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
+                  "tensor_num_per_layer": tensor_num_per_layer}
+        local, params = validate.push_cache(self._entry, self._remote_accessible(), dst_cache_key, src_cache,
+                                            src_batch_index, layers, size)
+        await self._transfers.run(dst_cache_key, local, params)
+
+    async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
+                          src_blocks: tuple[int, ...] | list[int] | None = (),
+                          dst_blocks: tuple[int, ...] | list[int] = (), src_layer_range: range | None = None,
+                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
+        """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]`` (B2B).
+
+        Timeouts and cancellation as :meth:`push_cache`.
+        """
+        self._check_open()
+        layers = {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
+                  "tensor_num_per_layer": tensor_num_per_layer}
+        local, params = validate.push_blocks(self._entry, self._remote_accessible(), dst_cache_key, src_cache,
+                                             src_blocks, dst_blocks, layers)
+        await self._transfers.run(dst_cache_key, local, params)
+
+    def _remote_accessible(self) -> bool | None:
+        """``llm.EnableRemoteCacheAccessible``: None when unset (pull by CacheKey allowed, push allowed)."""
+        return self._settings.enable_remote_cache_accessible
 
     # -- lifetime --------------------------------------------------------------------------------------------
     async def close(self) -> None:
@@ -377,18 +377,13 @@ class CacheManager(TransferMixin):
         if self._closed:
             return
         self._closed = True  # no new copy may start while the running ones are stopped
-        for job in list(self._jobs):
-            self.cancel_job(job, LLMException("LLMDataDist was finalized during the transfer",
-                                              status_code=LLMStatusCode.LLM_FAILED))
-        for job in list(self._jobs):
-            await wait_stopped(job)
+        await self._engine.close()
         self._registry.close_all()
         if self._registry.directory is not None:
             self._registry.directory.close()
-        if self._device is not None:
-            self._device.close()
+        self._engine.close_device()
 
     def __repr__(self) -> str:
-        return f"CacheManager(cluster_id={self._datadist.cluster_id}, caches={len(self._registry.entries())})"
+        return f"CacheManager(cluster_id={self._cluster_id}, caches={len(self._registry.entries())})"
 
 

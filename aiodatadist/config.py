@@ -10,6 +10,9 @@ from .types import Transport
 
 __all__ = ["LLMConfig", "LlmConfig", "OptionKey"]
 
+NET_IMPLEMENTATIONS = ("native", "python")  # values of llm.Net / AIODATADIST_NET
+MAX_TCP_CONNECTIONS = 16  # data connections per TCP link (MAX_CONNS in native/_net.c)
+
 
 class OptionKey:
     """Option keys understood by ``LLMDataDist.init`` (reference names, plus aiodatadist's own)."""
@@ -28,6 +31,9 @@ class OptionKey:
     HOST_MEM_POOL_CONFIG = "llm.HostMemPoolConfig"
     TRANSPORT = "llm.Transport"
     AUTH_KEY = "llm.AuthKey"
+    NET = "llm.Net"
+    DIRECTORY = "llm.Directory"
+    TCP_CONNECTIONS = "llm.TcpConnections"
     # Accepted for compatibility; they configure Ascend/HCCL resources that do not exist here.
     RDMA_TRAFFIC_CLASS = "llm.RdmaTrafficClass"
     RDMA_SERVICE_LEVEL = "llm.RdmaServiceLevel"
@@ -66,6 +72,7 @@ class LLMConfig:
         "_auth_key",
         "_compat",
         "_device_id",
+        "_directory",
         "_enable_cache_manager",
         "_enable_remote_cache_accessible",
         "_enable_switch_role",
@@ -77,8 +84,10 @@ class LLMConfig:
         "_local_comm_res",
         "_mem_pool_cfg",
         "_mem_utilization",
+        "_net",
         "_options",
         "_sync_kv_timeout",
+        "_tcp_connections",
         "_transport",
     )
 
@@ -98,6 +107,9 @@ class LLMConfig:
         self._ge_options: dict[str, str] = {}
         self._transport: Transport | None = None
         self._auth_key: str | None = None
+        self._net: str | None = None
+        self._directory: bool | None = None
+        self._tcp_connections: int | None = None
         self._compat: dict[str, str] = {}
         self._mem_utilization = 0.95
 
@@ -350,6 +362,46 @@ class LLMConfig:
         self._auth_key = value
 
     @property
+    def net(self) -> str | None:
+        """TCP data plane of this instance's links: ``"native"`` (the helper's I/O threads, which also serve
+        and make one-sided reads) or ``"python"`` (Python threads, for diagnosis); ``None`` (unset) = the
+        ``AIODATADIST_NET`` variable, else ``"native"``.  Python threads are used where the helper is not
+        built."""
+        return self._net
+
+    @net.setter
+    def net(self, value: str) -> None:
+        check_isinstance("net", value, str)
+        require(value in NET_IMPLEMENTATIONS,
+                f"net must be one of {list(NET_IMPLEMENTATIONS)}, but got {value!r}.")
+        self._net = value
+
+    @property
+    def directory(self) -> bool | None:
+        """Whether a same-host requester reads the owner's cache directory to skip asking it (``False``: every
+        transfer resolves its key through the owner, for diagnosis); ``None`` (unset) = the
+        ``AIODATADIST_DIRECTORY`` variable, else ``True``."""
+        return self._directory
+
+    @directory.setter
+    def directory(self, value: bool) -> None:
+        self._directory = check_bool("directory", value)
+
+    @property
+    def tcp_connections(self) -> int | None:
+        """Data connections of each TCP link this instance accepts as the server (the client opens as many as
+        the server asks for), in [1, 16]; ``None`` (unset) = the ``AIODATADIST_TCP_CONNECTIONS`` variable, else
+        one per core, 2 to 4."""
+        return self._tcp_connections
+
+    @tcp_connections.setter
+    def tcp_connections(self, value: int) -> None:
+        check_int("tcp_connections", value, "uint32")
+        require(1 <= value <= MAX_TCP_CONNECTIONS,
+                f"tcp_connections should be in [1, {MAX_TCP_CONNECTIONS}], but got {value}.")
+        self._tcp_connections = value
+
+    @property
     def options(self) -> dict[str, str]:
         """The internal option dict (filled by ``generate_options``)."""
         return self._options
@@ -388,6 +440,12 @@ class LLMConfig:
             opts[OptionKey.TRANSPORT] = self._transport.value
         if self._auth_key is not None:
             opts[OptionKey.AUTH_KEY] = self._auth_key
+        if self._net is not None:
+            opts[OptionKey.NET] = self._net
+        if self._directory is not None:
+            opts[OptionKey.DIRECTORY] = "1" if self._directory else "0"
+        if self._tcp_connections is not None:
+            opts[OptionKey.TCP_CONNECTIONS] = str(self._tcp_connections)
         opts.update(self._compat)
         opts[OptionKey.MEMORY_UTILIZATION] = str(self._mem_utilization)
         return opts

@@ -11,10 +11,13 @@ from ._settings import Settings, parse_listen_ip_info, parse_options
 from .cache_manager import CacheManager
 from .config import OptionKey
 from .control.links import LinkManager
-from .copy.python_pool import release_shared_executor, shared_executor
+from .copy import release_shared_executor, shared_executor
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
-from .stats import StatsSnapshot
+from .registry import CacheRegistry
+from .stats import StatsRecorder, StatsSnapshot
+from .transfer.engine import CopyEngine
 from .transfer.service import TransferService
+from .transport.directory import CacheDirectory
 from .types import LLMClusterInfo, LLMRole
 
 __all__ = ["LLMDataDist"]
@@ -36,7 +39,8 @@ class LLMDataDist:
         self._settings: Settings | None = None
         self._cache_manager: CacheManager | None = None
         self._links: LinkManager | None = None
-        self._transfers = TransferService(self)
+        self._transfers: TransferService | None = None
+        self._stats = StatsRecorder()  # outlives links and finalize
 
     # -- properties ------------------------------------------------------------------------------------------
     @property
@@ -76,20 +80,23 @@ class LLMDataDist:
         executor = shared_executor()
         links: LinkManager | None = None
         try:
-            self._settings = settings
-            self._cache_manager = CacheManager(self, executor)
-            links = LinkManager(self)
-            links.on_request = self._transfers.handle
-            links.on_link_closed = self._transfers.on_link_closed
+            # The composition root: every service gets its collaborators here, and none reaches back.
+            registry = CacheRegistry(CacheDirectory())
+            engine = CopyEngine(executor, settings.device_id)
+            links = LinkManager(self._cluster_id, self._role, settings, registry)
+            transfers = TransferService(self._cluster_id, settings, links, registry, engine, self._stats)
+            registry.on_freed = transfers.announce_freed  # peers let go of what they mapped
+            manager = CacheManager(self._cluster_id, settings, registry, engine, transfers)
             if settings.listen is not None:
                 links.listen(*settings.listen)
         except BaseException:
-            self._settings = None
-            self._cache_manager = None
             if links is not None:
                 await links.close()
             await release_shared_executor()
             raise
+        self._settings = settings
+        self._cache_manager = manager
+        self._transfers = transfers
         self._links = links
         log.debug("cluster %d initialized as %s", self._cluster_id, self._role)
 
@@ -105,6 +112,7 @@ class LLMDataDist:
         finally:
             manager, self._cache_manager = self._cache_manager, None
             self._settings = None
+            self._transfers = None
             try:
                 if manager is not None:
                     await manager.close()
@@ -125,7 +133,7 @@ class LLMDataDist:
             check_isinstance("clusters inner", cluster, LLMClusterInfo)
         timeout_ms = check_int("timeout", timeout, "int32")
         require(timeout_ms > 0, f"timeout must be > 0, but got {timeout_ms}.")
-        has_comm_res = OptionKey.LOCAL_COMM_RES in self.settings.raw
+        has_comm_res = self.settings.has_local_comm_res
         for cluster in clusters:
             if cluster.remote_cluster_id is None:
                 raise TypeError("remote_cluster_id only support ['int'], but got <class 'NoneType'>.")
@@ -189,6 +197,7 @@ class LLMDataDist:
         else:
             links.stop_listening()
         self._role = role
+        links.role = role
 
     def links(self) -> list[dict[str, object]]:
         """The current links: remote cluster, side, endpoint, data plane and what this side can do."""
@@ -197,7 +206,7 @@ class LLMDataDist:
     def stats(self) -> StatsSnapshot:
         """Transfer statistics per remote cluster and direction, as an immutable snapshot (see
         :class:`~aiodatadist.stats.StatsSnapshot`); they survive unlinking and ``finalize``."""
-        return self._transfers.stats.snapshot()
+        return self._stats.snapshot()
 
     async def __aenter__(self) -> LLMDataDist:
         return self

@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from ._checks import require
-from .cache import Cache
+from ._checks import I64_MAX, require
 from .errors import LLMException, LLMStatusCode
 from .layout import CacheGeometry
 from .memory import SharedSegment
@@ -34,6 +33,12 @@ MAX_REGISTERED_ADDRS = 240
 IndexKey = tuple[str, int, int]
 
 
+class Handle(Protocol):
+    """What the registry needs of a user's handle: to make it invalid once its cache is released."""
+
+    def _invalidate(self) -> None: ...
+
+
 def geometry_of(desc: CacheDesc, is_blocks: bool) -> CacheGeometry:
     return CacheGeometry(desc.num_tensors, desc.size, int(desc.shape[0]), is_blocks)
 
@@ -48,7 +53,7 @@ class CacheEntry:
     is_blocks: bool
     remote_accessible: bool
     segment: SharedSegment | None = None
-    handle: Cache | None = None
+    handle: Handle | None = None  # the user's Cache, set by the manager
     keys: set[IndexKey] = field(default_factory=set)
     released: bool = False
     leases: int = 0
@@ -124,13 +129,11 @@ class CacheRegistry:
         device_memory: DeviceMemory | None = None,
         keys: list[tuple[IndexKey, int]] = (),  # type: ignore[assignment]
         blocks_key: BlocksCacheKey | None = None,
-        owner: object = None,
-    ) -> Cache:
+    ) -> CacheEntry:
         cache_id = self._next_id
         self._next_id += 1
         entry = CacheEntry(cache_id, desc, np.asarray(addrs, dtype=np.uint64), is_blocks, remote_accessible, segment,
                            device_memory=device_memory)
-        entry.handle = Cache(cache_id, desc, addrs, is_blocks, entry=entry, owner=owner)
         self._by_id[cache_id] = entry
         for index, slot in keys:
             self._by_key[index] = (entry, slot)
@@ -141,7 +144,7 @@ class CacheRegistry:
             if previous is not None and previous.published is not None and self.directory is not None:
                 self.directory.set_model(previous.published[0], -1)
             self._by_model[blocks_key.model_id] = entry  # last wins, as in the reference
-            model = blocks_key.model_id if blocks_key.model_id < 2**63 else -1
+            model = blocks_key.model_id if blocks_key.model_id <= I64_MAX else -1
         if remote_accessible and self.directory is not None:
             if segment is not None:
                 entry.published = self.directory.publish(cache_id, model, segment.address, segment.size)
@@ -149,7 +152,7 @@ class CacheRegistry:
                 entry.published = self.directory.publish(cache_id, model, 0, 0)
         if segment is None and device_memory is None:
             self._registered_addrs += len(addrs)
-        return entry.handle
+        return entry
 
     # -- lookups ---------------------------------------------------------------------------------------------
     def by_id(self, cache_id: int) -> CacheEntry:
@@ -158,11 +161,11 @@ class CacheRegistry:
             raise not_exist(f"cache {cache_id} does not exist.")
         return entry
 
-    def entry_of(self, cache: Cache, owner: object) -> CacheEntry:
-        """The live entry behind a handle of this instance."""
-        entry = self._by_id.get(cache.cache_id)
-        if entry is None or entry.handle is not cache or cache._owner is not owner:
-            raise not_exist(f"cache {cache.cache_id} is not a live cache of this instance.")
+    def entry_of(self, handle: Handle, cache_id: int) -> CacheEntry:
+        """The live entry behind a handle of this registry (``cache_id`` is the handle's)."""
+        entry = self._by_id.get(cache_id)
+        if entry is None or entry.handle is not handle:
+            raise not_exist(f"cache {cache_id} is not a live cache of this instance.")
         return entry
 
     def resolve(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> tuple[CacheEntry, int]:

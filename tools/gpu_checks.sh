@@ -21,7 +21,7 @@ if [ -d "$WHEELS" ]; then
 fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . >> "$OUTDIR/env.txt" 2>&1
 $PY -m aiodatadist info >> "$OUTDIR/env.txt" 2>&1
-timeout 240 $PY -m pytest -q -p no:cacheprovider -rs --timeout 100 tests/gpu tests/test_device_cpu.py tests/test_cuda_cpu.py \
+timeout 240 $PY -m pytest -q -p no:cacheprovider -rs --timeout 100 tests/gpu tests/unit/test_device_cpu.py tests/unit/test_cuda_cpu.py tests/integration/test_device_refused.py \
   > "$OUTDIR/gpu-tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUTDIR/gpu-tests.txt"
 timeout 150 $PY -m aiodatadist bench --device --repeat 9 --json "$OUTDIR/bench-device.json" \

@@ -1,25 +1,25 @@
-"""Control plane on pyzmq's asyncio sockets: one ROUTER server per listening instance, one DEALER per link.
+"""One link's control-plane message pipe (:class:`Channel`) and the owner of an instance's background tasks
+(:class:`TaskSet`).
 
-Each socket has exactly one reader task.  A :class:`Channel` is one link's bidirectional message pipe: either
-side sends requests (``"i"`` ids) and awaits replies through futures keyed by request id; incoming requests go
-to a handler.  DEALER/ROUTER never lock-step, so a timed-out request leaves the channel usable.
+A :class:`Channel` is a bidirectional message pipe over whatever sends its frames (a DEALER, or a ROUTER and a
+routing id: see :mod:`.sockets`): either side sends requests (``"i"`` ids) and awaits replies through futures
+keyed by request id; incoming requests go to a handler.  DEALER/ROUTER never lock-step, so a timed-out request
+leaves the channel usable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
-from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, ProtocolError, decode_batch, encode, encode_batch
+from ..protocol.codec import Kind, ProtocolError, encode_batch
 
-__all__ = ["Channel", "RequestHandler", "Server", "TaskSet", "connect_dealer", "new_context"]
+__all__ = ["Channel", "RequestHandler", "TaskSet"]
 
 log = logging.getLogger("aiodatadist.control.channel")
 
@@ -29,47 +29,61 @@ RequestHandler = Callable[["Channel", dict[str, Any]], Awaitable[dict[str, Any] 
 """Handles a request; returns the reply body (``None``: no reply)."""
 
 
-def new_context() -> zmq.asyncio.Context:
-    ctx = zmq.asyncio.Context()
-    ctx.setsockopt(zmq.LINGER, 0)
-    ctx.set(zmq.MAX_SOCKETS, 8192)
-    return ctx
-
-
-def _tune(sock: zmq.asyncio.Socket) -> None:
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, 5000)
-
-
 class TaskSet:
-    """Background tasks owned by an instance: tracked, cancelled and awaited together."""
+    """The owner of an instance's background tasks: tracked, cancelled and awaited together, and no failure lost.
+
+    A task's failure (any exception but a cancellation) goes to the ``on_error`` callback given to
+    :meth:`spawn`, where an expected failure is handled (a link's reader that fails drops its link).  A failure
+    nobody handles (no callback, or the callback itself raised) is logged at once and kept: :meth:`close`
+    cancels and awaits every task, then raises the kept failures as one ``ExceptionGroup``.
+
+    Plain asyncio rather than ``asyncio.TaskGroup``/anyio task groups: those cancel every sibling when one child
+    fails (a bug in one request handler would end the server's reader), and their scope is one ``async with``
+    block, while these tasks live from ``init`` to ``finalize`` across many calls.
+    """
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._failures: list[BaseException] = []
 
-    def spawn(self, coro: Awaitable[Any], name: str | None = None) -> asyncio.Task[Any]:
+    def spawn(self, coro: Awaitable[Any], name: str | None = None, *,
+              on_error: Callable[[BaseException], object] | None = None) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task owned by this set (cancelled by :meth:`close`)."""
         task = asyncio.ensure_future(coro)
         if name:
             task.set_name(name)
         self._tasks.add(task)
-        task.add_done_callback(self._done)
+        task.add_done_callback(functools.partial(self._done, on_error))
         return task
 
-    def _done(self, task: asyncio.Task[Any]) -> None:
+    def _done(self, on_error: Callable[[BaseException], object] | None, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task %s failed", task.get_name(), exc_info=task.exception())
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            return
+        if on_error is not None:
+            try:
+                on_error(error)
+                return
+            except Exception as exc:  # kept and raised by close(), like an unhandled failure
+                log.error("the error handler of background task %s failed", task.get_name(), exc_info=exc)
+                error = exc
+        log.error("background task %s failed", task.get_name(), exc_info=error)
+        self._failures.append(error)
 
     async def close(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
+        """Cancel every task (also those spawned meanwhile) and wait until all have ended; then raise the
+        failures no ``on_error`` handled, if any, as an ``ExceptionGroup``."""
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        failures, self._failures = self._failures, []
+        if failures:
+            raise BaseExceptionGroup("background tasks failed", failures)
 
 
 class Channel:
@@ -175,109 +189,3 @@ class Channel:
             if not future.done():
                 future.set_exception(self.closed)
         self._pending.clear()
-
-
-async def read_dealer(sock: zmq.asyncio.Socket, channel: Channel, tasks: TaskSet) -> None:
-    """Reader task of a client socket."""
-    while True:
-        data = await sock.recv()
-        try:
-            messages = decode_batch(data)
-        except Exception as exc:  # noqa: BLE001 - whatever a peer sends must not end the reader
-            log.warning("dropping malformed message on %s: %s", channel.name, exc)
-            continue
-        for message in messages:
-            await _deliver(channel, message, tasks)
-
-
-async def _deliver(channel: Channel, message: dict[str, Any], tasks: TaskSet) -> None:
-    if message["k"] in Kind.INLINE:
-        await channel.dispatch(message)
-    else:
-        tasks.spawn(channel.dispatch(message), name=f"handle-{message['k']}")
-
-
-def _report_failure(channel: Channel, future: Any) -> None:
-    if future.cancelled():
-        return
-    exc = future.exception()
-    if exc is not None:
-        channel.failed(LLMLinkError(f"peer of {channel.name} unreachable: {exc}"))
-
-
-def dealer_sender(sock: zmq.asyncio.Socket) -> Callable[[Channel], Callable[[bytes], None]]:
-    """The send function of a client channel (frames are queued by ZeroMQ; failures close the channel)."""
-    def bind(channel: Channel) -> Callable[[bytes], None]:
-        def send(data: bytes) -> None:
-            future: Any = sock.send(data)
-            future.add_done_callback(lambda f: _report_failure(channel, f))
-        return send
-    return bind
-
-
-def connect_dealer(ctx: zmq.asyncio.Context, endpoint: str, routing_id: bytes) -> zmq.asyncio.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    _tune(sock)
-    sock.setsockopt(zmq.ROUTING_ID, routing_id)
-    sock.connect(endpoint)
-    return sock
-
-
-class Server:
-    """A bound ROUTER socket; channels are created per routing id when a peer says hello."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str,
-                 on_hello: Callable[[bytes, dict[str, Any]], Awaitable[None]]) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        _tune(self.sock)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        try:
-            self.sock.bind(endpoint)
-        except zmq.ZMQError:
-            self.sock.close(linger=0)  # an unclosed socket would block the context's term() forever
-            raise
-        self.endpoint = endpoint
-        self.channels: dict[bytes, Channel] = {}
-        self._on_hello = on_hello
-
-    def sender(self, routing_id: bytes) -> Callable[[Channel], Callable[[bytes], None]]:
-        """The send function of a server-side channel (an unknown routing id closes the channel)."""
-        def bind(channel: Channel) -> Callable[[bytes], None]:
-            def send(data: bytes) -> None:
-                future: Any = self.sock.send_multipart([routing_id, data])
-                future.add_done_callback(lambda f: _report_failure(channel, f))
-            return send
-        return bind
-
-    async def reply_raw(self, routing_id: bytes, message: dict[str, Any]) -> None:
-        try:
-            await self.sock.send_multipart([routing_id, encode(message)])
-        except zmq.ZMQError:
-            pass
-
-    async def serve(self, tasks: TaskSet) -> None:
-        """Reader task of the server socket."""
-        while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) != 2:
-                continue
-            routing_id, data = frames
-            try:
-                messages = decode_batch(data)
-            except Exception as exc:  # noqa: BLE001 - whatever a peer sends must not end the reader
-                log.warning("dropping malformed message from %r: %s", routing_id[:8], exc)
-                continue
-            for message in messages:
-                channel = self.channels.get(routing_id)
-                if channel is not None:
-                    await _deliver(channel, message, tasks)
-                elif message["k"] == Kind.HELLO:
-                    tasks.spawn(self._on_hello(routing_id, message), name="hello")
-                elif message["k"] != Kind.REPLY:
-                    await self.reply_raw(routing_id, {"k": Kind.REPLY, "r": message["i"],
-                                                      "code": int(LLMStatusCode.LLM_NOT_YET_LINK),
-                                                      "msg": "not linked"})
-
-    def close(self) -> None:
-        self.sock.close(linger=100)

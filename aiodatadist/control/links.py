@@ -5,55 +5,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import socket
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
 
-from ..copy.python_pool import CopyJob
+from .._settings import Settings
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
 from ..native import native_pool
 from ..protocol import auth
-from ..protocol.codec import PROTOCOL_VERSION, Kind, ProtocolError, int_field, segment_to_wire
+from ..protocol.codec import Kind, ProtocolError, int_field
 from ..protocol.codec import field as msg_field
-from ..registry import CacheEntry
-from ..transport.directory import DirectoryView, Resolved
+from ..protocol.handshake import PROTOCOL_VERSION
+from ..protocol.messages import segment_to_wire
+from ..registry import CacheRegistry
+from ..transport.directory import DirectoryView
 from ..transport.same_host import HostProbe, PeerCapabilities, PeerMemory, probe_peer
 from ..transport.tcp.frames import DATA_HELLO, MAGIC
-from ..transport.tcp.python_plane import MAX_DATA_CONNECTIONS, PythonDataPlane, TransferJob, data_connections
-from ..types import LLMClusterInfo, Transport, ip_int_to_str
-from .channel import Channel, Server, TaskSet, connect_dealer, dealer_sender, new_context, read_dealer
+from ..transport.tcp.python_plane import MAX_DATA_CONNECTIONS, PythonDataPlane
+from ..types import LLMClusterInfo, LLMRole, Transport, ip_int_to_str
+from .channel import Channel, TaskSet
+from .sockets import LINGER_MS, Server, connect_dealer, dealer_sender, new_context, read_dealer
 
 if TYPE_CHECKING:
-    from ..datadist import LLMDataDist
-    from ..transport.device import LinkDeviceState
     from ..transport.tcp.native_plane import NativeDataPlane
 
     DataPlane = NativeDataPlane | PythonDataPlane
 
-__all__ = ["MAX_LINKS", "Link", "LinkManager"]
+__all__ = ["MAX_LINKS", "ClosedHook", "Link", "LinkManager", "RequestHook"]
 
 log = logging.getLogger("aiodatadist.link")
+
+RequestHook = Callable[["Link", dict[str, Any]], Awaitable["dict[str, Any] | None"]]
+"""Serves a peer's transfer request on a link; returns the reply body (None: answered later, or never)."""
+ClosedHook = Callable[["Link", LLMException], Awaitable[None]]
+"""Told when a link is torn down, after its data plane stopped, before its peer memory is let go."""
 MAX_LINKS = 512
 S = LLMStatusCode
-
-
-@dataclass(eq=False)
-class Lease:
-    """Owner side of a running transfer: keeps the cache alive until the requester ends it."""
-
-    entry: CacheEntry
-    release_key: tuple[str, int, int] | None
-    job: TransferJob | None = None  # TCP plane: the owner's sending (pull) or receiving (push) end
-
-
-def no_directory() -> bool:
-    """``AIODATADIST_DIRECTORY=0`` makes every transfer resolve its key through the owner (for diagnosis)."""
-    return os.environ.get("AIODATADIST_DIRECTORY", "1") == "0"
 
 
 @dataclass(eq=False)
@@ -72,27 +65,20 @@ class Link:
     watcher: asyncio.Task[Any] | None = None
     routing_id: bytes | None = None
     memory: PeerMemory = field(init=False)
-    leases: dict[int, Lease] = field(default_factory=dict)
-    jobs: dict[int, CopyJob] = field(default_factory=dict)  # requester side, by transfer id
-    running: set[int] = field(default_factory=set)  # requester side: transfers between BEGIN and their end
-    descriptors: dict[int, Any] = field(default_factory=dict)  # requester side: the peer's caches, by cache id
-    aborted: set[int] = field(default_factory=set)  # requester side: ABORTs that came before the copy started
     directory: DirectoryView | None = None  # requester side: the peer's cache directory, when mappable
     data: DataPlane | None = None  # TCP plane: the link's data connections
     peer_serves_reads: bool = False  # TCP plane: the peer answers one-sided reads of its published caches
     data_token: bytes | None = None  # server side: what the client's data connections present
     data_admits: int = 0  # server side: data connections still admitted with that token (then it is retired)
-    tcp_jobs: dict[int, TransferJob] = field(default_factory=dict)  # requester side, TCP plane, by transfer id
-    resolved: dict[tuple[str, int, int], Resolved] = field(default_factory=dict)  # requester side, by wire key
-    device: LinkDeviceState | None = None  # requester side: the peer's memory as this GPU reaches it
     closed: bool = False
 
     def __post_init__(self) -> None:
         self.memory = PeerMemory(self.caps)
 
-    def map_directory(self, announced: Any) -> None:
-        """Map the peer's cache directory (same host, mapping allowed); without it every transfer asks."""
-        if self.plane == "shm" and self.caps.can_map and not no_directory():
+    def map_directory(self, announced: Any, enabled: bool) -> None:
+        """Map the peer's cache directory (same host, mapping allowed, ``llm.Directory`` on); without it every
+        transfer asks the owner."""
+        if enabled and self.plane == "shm" and self.caps.can_map:
             self.directory = DirectoryView.from_wire(announced, self.caps.pid)
 
     def describe(self) -> dict[str, Any]:
@@ -113,12 +99,6 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
 
 def _transport_of(value: object) -> Transport:
     return Transport(value) if value in {t.value for t in Transport} else Transport.AUTO
-
-
-def native_data_plane() -> bool:
-    """Whether TCP links use the native helper's I/O threads (else Python threads; ``AIODATADIST_NET=python``
-    forces those, for diagnosis)."""
-    return native_pool() is not None and os.environ.get("AIODATADIST_NET", "native") != "python"
 
 
 def _data_listener(ip: str) -> socket.socket:
@@ -145,8 +125,13 @@ def _plane_for(caps: PeerCapabilities, transport: Transport) -> str:
 class LinkManager:
     """The links of one :class:`LLMDataDist`, its server socket and its control-plane tasks."""
 
-    def __init__(self, datadist: LLMDataDist) -> None:
-        self._dd = datadist
+    def __init__(self, cluster_id: int, role: LLMRole, settings: Settings, registry: CacheRegistry) -> None:
+        self._cluster_id = cluster_id
+        self.role = role  # set by switch_role
+        self._settings = settings
+        self._registry = registry
+        # TCP links use the native helper's I/O threads unless llm.Net / AIODATADIST_NET says python
+        self._native_net = settings.native_net and native_pool() is not None
         self._ctx = new_context()
         self._tasks = TaskSet()
         self._probe = HostProbe()
@@ -155,14 +140,14 @@ class LinkManager:
         self._server_watch: asyncio.Task[Any] | None = None
         self._data_listener: socket.socket | None = None
         self._data_tokens: dict[bytes, Link] = {}
-        key = datadist.settings.auth_key
+        key = settings.auth_key
         self._auth_key = auth.derive_key(key) if key is not None else None
         self._challenges = auth.ChallengeTable()
         self.links: dict[int, Link] = {}
         self._linking: set[int] = set()
-        # Hooks set by the transfer layer (owner side of a transfer).
-        self.on_request: Any = None
-        self.on_link_closed: Any = None
+        # Hooks set by the transfer layer.
+        self.on_request: RequestHook | None = None
+        self.on_link_closed: ClosedHook | None = None
 
     # -- server ----------------------------------------------------------------------------------------------
     @property
@@ -194,7 +179,7 @@ class LinkManager:
         self._server_watch = self._tasks.spawn(self._watch_server(server), name=f"watch-{endpoint}")
         self._data_listener = data_listener
         self._tasks.spawn(self._accept_data(data_listener), name=f"data-{endpoint}")
-        log.info("cluster %d listening on %s", self._dd.cluster_id, endpoint)
+        log.info("cluster %d listening on %s", self._cluster_id, endpoint)
 
     def stop_listening(self) -> None:
         if self._data_listener is not None:
@@ -213,29 +198,24 @@ class LinkManager:
     def _hello_body(self, remote_cluster_id: int) -> dict[str, Any]:
         return {
             "v": PROTOCOL_VERSION,
-            "cluster": self._dd.cluster_id,
+            "cluster": self._cluster_id,
             "to": remote_cluster_id,
-            "role": int(self._dd.role),
+            "role": int(self.role),
             "host": self._probe.to_wire(),
-            "transport": self._dd.settings.transport.value,
+            "transport": self._settings.transport.value,
             "segs": self._segments(),
             "dir": self._directory(),
-            "reads": native_data_plane(),
+            "reads": self._native_net,
         }
 
     def _segments(self) -> list[Any]:
         """This instance's shared-memory caches, announced at link time so that the peer maps them early."""
-        manager = self._dd._cache_manager
-        if manager is None:
-            return []
         return [segment_to_wire(e.segment.identity, e.segment.address)
-                for e in manager.registry.entries() if e.segment is not None and e.remote_accessible]
+                for e in self._registry.entries() if e.segment is not None and e.remote_accessible]
 
     def _directory(self) -> list[int] | None:
-        manager = self._dd._cache_manager
-        if manager is None or manager.registry.directory is None:
-            return None
-        return manager.registry.directory.to_wire()
+        directory = self._registry.directory
+        return directory.to_wire() if directory is not None else None
 
     async def _on_hello(self, routing_id: bytes, message: dict[str, Any]) -> None:
         assert self._server is not None
@@ -263,23 +243,23 @@ class LinkManager:
         code, msg = self._admit(version, cluster, target)
         peer_transport = _transport_of(transport)
         caps = probe_peer(message.get("host")) if code == 0 else PeerCapabilities(False, False, False, 0)
-        if code == 0 and Transport.SHM in (self._dd.settings.transport, peer_transport) and not caps.same_host:
+        if code == 0 and Transport.SHM in (self._settings.transport, peer_transport) and not caps.same_host:
             code, msg = int(S.LLM_LINK_FAILED), "transport shm forced, but the peer is not on this host"
         if code:
             await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": code, "msg": msg})
             return
-        forced_tcp = Transport.TCP in (self._dd.settings.transport, peer_transport)
-        channel = Channel(server.sender(routing_id), self._handle, f"{self._dd.cluster_id}<-{cluster}")
+        forced_tcp = Transport.TCP in (self._settings.transport, peer_transport)
+        channel = Channel(server.sender(routing_id), self._handle, f"{self._cluster_id}<-{cluster}")
         link = Link(cluster, channel, caps, is_client=False, endpoint=server.endpoint, remote_role=role,
                     plane=_plane_for(caps, Transport.TCP if forced_tcp else Transport.AUTO), routing_id=routing_id)
         channel.context = link
         link.peer_serves_reads = message.get("reads") is True
         self.links[cluster] = link
         server.channels[routing_id] = channel
-        reply: dict[str, Any] = {"cluster": self._dd.cluster_id, "role": int(self._dd.role),
-                                 "host": self._probe.to_wire(), "transport": self._dd.settings.transport.value,
+        reply: dict[str, Any] = {"cluster": self._cluster_id, "role": int(self.role),
+                                 "host": self._probe.to_wire(), "transport": self._settings.transport.value,
                                  "segs": self._segments(), "dir": self._directory(), "plane": link.plane,
-                                 "reads": native_data_plane()}
+                                 "reads": self._native_net}
         if self._data_listener is not None:
             port = self._data_listener.getsockname()[1]
             if nonces is not None and self._auth_key is not None:  # derived on both ends, never sent
@@ -289,12 +269,12 @@ class LinkManager:
                 link.data_token = secrets.token_bytes(16)
                 reply["data"] = [port, link.data_token]
             self._data_tokens[link.data_token] = link
-            link.data_admits = reply["dconns"] = data_connections()
+            link.data_admits = reply["dconns"] = self._settings.tcp_connections
             link.data = self._new_data_plane(link)
         await channel.reply(req_id, reply)
-        link.map_directory(message.get("dir"))
+        link.map_directory(message.get("dir"), self._settings.directory)
         link.memory.premap(message.get("segs"))  # in the background: nobody waits for it
-        log.info("cluster %d accepted link from %d (%s)", self._dd.cluster_id, cluster, link.plane)
+        log.info("cluster %d accepted link from %d (%s)", self._cluster_id, cluster, link.plane)
 
     async def _authenticate(self, server: Server, routing_id: bytes, req_id: Any, message: dict[str, Any],
                             cluster: int) -> tuple[bytes, bytes] | None:
@@ -306,16 +286,16 @@ class LinkManager:
             if not (isinstance(client_nonce, bytes) and len(client_nonce) == auth.NONCE_BYTES):
                 await self._refuse(server, routing_id, req_id, "this cluster requires authentication (llm.AuthKey)")
                 return None
-            server_nonce = self._challenges.issue(routing_id, client_nonce)
+            server_nonce = self._challenges.issue(routing_id, client_nonce, time.monotonic())
             await server.reply_raw(routing_id, {
                 "k": Kind.REPLY, "r": req_id, "code": 0, "challenge": server_nonce,
-                "sp": auth.proof(self._auth_key, "server", client_nonce, server_nonce, cluster, self._dd.cluster_id)})
+                "sp": auth.proof(self._auth_key, "server", client_nonce, server_nonce, cluster, self._cluster_id)})
             return None
-        issued = self._challenges.take(routing_id)
+        issued = self._challenges.take(routing_id, time.monotonic())
         if issued is None or issued[0] != client_nonce or not auth.verify(
-                auth.proof(self._auth_key, "client", issued[0], issued[1], cluster, self._dd.cluster_id),
+                auth.proof(self._auth_key, "client", issued[0], issued[1], cluster, self._cluster_id),
                 message.get("cp")):
-            log.warning("cluster %d refused a link from cluster %d: authentication failed", self._dd.cluster_id,
+            log.warning("cluster %d refused a link from cluster %d: authentication failed", self._cluster_id,
                         cluster)
             await self._refuse(server, routing_id, req_id, "authentication failed")
             return None
@@ -337,9 +317,9 @@ class LinkManager:
     def _admit(self, version: int, cluster: int, target: int) -> tuple[int, str]:
         if version != PROTOCOL_VERSION:
             return int(S.LLM_LINK_FAILED), f"protocol version {version} is not supported ({PROTOCOL_VERSION})"
-        if target != self._dd.cluster_id:
-            return int(S.LLM_LINK_FAILED), f"this is cluster {self._dd.cluster_id}, not {target}"
-        if cluster == self._dd.cluster_id:
+        if target != self._cluster_id:
+            return int(S.LLM_LINK_FAILED), f"this is cluster {self._cluster_id}, not {target}"
+        if cluster == self._cluster_id:
             return int(S.LLM_PARAM_INVALID), "a cluster cannot link to itself"
         if cluster in self.links or cluster in self._linking:
             return int(S.LLM_ALREADY_LINK), f"cluster {cluster} is already linked"
@@ -353,7 +333,7 @@ class LinkManager:
         assert remote_id is not None
         if remote_id in self.links or remote_id in self._linking:
             return S.LLM_ALREADY_LINK
-        if remote_id == self._dd.cluster_id:
+        if remote_id == self._cluster_id:
             return S.LLM_PARAM_INVALID
         if len(self.links) + len(self._linking) >= MAX_LINKS:
             return S.LLM_CLUSTER_NUM_EXCEED_LIMIT
@@ -362,7 +342,7 @@ class LinkManager:
         self._linking.add(remote_id)
         started = asyncio.get_running_loop().time()
         sock = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15))
-        channel = Channel(dealer_sender(sock), self._handle, f"{self._dd.cluster_id}->{remote_id}")
+        channel = Channel(dealer_sender(sock), self._handle, f"{self._cluster_id}->{remote_id}")
         reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}")
         try:
             async with asyncio.timeout(timeout_ms / 1000):
@@ -371,9 +351,9 @@ class LinkManager:
             int_field(reply, "cluster", 0)
         except (LLMException, TimeoutError, ProtocolError) as exc:
             reader.cancel()
-            sock.close(linger=100)  # a BYE queued for a server that admitted us still goes out
+            sock.close(linger=LINGER_MS)  # a BYE queued for a server that admitted us still goes out
             code = exc.status_code if isinstance(exc, LLMException) else S.LLM_LINK_FAILED
-            log.info("link %d -> %d (%s) failed: %s", self._dd.cluster_id, remote_id, endpoint,
+            log.info("link %d -> %d (%s) failed: %s", self._cluster_id, remote_id, endpoint,
                      exc or "no answer in time")
             return code
         except BaseException:  # cancelled (or a bug): leave no socket or reader behind
@@ -383,12 +363,12 @@ class LinkManager:
         finally:
             self._linking.discard(remote_id)
         peer_transport = _transport_of(reply.get("transport"))
-        forced = {self._dd.settings.transport, peer_transport}
+        forced = {self._settings.transport, peer_transport}
         if Transport.SHM in forced and not caps.same_host:
             with contextlib.suppress(LLMException):
                 channel.notify(Kind.BYE, {})  # the server admitted us: let it drop its end
             reader.cancel()
-            sock.close(linger=100)
+            sock.close(linger=LINGER_MS)
             return S.LLM_LINK_FAILED
         transport = Transport.TCP if Transport.TCP in forced else Transport.AUTO
         link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint,
@@ -402,12 +382,12 @@ class LinkManager:
             error = await self._connect_data(link, ip_int_to_str(ip), reply.get("data"), reply.get("dconns"), nonces,
                                              remaining)
             if error is not None:
-                log.info("link %d -> %d (%s): %s", self._dd.cluster_id, remote_id, endpoint, error)
+                log.info("link %d -> %d (%s): %s", self._cluster_id, remote_id, endpoint, error)
                 with contextlib.suppress(LLMException):
                     channel.notify(Kind.BYE, {})
                 channel.close()
                 reader.cancel()
-                sock.close(linger=100)
+                sock.close(linger=LINGER_MS)
                 if link.data is not None:
                     await link.data.aclose(LLMLinkError(error))
                 return S.LLM_LINK_FAILED
@@ -416,12 +396,12 @@ class LinkManager:
         link.watcher = self._tasks.spawn(self._watch(link), name=f"watch-{remote_id}")
         # Map the peer's caches now, and give their page tables the rest of the link timeout to fill in, so that
         # the first transfers do not pay for it (what is left continues in the background).
-        link.map_directory(reply.get("dir"))
+        link.map_directory(reply.get("dir"), self._settings.directory)
         populating = link.memory.premap(reply.get("segs"))
         remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
         if populating and remaining > 0:
             await asyncio.wait(populating, timeout=remaining)
-        log.info("cluster %d linked to %d at %s (%s)", self._dd.cluster_id, remote_id, endpoint, link.plane)
+        log.info("cluster %d linked to %d at %s (%s)", self._cluster_id, remote_id, endpoint, link.plane)
         return S.LLM_SUCCESS
 
     # -- TCP data connections -------------------------------------------------------------------------------
@@ -430,13 +410,12 @@ class LinkManager:
             if not link.closed:
                 self._tasks.spawn(self.drop(link, error), name=f"drop-{link.remote_cluster_id}")
 
-        name, loop = f"{self._dd.cluster_id}-{link.remote_cluster_id}", asyncio.get_running_loop()
-        if not native_data_plane():
+        name, loop = f"{self._cluster_id}-{link.remote_cluster_id}", asyncio.get_running_loop()
+        if not self._native_net:
             return PythonDataPlane(name, loop, broken)
         from ..transport.tcp.native_plane import NativeDataPlane
 
-        manager = self._dd._cache_manager
-        directory = manager.registry.directory if manager is not None else None
+        directory = self._registry.directory
         return NativeDataPlane(name, loop, broken,
                                (directory.address, directory.rows) if directory is not None else None)
 
@@ -458,9 +437,9 @@ class LinkManager:
             raise LLMException(f"cluster {remote_id} requires authentication: set llm.AuthKey / LLMConfig.auth_key",
                                status_code=S.LLM_LINK_FAILED)
         if not (isinstance(server_nonce, bytes) and len(server_nonce) == auth.NONCE_BYTES) or not auth.verify(
-                auth.proof(key, "server", client_nonce, server_nonce, self._dd.cluster_id, remote_id), reply.get("sp")):
+                auth.proof(key, "server", client_nonce, server_nonce, self._cluster_id, remote_id), reply.get("sp")):
             raise LLMException(f"cluster {remote_id} does not hold the same auth key", status_code=S.LLM_LINK_FAILED)
-        client_proof = auth.proof(key, "client", client_nonce, server_nonce, self._dd.cluster_id, remote_id)
+        client_proof = auth.proof(key, "client", client_nonce, server_nonce, self._cluster_id, remote_id)
         reply = await channel.request(Kind.HELLO, {**body, "sn": server_nonce, "cp": client_proof})
         return reply, (client_nonce, server_nonce)
 
@@ -625,11 +604,11 @@ class LinkManager:
             if link.sock is not None and not link.sock.closed:  # before any await: a cancellation below
                 if link.watcher is not None:  # must not leave it open; its monitor's inproc address goes too
                     link.sock.disable_monitor()
-                link.sock.close(linger=100)
+                link.sock.close(linger=LINGER_MS)
             if link.watcher is not None and link.watcher is not asyncio.current_task():
                 link.watcher.cancel()
                 await asyncio.gather(link.watcher, return_exceptions=True)  # it closes its monitor socket
-        log.info("cluster %d dropped link to %d: %s", self._dd.cluster_id, link.remote_cluster_id, error)
+        log.info("cluster %d dropped link to %d: %s", self._cluster_id, link.remote_cluster_id, error)
 
     # -- requests from peers ---------------------------------------------------------------------------------
     async def _handle(self, channel: Channel, message: dict[str, Any]) -> dict[str, Any] | None:
@@ -655,7 +634,7 @@ class LinkManager:
                 link.channel.notify(Kind.BYE, {})
             except LLMException:
                 pass
-            await self.drop(link, LLMLinkError(f"cluster {self._dd.cluster_id} was finalized"))
+            await self.drop(link, LLMLinkError(f"cluster {self._cluster_id} was finalized"))
         self.stop_listening()
         await self._tasks.close()
         # term() waits for every socket of the context to be closed: close any that a torn-down link or
@@ -663,7 +642,7 @@ class LinkManager:
         for sock in list(getattr(self._ctx, "_sockets", ())):
             if not sock.closed:
                 log.debug("closing a socket left open at finalize: %r", sock)
-                sock.close(linger=100)
+                sock.close(linger=LINGER_MS)
         # Closed sockets linger briefly so that the BYEs reach the peers; term() waits for that, off the loop.
         await asyncio.to_thread(self._ctx.term)
         self._probe.close()

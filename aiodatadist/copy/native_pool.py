@@ -19,16 +19,10 @@ import numpy.typing as npt
 
 from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, Spans
-from ..native import CopySpec, native_pool
-from .python_pool import (
-    PIECE,
-    ExecutorBase,
-    default_workers,
-    resolve_job,
-    split_spans,
-    worker_nice,
-    worker_spin_ns,
-)
+from ..native import CopySpec, JobState, native_pool
+from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
+from .completion import NotifyPipe
+from .spans import PIECE, split_spans
 
 __all__ = ["NativeExecutor", "NativeJob"]
 
@@ -75,23 +69,18 @@ class NativeJob:
         return True
 
 
-class _Notifier:
+class _Notifier(NotifyPipe):
     """The notify pipe of one event loop (workers write the addresses of finished jobs) and its jobs."""
 
     def __init__(self, executor: NativeExecutor, loop: asyncio.AbstractEventLoop) -> None:
-        self.read_fd, self.fd = os.pipe2(os.O_CLOEXEC)
-        os.set_blocking(self.read_fd, False)
-        self.loop = loop
         self.jobs: dict[int, NativeJob] = {}
-        loop.add_reader(self.read_fd, executor._on_ready, self)
+        self._executor = executor
+        super().__init__(loop, self._finished)
 
-    def close(self) -> None:
-        try:
-            if not self.loop.is_closed():
-                self.loop.remove_reader(self.read_fd)
-        finally:
-            os.close(self.read_fd)
-            os.close(self.fd)
+    def _finished(self, handle: int) -> None:
+        job = self.jobs.get(handle)
+        if job is not None:
+            self._executor._poll(job)
 
 
 class NativeExecutor(ExecutorBase):
@@ -172,7 +161,7 @@ class NativeExecutor(ExecutorBase):
             return True
         err = ctypes.c_int(0)
         state = self._lib.adt_job_state(self._pool, job.handle, ctypes.byref(err))
-        if state == 0:
+        if state == JobState.RUNNING:
             return False
         if err.value and job.error is None:
             job.error = OSError(err.value, f"copy failed: {os.strerror(err.value)}")
@@ -184,16 +173,6 @@ class NativeExecutor(ExecutorBase):
         job.stopped.set()
         resolve_job(job)
         return True
-
-    def _on_ready(self, notifier: _Notifier) -> None:
-        try:
-            data = os.read(notifier.read_fd, 8 * 4096)
-        except BlockingIOError:
-            return
-        for handle in np.frombuffer(data[: len(data) - len(data) % 8], dtype=np.uint64).tolist():
-            job = notifier.jobs.get(handle)
-            if job is not None:
-                self._poll(job)
 
     def shutdown(self) -> None:
         """Join the worker threads (blocking: call it off the event loop, after every job ended)."""
@@ -211,12 +190,3 @@ class NativeExecutor(ExecutorBase):
             else:
                 notifier.loop.call_soon_threadsafe(notifier.close)
         self._notifiers.clear()
-
-
-def make_executor() -> Any:
-    """The native executor where the helper is built (unless ``AIODATADIST_EXECUTOR=python``)."""
-    from .python_pool import CopyExecutor
-
-    if native_pool() is not None and os.environ.get("AIODATADIST_EXECUTOR", "native") != "python":
-        return NativeExecutor()
-    return CopyExecutor()

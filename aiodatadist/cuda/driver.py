@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Self
 
+from .. import _settings
+from .._settings import env_knobs
 from ..errors import LLMException, LLMStatusCode
 
 __all__ = [
@@ -40,7 +42,7 @@ __all__ = [
     "search_paths",
 ]
 
-ENV_LIBCUDA: Final = "AIODATADIST_LIBCUDA"
+ENV_LIBCUDA: Final = _settings.ENV_LIBCUDA
 
 CUDA_SUCCESS: Final = 0
 CUDA_ERROR_INVALID_VALUE: Final = 1
@@ -221,15 +223,15 @@ def search_paths() -> list[str]:
     ``libcuda.so.1`` and ``libcuda.so`` through the dynamic loader, then in the usual install directories,
     ``$CUDA_HOME/lib64`` and the ``nvidia/*/lib`` directories of pip wheels.  A library in a ``stubs/``
     directory (link-time only) is never used."""
-    env = os.environ.get(ENV_LIBCUDA, "")
-    if env:
-        return [p for p in env.split(os.pathsep) if p]
+    configured = env_knobs().libcuda
+    if configured:
+        return list(configured)
     paths = [*_NAMES, *(os.path.join(d, n) for d in _search_dirs() for n in _NAMES)]
     return [p for p in dict.fromkeys(paths) if not _is_stub(p)]
 
 
 def _where_looked() -> str:
-    if os.environ.get(ENV_LIBCUDA, ""):
+    if env_knobs().libcuda:
         return f"looked for {', '.join(search_paths()) or '(nothing)'} (from {ENV_LIBCUDA})"
     return (f"looked for {' and '.join(_NAMES)} through the dynamic loader (LD_LIBRARY_PATH, ldconfig) and in "
             f"{', '.join(_search_dirs())}; set {ENV_LIBCUDA} to the library's path")

@@ -6,7 +6,7 @@ on the same stream.  A stream callback enqueued after the copy tells the job's e
 (``call_soon_threadsafe``): no polling, no thread blocked per job.
 
 A launched copy cannot be aborted.  :meth:`CudaExecutor.cancel` only records an error;
-:meth:`ExecutorBase.wait <aiodatadist.copy.python_pool.ExecutorBase.wait>` of a cancelled caller still waits until the
+:meth:`ExecutorBase.wait <aiodatadist.copy.base.ExecutorBase.wait>` of a cancelled caller still waits until the
 GPU has finished, so once it returns or raises nothing of the job is queued or running.
 """
 
@@ -21,7 +21,7 @@ from typing import Final, Self
 
 import numpy as np
 
-from ..copy.python_pool import ExecutorBase, resolve_job
+from ..copy.base import ExecutorBase, resolve_job
 from ..errors import LLMException, LLMStatusCode
 from ..layout import Spans
 from .driver import CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device

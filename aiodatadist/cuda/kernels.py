@@ -13,7 +13,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from ..copy.python_pool import split_spans
+from ..copy.spans import split_spans
 from ..layout import Spans
 
 __all__ = [

@@ -22,9 +22,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import time
 
-__all__ = ["NONCE_BYTES", "ChallengeTable", "data_token", "derive_key", "new_nonce", "proof", "verify"]
+__all__ = ["CHALLENGE_TTL", "MAX_PENDING", "NONCE_BYTES", "ChallengeTable", "data_token", "derive_key", "new_nonce",
+           "proof", "verify"]
 
 NONCE_BYTES = 32
 CHALLENGE_TTL = 10.0
@@ -55,13 +55,19 @@ def data_token(key: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
 
 
 class ChallengeTable:
-    """Server side: the challenges issued per connection (routing id), single use, expiring, bounded."""
+    """Server side: the challenges issued per connection (routing id), single use, expiring, bounded.
+
+    ``now`` is the caller's clock (``time.monotonic()``, in seconds): the table reads no clock itself."""
 
     def __init__(self) -> None:
         self._pending: dict[bytes, tuple[bytes, bytes, float]] = {}
 
-    def issue(self, routing_id: bytes, client_nonce: bytes) -> bytes:
-        now = time.monotonic()
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def issue(self, routing_id: bytes, client_nonce: bytes, now: float) -> bytes:
+        """A fresh server nonce for this connection (replacing any earlier one); at :data:`MAX_PENDING`
+        challenges, the expired ones go first, else the one issued first."""
         if len(self._pending) >= MAX_PENDING:
             for rid in [r for r, (_, _, t) in self._pending.items() if t < now] or list(self._pending)[:1]:
                 del self._pending[rid]
@@ -69,9 +75,9 @@ class ChallengeTable:
         self._pending[routing_id] = (client_nonce, server_nonce, now + CHALLENGE_TTL)
         return server_nonce
 
-    def take(self, routing_id: bytes) -> tuple[bytes, bytes] | None:
+    def take(self, routing_id: bytes, now: float) -> tuple[bytes, bytes] | None:
         """The (client nonce, server nonce) issued to this connection, if still valid (removed either way)."""
         found = self._pending.pop(routing_id, None)
-        if found is None or found[2] < time.monotonic():
+        if found is None or found[2] < now:
             return None
         return found[0], found[1]

@@ -4,51 +4,48 @@ A message is one msgpack map.  Requests carry ``"i"`` (request id, unique per se
 ``"r"`` (the id they answer) plus ``"code"`` (an :class:`LLMStatusCode` value, 0 = success) and ``"msg"``.
 Bulk bytes never travel in these messages.  Every decoded field is validated; malformed input raises
 :class:`ProtocolError`, which the control plane answers with an error or by dropping the message.
+
+The typed messages (one encoder and one decoder per kind) are in :mod:`aiodatadist.protocol.messages`, the
+handshake's rules in :mod:`aiodatadist.protocol.handshake`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from enum import StrEnum, nonmember
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from ..layout import CacheGeometry
-from ..memory import SegmentIdentity
+from .._checks import U64_MAX
 
 __all__ = [
+    "MAX_BATCH",
     "MAX_LIST_ITEMS",
+    "MAX_MAP_LEN",
     "MAX_MESSAGE_BYTES",
-    "PROTOCOL_VERSION",
+    "MAX_STR_LEN",
     "Kind",
     "ProtocolError",
-    "WireKey",
     "decode",
     "decode_batch",
     "encode",
     "encode_batch",
     "field",
-    "geometry_from_wire",
-    "geometry_to_wire",
     "int_field",
     "opt_int_list",
-    "range_from_wire",
-    "range_to_wire",
-    "segment_from_wire",
-    "segment_to_wire",
     "uint64_array",
 ]
 
-PROTOCOL_VERSION = 2  # 2: batched frames, segments announced at link time
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_LIST_ITEMS = 1 << 22
 MAX_BATCH = 4096
-_U64 = 2**64 - 1
+MAX_STR_LEN = 1 << 20
+MAX_MAP_LEN = 1 << 10
 
 
-class Kind:
-    """Message kinds."""
+class Kind(StrEnum):
+    """Message kinds (the ``"k"`` of every message)."""
 
     HELLO = "hello"          # client -> server: handshake
     BYE = "bye"              # either side: the link is being torn down
@@ -59,9 +56,9 @@ class Kind:
     PING = "ping"            # either side: liveness check
     REPLY = "reply"          # response to any request
 
-    REQUESTS = frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING})
-    INLINE = frozenset({BEGIN, END, ABORT, FREED, PING, REPLY})  # handled in the reader task: they never wait
-    ALL = REQUESTS | {REPLY}
+    REQUESTS = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING}))
+    INLINE = nonmember(frozenset({BEGIN, END, ABORT, FREED, PING, REPLY}))  # handled in the reader task: never wait
+    ALL = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, REPLY}))
 
 
 class ProtocolError(ValueError):
@@ -99,10 +96,10 @@ def _unpack(data: bytes) -> Any:
         raise ProtocolError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         message = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES, max_str_len=1 << 20,
-            max_array_len=MAX_LIST_ITEMS, max_map_len=1 << 10, max_ext_len=0,
+            data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES, max_str_len=MAX_STR_LEN,
+            max_array_len=MAX_LIST_ITEMS, max_map_len=MAX_MAP_LEN, max_ext_len=0,
         )
-    except Exception as exc:  # msgpack raises several unrelated classes for garbage
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated classes for garbage
         raise ProtocolError(f"undecodable message: {exc}") from None
     return message
 
@@ -114,7 +111,7 @@ def _check_envelope(message: Any) -> dict[str, Any]:
     if not isinstance(kind, str) or kind not in Kind.ALL:
         raise ProtocolError(f"unknown message kind {kind!r}")
     id_name = "r" if kind == Kind.REPLY else "i"
-    int_field(message, id_name, 0, _U64)
+    int_field(message, id_name, 0, U64_MAX)
     return message
 
 
@@ -129,14 +126,14 @@ def field(message: dict[str, Any], name: str, types: type | tuple[type, ...], *,
     return value
 
 
-def int_field(message: dict[str, Any], name: str, low: int = -(2**63), high: int = _U64) -> int:
+def int_field(message: dict[str, Any], name: str, low: int = -(2**63), high: int = U64_MAX) -> int:
     value = field(message, name, int)
     if not low <= value <= high:
         raise ProtocolError(f"field {name!r} out of range")
     return int(value)
 
 
-def opt_int_list(message: dict[str, Any], name: str, low: int = 0, high: int = _U64) -> list[int]:
+def opt_int_list(message: dict[str, Any], name: str, low: int = 0, high: int = U64_MAX) -> list[int]:
     values = field(message, name, list, optional=True) or []
     if len(values) > MAX_LIST_ITEMS:
         raise ProtocolError(f"field {name!r} has too many items")
@@ -155,64 +152,3 @@ def uint64_array(message: dict[str, Any], name: str) -> np.ndarray[Any, np.dtype
         return np.asarray(values, dtype=np.uint64)
     except (OverflowError, ValueError):
         raise ProtocolError(f"field {name!r} has an item out of range") from None
-
-
-def geometry_to_wire(g: CacheGeometry) -> list[Any]:
-    return [g.num_tensors, g.tensor_size, g.slots, g.is_blocks]
-
-
-def geometry_from_wire(value: Any) -> CacheGeometry:
-    if not (isinstance(value, list) and len(value) == 4 and isinstance(value[3], bool)
-            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63 for v in value[:3])):
-        raise ProtocolError("invalid cache geometry")
-    num_tensors, tensor_size, slots, is_blocks = value
-    if num_tensors <= 0 or slots <= 0 or tensor_size <= 0 or tensor_size % slots:
-        raise ProtocolError("invalid cache geometry")
-    return CacheGeometry(num_tensors, tensor_size, slots, is_blocks)
-
-
-def segment_to_wire(s: SegmentIdentity | None, base: int) -> list[int] | None:
-    return None if s is None else [s.pid, s.fd, s.inode, s.device, s.size, base]
-
-
-def segment_from_wire(value: Any) -> tuple[SegmentIdentity, int] | None:
-    if value is None:
-        return None
-    if not (isinstance(value, list) and len(value) == 6
-            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _U64 for v in value)):
-        raise ProtocolError("invalid segment identity")
-    pid, fd, inode, device, size, base = value
-    return SegmentIdentity(pid, fd, inode, device, size), base
-
-
-def range_to_wire(r: range | None) -> list[int] | None:
-    return None if r is None else [r.start, r.stop]
-
-
-def range_from_wire(value: Any) -> range | None:
-    if value is None:
-        return None
-    if not (isinstance(value, list) and len(value) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in value)):
-        raise ProtocolError("invalid layer range")
-    return range(value[0], value[1])
-
-
-@dataclass(frozen=True, slots=True)
-class WireKey:
-    """A cache key as the owner indexes it: ``kind`` is ``id``, ``blocks``, ``req`` or ``prefix``."""
-
-    kind: str
-    a: int
-    b: int
-
-    def to_wire(self) -> list[Any]:
-        return [self.kind, self.a, self.b]
-
-    @classmethod
-    def from_wire(cls, value: Any) -> WireKey:
-        if not (isinstance(value, list) and len(value) == 3 and value[0] in ("id", "blocks", "req", "prefix")
-                and all(isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v <= _U64
-                        for v in value[1:])):
-            raise ProtocolError("invalid cache key")
-        return cls(value[0], value[1], value[2])

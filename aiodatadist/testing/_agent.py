@@ -15,18 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    Placement,
-)
+from ..cache import Cache
+from ..datadist import LLMDataDist
+from ..errors import LLMException
+from ..types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
+from .._checks import U64_MAX
 from . import cluster_info, fill_pattern, tensor_bytes, write_tensor
 
 
@@ -36,7 +29,7 @@ def make_key(spec: dict[str, Any]) -> CacheKey | CacheKeyByIdAndIndex | BlocksCa
         return BlocksCacheKey(spec["cluster_id"], spec.get("model_id", 0))
     if kind == "id":
         return CacheKeyByIdAndIndex(spec["cluster_id"], spec["cache_id"], spec.get("batch_index", 0))
-    return CacheKey(spec["cluster_id"], spec["req_id"], spec.get("model_id", 0), spec.get("prefix_id", 2**64 - 1))
+    return CacheKey(spec["cluster_id"], spec["req_id"], spec.get("model_id", 0), spec.get("prefix_id", U64_MAX))
 
 
 def _range(value: list[int] | None) -> range | None:

@@ -1,4 +1,4 @@
-"""``python -m aiodatadist info``: version, data planes and what this machine allows."""
+"""``python -m aiodatadist info``: version, data planes, what this machine allows, and every setting."""
 
 from __future__ import annotations
 
@@ -10,38 +10,47 @@ import numpy as np
 import zmq
 
 from .. import __version__
-from ..control.links import native_data_plane
-from ..copy.python_pool import default_workers
+from .._settings import EnvKnobs, env_knobs
 from ..cuda import cuda_status
-from ..native import native_available
-from ..transport.same_host import allowed_mechanisms
-from ..transport.tcp.python_plane import data_connections
+from ..native import native_available, native_pool
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    knobs = env_knobs()
+    native_net = knobs.native_net and native_pool() is not None
     lines = [
-        f"aiodatadist {__version__} (Python {platform.python_version()}, numpy {np.__version__}, "
-        f"pyzmq {zmq.pyzmq_version()}, libzmq {zmq.zmq_version()})",
+        (f"aiodatadist {__version__} (Python {platform.python_version()}, numpy {np.__version__}, "
+         f"pyzmq {zmq.pyzmq_version()}, libzmq {zmq.zmq_version()})"),
         f"native span copier: {'built' if native_available() else 'not built (ctypes fallback)'}",
-        f"copy executor: {_executor()} with {default_workers()} threads (AIODATADIST_EXECUTOR, "
-        "AIODATADIST_COPY_THREADS)",
-        f"same-host mechanisms allowed: {', '.join(sorted(allowed_mechanisms())) or 'none'}",
+        (f"copy executor: {_executor(knobs)} with {knobs.copy_threads} threads (AIODATADIST_EXECUTOR, "
+         "AIODATADIST_COPY_THREADS)"),
+        f"same-host mechanisms allowed: {', '.join(sorted(knobs.same_host)) or 'none'}",
         f"ptrace scope: {_read('/proc/sys/kernel/yama/ptrace_scope') or 'n/a'}",
-        "data planes: shm (same host: mapped shared memory or process_vm_readv/writev), tcp (other hosts, or "
-        "forced with llm.Transport=tcp); chosen per link at the handshake, shown by LLMDataDist.links()",
-        f"tcp data plane: {'native I/O threads, one-sided reads' if native_data_plane() else 'Python I/O threads'}"
-        f", {data_connections()} connections per link (AIODATADIST_NET, AIODATADIST_TCP_CONNECTIONS)",
+        ("data planes: shm (same host: mapped shared memory or process_vm_readv/writev), tcp (other hosts, "
+         "or forced with llm.Transport=tcp); chosen per link at the handshake, shown by LLMDataDist.links()"),
+        (f"tcp data plane: {'native I/O threads, one-sided reads' if native_net else 'Python I/O threads'}"
+         f", {knobs.tcp_connections} connections per link (defaults of llm.Net and llm.TcpConnections: "
+         "AIODATADIST_NET, AIODATADIST_TCP_CONNECTIONS)"),
         f"GPU (Placement.DEVICE, CUDA driver API through ctypes): {cuda_status()}",
         f"cpus: {os.cpu_count()}",
+        "settings (AIODATADIST_* environment variables; an option named here overrides it per instance):",
+        *_settings_lines(knobs),
     ]
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 
-def _executor() -> str:
-    if native_available() and os.environ.get("AIODATADIST_EXECUTOR", "native") != "python":
+def _settings_lines(knobs: EnvKnobs) -> list[str]:
+    rows = [(f"{knob.env}={value}", source, f"[{knob.option}] " if knob.option else "", knob.help)
+            for knob, value, source in knobs.report()]
+    width = max(len(r[0]) for r in rows)
+    return [f"  {setting:<{width}}  ({source}) {option}{what}" for setting, source, option, what in rows]
+
+
+def _executor(knobs: EnvKnobs) -> str:
+    if native_available() and knobs.executor != "python":
         return "native pool"
     return "Python threads"
 

@@ -1,8 +1,14 @@
-"""The pull/push methods of :class:`CacheManager`: argument validation, then :mod:`aiodatadist.transfer.service`."""
+"""Argument checks of pull_cache / pull_blocks / push_cache / push_blocks, before any message is sent.
+
+Each function checks the arguments in the reference's order (``TypeError``, ``ValueError``,
+``LLMException(LLM_PARAM_INVALID)``), including the bounds that need only the local cache, and returns the
+local cache's entry and the :class:`~aiodatadist.layout.TransferParams` that the transfer service runs.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from .._checks import (
     U64_MAX,
@@ -13,15 +19,14 @@ from .._checks import (
     param_invalid,
     require,
 )
-from ..cache import Cache
 from ..layout import TransferParams
 from ..registry import CacheEntry
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 
-if TYPE_CHECKING:
-    from ..datadist import LLMDataDist
+__all__ = ["EntryOf", "pull_blocks", "pull_cache", "push_blocks", "push_cache"]
 
-__all__ = ["TransferMixin"]
+EntryOf = Callable[[str, Any], CacheEntry]
+"""The caller's lookup of a user's ``Cache`` argument (by parameter name) to its live entry."""
 
 _TRANSFER_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
 
@@ -49,7 +54,7 @@ def _check_cache_key_for_pull(key: CacheKey) -> None:
     require(valid_req != valid_prefix, "exactly one of req_id and prefix_id must be set to pull by CacheKey.")
 
 
-def _precheck_local(params: TransferParams, local: CacheEntry) -> None:
+def _checked(params: TransferParams, local: CacheEntry) -> tuple[CacheEntry, TransferParams]:
     """Checks that need only the local cache, so bad input fails before any message is sent."""
     slots = int(local.desc.shape[0])
     local_blocks = params.dst_blocks if params.op == "pull" else params.src_blocks
@@ -57,128 +62,82 @@ def _precheck_local(params: TransferParams, local: CacheEntry) -> None:
         param_invalid(f"block index {max(local_blocks)} >= num_blocks {slots}.")
     if params.local_slot >= slots:
         param_invalid(f"batch_index {params.local_slot} out of range [0, {slots}).")
+    return local, params
 
 
-class TransferMixin:
-    """pull_cache / pull_blocks / push_cache / push_blocks of :class:`CacheManager`."""
+def _check_push_enabled(name: str, remote_accessible: bool | None) -> None:
+    require(remote_accessible is not False,
+            f"{name} is only supported while enable_remote_cache_accessible is True.")
 
-    _datadist: LLMDataDist
 
-    if TYPE_CHECKING:
-        def _entry(self, name: str, cache: Any) -> CacheEntry: ...
+def pull_cache(entry_of: EntryOf, remote_accessible: bool | None, cache_key: Any, cache: Any, batch_index: Any,
+               size: Any, kwargs: dict[str, Any]) -> tuple[CacheEntry, TransferParams]:
+    """``pull_cache``: a CacheKey or CacheKeyByIdAndIndex (only the latter with remote access enabled) into a
+    slot of a local contiguous cache."""
+    allowed: tuple[type, ...] = (CacheKey, CacheKeyByIdAndIndex)
+    if remote_accessible:
+        allowed = (CacheKeyByIdAndIndex,)
+    check_isinstance("cache_key", cache_key, allowed)
+    entry = entry_of("cache", cache)
+    slot = check_int("batch_index", batch_index, "uint32")
+    nbytes = check_int("size", size, "int64")
+    src_range, dst_range, n = _layer_kwargs(kwargs, allow_empty=True)
+    require(nbytes == -1 or nbytes > 0, f"size should be -1 or > 0, but got {nbytes}.")
+    require(not entry.is_blocks, "pull_cache needs a contiguous destination cache; use pull_blocks.")
+    if isinstance(cache_key, CacheKey):
+        _check_cache_key_for_pull(cache_key)
+    return _checked(TransferParams("pull", "cache", (), (), src_range, dst_range, n, nbytes, slot), entry)
 
-        def _check_open(self) -> None: ...
 
-    async def _transfer(self, key: Any, local: CacheEntry, params: TransferParams) -> None:
-        _precheck_local(params, local)
-        await self._datadist._transfers.run(key, local, params)
-
-    def _remote_accessible_flag(self) -> bool | None:
-        raw = self._datadist.settings.raw.get("llm.EnableRemoteCacheAccessible")
-        return None if raw is None else raw == "1"
-
-    async def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache, batch_index: int = 0,
-                         size: int = -1, **kwargs: Any) -> None:
-        """Pull one batch slot of a remote contiguous cache into slot ``batch_index`` of ``cache``.
-
-        Bounded by ``sync_kv_timeout`` (``LLMTimeoutError``); cancelling behaves the same.  After a timeout or
-        cancellation the destination slot holds an unspecified mix of old and new bytes, and nothing is
-        written into it after the call has returned.  A successful pull by ``CacheKey`` releases that key on
-        the owner.
-        """
-        self._check_open()
-        allowed: tuple[type, ...] = (CacheKey, CacheKeyByIdAndIndex)
-        if self._remote_accessible_flag():
-            allowed = (CacheKeyByIdAndIndex,)
-        check_isinstance("cache_key", cache_key, allowed)
-        entry = self._entry("cache", cache)
-        slot = check_int("batch_index", batch_index, "uint32")
-        nbytes = check_int("size", size, "int64")
-        src_range, dst_range, n = _layer_kwargs(kwargs, allow_empty=True)
-        require(nbytes == -1 or nbytes > 0, f"size should be -1 or > 0, but got {nbytes}.")
-        require(not entry.is_blocks, "pull_cache needs a contiguous destination cache; use pull_blocks.")
-        if isinstance(cache_key, CacheKey):
-            _check_cache_key_for_pull(cache_key)
-        params = TransferParams("pull", "cache", (), (), src_range, dst_range, n, nbytes, slot)
-        await self._transfer(cache_key, entry, params)
-
-    async def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, dst_cache: Cache,
-                          src_blocks: tuple[int, ...] | list[int] | None = (),
-                          dst_blocks: tuple[int, ...] | list[int] = (), **kwargs: Any) -> None:
-        """Pull remote blocks (``BlocksCacheKey``: B2B) or a remote contiguous slot cut into blocks (C2B) into
-        ``dst_blocks`` of ``dst_cache``; block ``src_blocks[i]`` lands in ``dst_blocks[i]``.
-
-        Timeouts and cancellation as :meth:`pull_cache`: the listed destination blocks are unspecified
-        afterwards and never written once the call has returned.
-        """
-        self._check_open()
-        check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
-        entry = self._entry("dst_cache", dst_cache)
-        src = _blocks_arg("src_blocks", src_blocks, allow_none=True)
-        dst = _blocks_arg("dst_blocks", dst_blocks, allow_none=False)
-        src_range, dst_range, n = _layer_kwargs(kwargs, allow_empty=True)
-        require(entry.is_blocks, "pull_blocks needs a blocks destination cache (B2C is not supported).")
-        require(len(dst) > 0, "dst_blocks must not be empty.")
-        if isinstance(src_cache_key, BlocksCacheKey):
-            require(len(src) > 0, "src_blocks must not be empty when pulling by BlocksCacheKey.")
-            require(len(src) == len(dst), f"number of src_blocks ({len(src)}) mismatches number of dst_blocks "
-                    f"({len(dst)}).")
-        else:
-            require(len(src) == 0, "src_blocks must be empty when pulling from a contiguous cache (C2B).")
-            if isinstance(src_cache_key, CacheKey):
-                _check_cache_key_for_pull(src_cache_key)
-        params = TransferParams("pull", "blocks", src, dst, src_range, dst_range, n, -1, 0)
-        await self._transfer(src_cache_key, entry, params)
-
-    def _check_push_enabled(self, name: str) -> None:
-        require(self._remote_accessible_flag() is not False,
-                f"{name} is only supported while enable_remote_cache_accessible is True.")
-
-    async def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
-                         src_layer_range: range | None = None, dst_layer_range: range | None = None,
-                         size: int = -1, tensor_num_per_layer: int = 2) -> None:
-        """Push slot ``src_batch_index`` of a local contiguous cache into a remote cache's slot.
-
-        Every layer is validated before any byte moves.  Timeouts and cancellation as :meth:`pull_cache`
-        (here the remote slot is left unspecified, and never written after the call has returned).
-        """
-        self._check_open()
-        self._check_push_enabled("push_cache")
-        if type(dst_cache_key) is not CacheKeyByIdAndIndex:
-            raise TypeError(f"dst_cache_key only support ['CacheKeyByIdAndIndex'], but got {type(dst_cache_key)}.")
-        entry = self._entry("src_cache", src_cache)
-        slot = check_int("src_batch_index", src_batch_index, "uint32")
-        nbytes = check_int("size", size, "int64")
-        src_range, dst_range, n = _layer_kwargs(
-            {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
-             "tensor_num_per_layer": tensor_num_per_layer}, allow_empty=False)
-        require(nbytes == -1, f"size should be = -1, but got {nbytes}.")
-        require(not entry.is_blocks, "push_cache needs a contiguous source cache; use push_blocks.")
-        params = TransferParams("push", "cache", (), (), src_range, dst_range, n, -1, slot)
-        await self._transfer(dst_cache_key, entry, params)
-
-    async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
-                          src_blocks: tuple[int, ...] | list[int] | None = (),
-                          dst_blocks: tuple[int, ...] | list[int] = (), src_layer_range: range | None = None,
-                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
-        """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]`` (B2B).
-
-        Timeouts and cancellation as :meth:`push_cache`.
-        """
-        self._check_open()
-        self._check_push_enabled("push_blocks")
-        if type(dst_cache_key) is not BlocksCacheKey:
-            raise TypeError(f"dst_cache_key only support ['BlocksCacheKey'], but got {type(dst_cache_key)}.")
-        entry = self._entry("src_cache", src_cache)
-        src = _blocks_arg("src_blocks", src_blocks, allow_none=True)
-        dst = _blocks_arg("dst_blocks", dst_blocks, allow_none=False)
-        src_range, dst_range, n = _layer_kwargs(
-            {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
-             "tensor_num_per_layer": tensor_num_per_layer}, allow_empty=False)
-        require(entry.is_blocks, "push_blocks needs a blocks source cache.")
-        require(len(dst) > 0, "dst_blocks must not be empty.")
-        require(len(src) > 0, "src_blocks must not be empty.")
+def pull_blocks(entry_of: EntryOf, src_cache_key: Any, dst_cache: Any, src_blocks: Any, dst_blocks: Any,
+                kwargs: dict[str, Any]) -> tuple[CacheEntry, TransferParams]:
+    """``pull_blocks``: B2B (``BlocksCacheKey`` and equal block lists) or C2B (no source blocks)."""
+    check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey))
+    entry = entry_of("dst_cache", dst_cache)
+    src = _blocks_arg("src_blocks", src_blocks, allow_none=True)
+    dst = _blocks_arg("dst_blocks", dst_blocks, allow_none=False)
+    src_range, dst_range, n = _layer_kwargs(kwargs, allow_empty=True)
+    require(entry.is_blocks, "pull_blocks needs a blocks destination cache (B2C is not supported).")
+    require(len(dst) > 0, "dst_blocks must not be empty.")
+    if isinstance(src_cache_key, BlocksCacheKey):
+        require(len(src) > 0, "src_blocks must not be empty when pulling by BlocksCacheKey.")
         require(len(src) == len(dst), f"number of src_blocks ({len(src)}) mismatches number of dst_blocks "
                 f"({len(dst)}).")
-        params = TransferParams("push", "blocks", src, dst, src_range, dst_range, n, -1, 0)
-        await self._transfer(dst_cache_key, entry, params)
+    else:
+        require(len(src) == 0, "src_blocks must be empty when pulling from a contiguous cache (C2B).")
+        if isinstance(src_cache_key, CacheKey):
+            _check_cache_key_for_pull(src_cache_key)
+    return _checked(TransferParams("pull", "blocks", src, dst, src_range, dst_range, n, -1, 0), entry)
+
+
+def push_cache(entry_of: EntryOf, remote_accessible: bool | None, dst_cache_key: Any, src_cache: Any,
+               src_batch_index: Any, layer_kwargs: dict[str, Any], size: Any) -> tuple[CacheEntry, TransferParams]:
+    """``push_cache``: a slot of a local contiguous cache into a remote one (by ``CacheKeyByIdAndIndex``)."""
+    _check_push_enabled("push_cache", remote_accessible)
+    if type(dst_cache_key) is not CacheKeyByIdAndIndex:
+        raise TypeError(f"dst_cache_key only support ['CacheKeyByIdAndIndex'], but got {type(dst_cache_key)}.")
+    entry = entry_of("src_cache", src_cache)
+    slot = check_int("src_batch_index", src_batch_index, "uint32")
+    nbytes = check_int("size", size, "int64")
+    src_range, dst_range, n = _layer_kwargs(layer_kwargs, allow_empty=False)
+    require(nbytes == -1, f"size should be = -1, but got {nbytes}.")
+    require(not entry.is_blocks, "push_cache needs a contiguous source cache; use push_blocks.")
+    return _checked(TransferParams("push", "cache", (), (), src_range, dst_range, n, -1, slot), entry)
+
+
+def push_blocks(entry_of: EntryOf, remote_accessible: bool | None, dst_cache_key: Any, src_cache: Any,
+                src_blocks: Any, dst_blocks: Any, layer_kwargs: dict[str, Any]) -> tuple[CacheEntry, TransferParams]:
+    """``push_blocks``: local blocks into remote blocks (B2B, by ``BlocksCacheKey``)."""
+    _check_push_enabled("push_blocks", remote_accessible)
+    if type(dst_cache_key) is not BlocksCacheKey:
+        raise TypeError(f"dst_cache_key only support ['BlocksCacheKey'], but got {type(dst_cache_key)}.")
+    entry = entry_of("src_cache", src_cache)
+    src = _blocks_arg("src_blocks", src_blocks, allow_none=True)
+    dst = _blocks_arg("dst_blocks", dst_blocks, allow_none=False)
+    src_range, dst_range, n = _layer_kwargs(layer_kwargs, allow_empty=False)
+    require(entry.is_blocks, "push_blocks needs a blocks source cache.")
+    require(len(dst) > 0, "dst_blocks must not be empty.")
+    require(len(src) > 0, "src_blocks must not be empty.")
+    require(len(src) == len(dst), f"number of src_blocks ({len(src)}) mismatches number of dst_blocks "
+            f"({len(dst)}).")
+    return _checked(TransferParams("push", "blocks", src, dst, src_range, dst_range, n, -1, 0), entry)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from .._checks import require
+from .._checks import U64_LIMIT, require
 from ..errors import LLMException, LLMStatusCode
 from ..memory.segment import PAGE
 
@@ -141,12 +141,12 @@ class PinnedHostMemory:
             if found is None:
                 device_base = device.register_host(start, end - start)
                 self._ranges[start] = (end, device_base, 1)
-                return (device_base - start) % 2**64
+                return (device_base - start) % U64_LIMIT
             if found[0] < end:
                 raise LLMException(f"host memory at {start:#x} is already page-locked for {found[0] - start} "
                                    f"bytes, not {end - start}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
             self._ranges[start] = (found[0], found[1], found[2] + 1)
-            return (found[1] - start) % 2**64
+            return (found[1] - start) % U64_LIMIT
 
     def unpin(self, device: Device, addr: int, nbytes: int) -> None:
         start, _ = _page_range(addr, nbytes)

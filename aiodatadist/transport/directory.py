@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 
 from ..memory import SegmentIdentity, SharedSegment, map_peer_segment
-from ..native import native_pool
+from ..native import DIR_WORDS, DirWord, native_pool
 
 __all__ = ["DIRECTORY_ROWS", "CacheDirectory", "DirectoryView", "Resolved"]
 
 DIRECTORY_ROWS = 4096
-_WORDS = 8  # stamp, cache id, model id, reserved, segment base, segment size, busy (serving threads), reserved
-_STAMP, _CACHE, _MODEL, _BASE, _SIZE = 0, 1, 2, 4, 5
+_WORDS = DIR_WORDS  # a row's words: see DirWord (mirrors _net.c)
+_STAMP, _CACHE, _MODEL, _BASE, _SIZE = DirWord.STAMP, DirWord.CACHE, DirWord.MODEL, DirWord.BASE, DirWord.SIZE
 
 
 class CacheDirectory:

@@ -22,9 +22,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._checks import U64_LIMIT
+from .._settings import env_knobs
 from ..memory import SegmentIdentity, SharedSegment, map_peer_segment
-from ..native import CopySpec, populate, process_vm_read, pvm_copier
-from ..protocol.codec import ProtocolError, segment_from_wire
+from ..native import CopyMode, CopySpec, populate, process_vm_read, pvm_copier
+from ..protocol.codec import ProtocolError
+from ..protocol.messages import segment_from_wire
 
 __all__ = ["HostProbe", "PeerCapabilities", "PeerMemory", "allowed_mechanisms"]
 
@@ -37,10 +40,7 @@ MAX_ANNOUNCED_SEGMENTS = 4096
 def allowed_mechanisms() -> frozenset[str]:
     """Same-host mechanisms this process may use: ``map`` and ``pvm`` unless restricted by the
     ``AIODATADIST_SAME_HOST`` environment variable (comma-separated; for diagnosing OS restrictions)."""
-    value = os.environ.get("AIODATADIST_SAME_HOST")
-    if value is None:
-        return frozenset({"map", "pvm"})
-    return frozenset(v.strip() for v in value.split(",") if v.strip()) & {"map", "pvm"}
+    return env_knobs().same_host
 
 
 def _boot_id() -> str:
@@ -209,10 +209,10 @@ class PeerMemory:
         """How to copy spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
         if segment is not None and self.caps.can_map:
             identity, remote_base = segment
-            delta = (self.local_base(identity) - remote_base) % 2**64
+            delta = (self.local_base(identity) - remote_base) % U64_LIMIT
             if remote_is_src:
-                return CopySpec(0, streaming=streaming, src_delta=delta)
-            return CopySpec(0, streaming=streaming, dst_delta=delta)
+                return CopySpec(CopyMode.MEMCPY, streaming=streaming, src_delta=delta)
+            return CopySpec(CopyMode.MEMCPY, streaming=streaming, dst_delta=delta)
         if self.caps.can_pvm:
             return pvm_copier(self.caps.pid, remote_is_src=remote_is_src)
         raise OSError(0, _unreachable_reason(self.caps, segment))

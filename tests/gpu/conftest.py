@@ -1,8 +1,8 @@
 """GPU tests.  On a machine with an NVIDIA GPU they run against it.  Without one they run against the *emulated
-GPU* (``tests/fake_cuda.py``: a named fake of the NVIDIA driver, built with the machine's C compiler), which
-checks that the driver is used correctly but says nothing about speed; tests marked ``real_gpu`` (timings, sizes
-beyond what host memory holds) are skipped there.  With neither, everything here is skipped (never deselected,
-so pytest never exits with "no tests collected").
+GPU* (``tests/helpers/fake_cuda.py``: a named fake of the NVIDIA driver, built with the machine's C compiler),
+which checks that the driver is used correctly but says nothing about speed; tests marked ``real_gpu`` (timings,
+sizes beyond what host memory holds; registered in ``pyproject.toml``) are skipped there.  With neither,
+everything here is skipped (never deselected, so pytest never exits with "no tests collected").
 
 Fixtures
     ``device``    the shared :class:`~aiodatadist.cuda.Device` 0.
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_cuda import build_fake_libcuda
+from helpers.fake_cuda import build_fake_libcuda
 
 from aiodatadist.cuda import Device, cuda_driver, driver, get_device
 from aiodatadist.errors import LLMException
@@ -35,10 +35,6 @@ def _real_gpu_missing() -> str | None:
     except (LLMException, OSError) as exc:  # CudaUnavailable says why
         return f"no usable CUDA GPU: {exc}"
     return None
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "real_gpu: needs a real NVIDIA GPU (skipped on the emulated GPU)")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.data import fill_pattern, tensor_bytes
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -32,7 +33,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.testing import PeerProcess, cluster_info, fill_pattern, free_port, linked_pair, tensor_bytes
+from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
 from aiodatadist.transport.device import IPC
 
 S = LLMStatusCode

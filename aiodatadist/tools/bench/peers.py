@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from ..._checks import U64_MAX
+
 __all__ = ["VARIANTS", "WORKLOADS", "nixl_available", "run_nixl"]
 
 TENSORS = 64
@@ -191,7 +193,7 @@ def _register(agent: Any, tensors: list[np.ndarray]) -> Any:
 def _source_tensor(index: int) -> np.ndarray:
     """Tensor ``index`` of the prompt's cache: seeded random non-zero bytes, reproducible in any process."""
     rng = np.random.Generator(np.random.SFC64([SEED, index]))
-    data = rng.integers(0, 2**64 - 1, TENSOR_BYTES // 8, dtype=np.uint64, endpoint=True).view(np.uint8)
+    data = rng.integers(0, U64_MAX, TENSOR_BYTES // 8, dtype=np.uint64, endpoint=True).view(np.uint8)
     data[data == 0] = 1
     return data
 

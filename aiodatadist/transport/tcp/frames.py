@@ -18,7 +18,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from ...native import native_pool
+from ...native import NET_MAGIC, FrameType, native_pool
 
 __all__ = ["DATA_HELLO", "HEADER", "MAGIC", "T_DATA", "FrameError", "recv_exact", "recv_frame", "send_frame"]
 
@@ -26,8 +26,8 @@ UInt64Array = npt.NDArray[np.uint64]
 # magic, type, key (flag << 63 | transfer id), stream offset, payload bytes, two words for other frame types;
 # the layout of adt_hdr in _net.c (both implementations speak it: either end may lack the native helper).
 HEADER: Final = struct.Struct("<IIQQQQQ")
-MAGIC: Final = 0xADD7F4A4
-T_DATA: Final = 1
+MAGIC: Final = NET_MAGIC
+T_DATA: Final = FrameType.DATA
 DATA_HELLO: Final = struct.Struct("<I16s")  # first bytes of a data connection: magic, the link's token
 RECV_PIECE: Final = 1 << 20
 

@@ -18,15 +18,21 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ...copy.completion import NotifyPipe, settle
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
-from ...native import native_pool
-from .python_plane import FRAME_BYTES, PULL, TransferJob, WaitingMixin
+from ...native import ANY_MODEL, KEY_FLAG_SHIFT, TID_MASK, JobState, OwnerStatus, native_pool
+from ..base import PULL, TransferJob, WaitingMixin
+from .python_plane import FRAME_BYTES
 
 __all__ = ["NativeDataPlane"]
 
 UInt64Array = npt.NDArray[np.uint64]
 S = LLMStatusCode
-_OWNER_STATUS = {1: S.LLM_KV_CACHE_NOT_EXIST, 2: S.LLM_OUT_OF_MEMORY, 3: S.LLM_PARAM_INVALID}
+_OWNER_STATUS: dict[int, LLMStatusCode] = {
+    OwnerStatus.RELEASED: S.LLM_KV_CACHE_NOT_EXIST,
+    OwnerStatus.OUT_OF_MEMORY: S.LLM_OUT_OF_MEMORY,
+    OwnerStatus.OUT_OF_RANGE: S.LLM_PARAM_INVALID,
+}
 
 
 def _u64(values: Any) -> UInt64Array:
@@ -47,17 +53,14 @@ class NativeDataPlane(WaitingMixin):
         self.name = name
         self._loop = loop
         self._on_broken = on_broken
-        self._read_fd, self._write_fd = os.pipe2(os.O_CLOEXEC)
-        os.set_blocking(self._read_fd, False)
-        address, rows = directory or (0, 0)
-        self._net: int | None = lib.adt_net_new(self._write_fd, address or None, rows, FRAME_BYTES)
-        if not self._net:
-            os.close(self._read_fd)
-            os.close(self._write_fd)
-            raise LLMException("cannot create the TCP data plane", status_code=S.LLM_OUT_OF_MEMORY)
         self._jobs: dict[int, TransferJob] = {}
         self.closed: LLMException | None = None
-        loop.add_reader(self._read_fd, self._on_ready)
+        self._notify = NotifyPipe(loop, self._on_finished)  # the helper writes the handles of finished jobs
+        address, rows = directory or (0, 0)
+        self._net: int | None = lib.adt_net_new(self._notify.fd, address or None, rows, FRAME_BYTES)
+        if not self._net:
+            self._notify.close()
+            raise LLMException("cannot create the TCP data plane", status_code=S.LLM_OUT_OF_MEMORY)
 
     @property
     def connections(self) -> int:
@@ -94,12 +97,13 @@ class NativeDataPlane(WaitingMixin):
         self._check_open()
         addr, length = _u64(addr), _u64(length)
         return self._track("send", flag, tid, self._lib.adt_net_send(
-            self._net, flag << 63 | tid, addr.ctypes.data, length.ctypes.data, len(addr)))
+            self._net, flag << KEY_FLAG_SHIFT | tid, addr.ctypes.data, length.ctypes.data, len(addr)))
 
     def receive(self, flag: int, tid: int) -> TransferJob:
         """Register the receiving end of ``(flag, tid)``; its frames wait for :meth:`set_destination`."""
         self._check_open()
-        return self._track("receive", flag, tid, self._lib.adt_net_receive(self._net, flag << 63 | tid))
+        key = flag << KEY_FLAG_SHIFT | tid
+        return self._track("receive", flag, tid, self._lib.adt_net_receive(self._net, key))
 
     def set_destination(self, job: TransferJob, addr: UInt64Array, length: UInt64Array) -> None:
         addr, length = _u64(addr), _u64(length)
@@ -116,7 +120,8 @@ class NativeDataPlane(WaitingMixin):
         ra, rl = _u64(remote[0]), _u64(remote[1])
         la, ll = _u64(local[0]), _u64(local[1])
         return self._track("receive", PULL, tid, self._lib.adt_net_read(
-            self._net, PULL << 63 | tid, row, stamp, cache_id, -1 if model_id is None else model_id,
+            self._net, PULL << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
+            ANY_MODEL if model_id is None else model_id,
             ra.ctypes.data, rl.ctypes.data, len(ra),
             la.ctypes.data, ll.ctypes.data, len(la)))
 
@@ -128,15 +133,10 @@ class NativeDataPlane(WaitingMixin):
             self._lib.adt_net_cancel(self._net, job.handle, 1)
 
     # -- completion ------------------------------------------------------------------------------------------
-    def _on_ready(self) -> None:
-        try:
-            data = os.read(self._read_fd, 8 * 4096)
-        except BlockingIOError:
-            return
-        for handle in np.frombuffer(data[: len(data) - len(data) % 8], dtype=np.uint64).tolist():
-            job = self._jobs.pop(handle, None)
-            if job is not None:
-                self._finish(job)
+    def _on_finished(self, handle: int) -> None:
+        job = self._jobs.pop(handle, None)
+        if job is not None:
+            self._finish(job)
 
     def _finish(self, job: TransferJob) -> None:
         err, status = ctypes.c_int(0), ctypes.c_int(0)
@@ -145,20 +145,17 @@ class NativeDataPlane(WaitingMixin):
         job.handle = None
         job.done = True
         if job.error is None:
-            if status.value:
+            if status.value != OwnerStatus.NONE:
                 code = _OWNER_STATUS.get(status.value, S.LLM_FAILED)
-                job.error = LLMException(f"the owner refused transfer {job.key & (2**63 - 1)} ({code.name})",
+                job.error = LLMException(f"the owner refused transfer {job.key & TID_MASK} ({code.name})",
                                          status_code=code)
             elif err.value:
                 job.error = LLMLinkError(f"data connection of link {self.name} failed: {os.strerror(err.value)}")
                 if self.closed is None:
                     self._broken(job.error)
-            elif state == 2:
+            elif state == JobState.STOPPED:
                 job.error = LLMException("the transfer was stopped", status_code=S.LLM_FAILED)
-        if job.error is not None:
-            job.future.set_exception(job.error)
-        else:
-            job.future.set_result(None)
+        settle(job.future, job.error)
 
     def _broken(self, error: LLMException) -> None:
         self.closed = error
@@ -179,7 +176,4 @@ class NativeDataPlane(WaitingMixin):
             await self.wait_stopped(job)
         net, self._net = self._net, None
         await asyncio.to_thread(self._lib.adt_net_free, net)
-        if not self._loop.is_closed():
-            self._loop.remove_reader(self._read_fd)
-        os.close(self._read_fd)
-        os.close(self._write_fd)
+        self._notify.close()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import os
 import socket
 import threading
 from collections import deque
@@ -28,86 +27,22 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from ...copy.python_pool import split_spans
+from ...copy.completion import settle
+from ...copy.spans import split_spans
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...layout import Spans
-from ...native import StopFlag
+from ...native import TID_MASK, StopFlag
+from ..base import TransferJob, WaitingMixin
 from .frames import HEADER, MAGIC, T_DATA, FrameError, recv_exact, recv_frame, send_frame
 
-__all__ = ["FRAME_BYTES", "MAX_DATA_CONNECTIONS", "PULL", "PUSH", "PythonDataPlane", "TransferJob", "WaitingMixin", "data_connections"]
+__all__ = ["FRAME_BYTES", "MAX_DATA_CONNECTIONS", "PythonDataPlane"]
 
 log = logging.getLogger("aiodatadist.tcp")
 UInt64Array = npt.NDArray[np.uint64]
 FRAME_BYTES = 4 << 20
 SCRATCH_BYTES = 1 << 20
-PULL = 1  # frame flag: the transfer id is the receiver's own (the owner sends a pull)
-PUSH = 0  # the transfer id is the sender's (the requester sends a push)
 MAX_DATA_CONNECTIONS = 16  # per link (MAX_CONNS in _net.c)
-
-
-def data_connections() -> int:
-    """Connections per TCP link: ``AIODATADIST_TCP_CONNECTIONS`` (1-16); default one per core, 2 to 4 (on two
-    cores, two connections moved 256 MiB 1.2x and 2 MiB 1.5x faster than one)."""
-    value = os.environ.get("AIODATADIST_TCP_CONNECTIONS", "")
-    if value.isdigit():
-        return max(1, min(MAX_DATA_CONNECTIONS, int(value)))
-    return max(2, min(4, os.cpu_count() or 2))
-
-
-class TransferJob:
-    """One end of one transfer on a data plane (``send`` or ``receive``)."""
-
-    def __init__(self, kind: str, flag: int, tid: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.kind = kind
-        self.key = flag << 63 | tid
-        self.stop = StopFlag()
-        self.ready = threading.Event()  # receive jobs: the destination spans are known
-        self.future: asyncio.Future[None] = loop.create_future()
-        self.future.add_done_callback(_retrieved)  # an owner-side job may end with nobody awaiting it
-        self.error: BaseException | None = None
-        self.inflight = 0
-        self.done = False
-        self.total = 0
-        self.moved = 0
-        self.addr: UInt64Array = np.empty(0, dtype=np.uint64)
-        self.length: UInt64Array = np.empty(0, dtype=np.uint64)
-        self.ends: UInt64Array = np.empty(0, dtype=np.uint64)  # receive: running byte sums of the spans
-        self.handle: int | None = None  # native plane: the helper's job
-        self.bounds: list[int] = [0]  # send: frame boundaries (span indices)
-        self.offsets: list[int] = [0]  # send: stream offset of each frame boundary
-        self.next_frame = 0
-
-
-class WaitingMixin:
-    """Awaiting a data plane's jobs (both implementations): cancellation stops the job, and the waiter returns
-    only once no I/O thread touches its memory."""
-
-    def cancel(self, job: TransferJob, error: BaseException | None = None) -> None:
-        raise NotImplementedError
-
-    async def wait(self, job: TransferJob) -> None:
-        """Await a job; if the caller is cancelled, stop the job and return only once no thread touches it."""
-        try:
-            await asyncio.shield(job.future)
-        except asyncio.CancelledError:
-            self.cancel(job)
-            await self.wait_stopped(job)
-            raise
-
-    async def wait_stopped(self, job: TransferJob) -> None:
-        """Wait, through further cancellations, until no thread touches the job's memory."""
-        cancelled = False
-        while not job.future.done():
-            try:
-                await asyncio.shield(job.future)
-            except asyncio.CancelledError:
-                cancelled = True
-            except BaseException:  # noqa: BLE001 - its error is the waiter's business
-                break
-        if not job.future.cancelled():
-            job.future.exception()
-        if cancelled:
-            raise asyncio.CancelledError
+JOIN_TIMEOUT = 5.0  # seconds aclose() waits for each I/O thread (they end at once once their socket is shut down)
 
 
 class PythonDataPlane(WaitingMixin):
@@ -144,8 +79,9 @@ class PythonDataPlane(WaitingMixin):
                 return
             self._socks.append(sock)
         for role, target in (("send", self._sender), ("recv", self._receiver)):
-            thread = threading.Thread(target=target, args=(sock,), name=f"aiodatadist-{role}-{self.name}",
-                                      daemon=True)
+            # Not daemons: aclose() (every link's teardown, hence finalize) joins them; one that a bug left
+            # running would hold up the interpreter's exit rather than touch memory while it is torn down.
+            thread = threading.Thread(target=target, args=(sock,), name=f"aiodatadist-{role}-{self.name}")
             self._threads.append(thread)
             thread.start()
 
@@ -222,7 +158,7 @@ class PythonDataPlane(WaitingMixin):
             del self._receiving[job.key]
         if job.error is None and job.stop.is_set():
             job.error = LLMException("the transfer was stopped", status_code=LLMStatusCode.LLM_FAILED)
-        self._loop.call_soon_threadsafe(_resolve, job)
+        self._loop.call_soon_threadsafe(settle, job.future, job.error)
 
     # -- I/O threads -----------------------------------------------------------------------------------------
     def _sender(self, sock: socket.socket) -> None:
@@ -264,7 +200,7 @@ class PythonDataPlane(WaitingMixin):
                 magic, kind, key, offset, nbytes, _, _ = HEADER.unpack(header)
                 if magic != MAGIC or kind != T_DATA:  # this end never offers one-sided reads
                     raise FrameError(0, "the data connection carried something that is not a data frame")
-                tid = key & (2**63 - 1)
+                tid = key & TID_MASK
                 with self._cv:
                     job = self._receiving.get(key)
                     if job is not None:
@@ -330,21 +266,9 @@ class PythonDataPlane(WaitingMixin):
             sock.close()
 
 
-def _retrieved(future: asyncio.Future[None]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
 def _join(threads: list[threading.Thread]) -> None:
     for thread in threads:
-        thread.join(timeout=5)
-
-
-def _resolve(job: TransferJob) -> None:
-    if job.future.done():
-        return
-    if job.error is not None:
-        job.future.set_exception(job.error)
-    else:
-        job.future.set_result(None)
+        thread.join(timeout=JOIN_TIMEOUT)
+        if thread.is_alive():  # its socket is shut down and its jobs are stopped: this is a bug
+            log.warning("%s has not ended %.0f s after its data plane was closed", thread.name, JOIN_TIMEOUT)
 

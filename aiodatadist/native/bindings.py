@@ -1,0 +1,156 @@
+"""The compiled helper (``_native.c``, ``_net.c``) as ctypes sees it: loading, the foreign functions' signatures,
+and the codes, modes and layouts that Python and C share.
+
+Every number the C code switches on or returns to Python is named here, once, with the C definition it mirrors;
+change both sides together.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import logging
+from enum import IntEnum
+from typing import Final
+
+__all__ = [
+    "ANY_MODEL",
+    "DIR_WORDS",
+    "KEY_FLAG_SHIFT",
+    "NET_MAGIC",
+    "TID_MASK",
+    "CopyMode",
+    "DirWord",
+    "FrameType",
+    "JobState",
+    "OwnerStatus",
+    "bind",
+    "load",
+]
+
+log = logging.getLogger("aiodatadist.native")
+
+
+class CopyMode(IntEnum):
+    """How a copy job moves its spans: the ``mode`` of ``adt_job_submit``/``adt_job_submit_grid`` (``adt_job.mode``
+    in ``_native.c``, which compares it with the literals 0, 1 and 2)."""
+
+    MEMCPY = 0
+    """Both ends are mapped in this process (``memmove``, or streaming stores)."""
+    PVM_READ = 1
+    """The source lies in process ``pid`` (``process_vm_readv``)."""
+    PVM_WRITE = 2
+    """The destination lies in process ``pid`` (``process_vm_writev``)."""
+
+
+class JobState(IntEnum):
+    """What ``adt_job_state`` (``_native.c``) and ``adt_net_job_state`` (``_net.c``) return (literals there:
+    "0 = running, 1 = finished, 2 = stopped early")."""
+
+    RUNNING = 0
+    FINISHED = 1
+    STOPPED = 2
+
+
+class OwnerStatus(IntEnum):
+    """Why an owner refused a one-sided read: the status code of its ERROR frame (``adt_hdr.offset``), returned by
+    ``serve_read`` in ``_net.c`` and reported in ``*status`` by ``adt_net_job_state`` (0: none)."""
+
+    NONE = 0
+    RELEASED = 1
+    """The directory row was released, never published, re-keyed, or answers to another model id."""
+    OUT_OF_MEMORY = 2
+    """The owner could not allocate the job."""
+    OUT_OF_RANGE = 3
+    """A requested span lies outside the cache."""
+
+
+class FrameType(IntEnum):
+    """``adt_hdr.type`` of a TCP data-plane frame (``#define T_DATA``... in ``_net.c``)."""
+
+    DATA = 1
+    READ = 2
+    ERROR = 3
+    ABORT = 4
+
+
+NET_MAGIC: Final = 0xADD7F4A4
+"""``adt_hdr.magic`` of every frame, and the first word of a data connection's hello (``#define NET_MAGIC``)."""
+KEY_FLAG_SHIFT: Final = 63
+"""A frame's key is ``flag << 63 | transfer id`` (``adt_hdr.key``)."""
+TID_MASK: Final = (1 << KEY_FLAG_SHIFT) - 1
+"""The transfer id bits of a frame key."""
+ANY_MODEL: Final = -1
+"""``model_id`` of ``adt_net_read`` that accepts whatever model id the directory row holds (``serve_read``)."""
+
+DIR_WORDS: Final = 8
+"""int64 words per cache directory row (``#define DIR_WORDS`` in ``_net.c``)."""
+
+
+class DirWord(IntEnum):
+    """The words of a cache directory row that ``_net.c`` reads (``w[0]``... in ``serve_read``, ``dir_enter``,
+    ``adt_dir_withdraw``); words 3 and 7 are reserved."""
+
+    STAMP = 0
+    CACHE = 1
+    MODEL = 2
+    BASE = 4
+    SIZE = 5
+    BUSY = 6
+    """Threads serving a read of the row (``dir_enter``/``dir_leave``); a release waits for 0."""
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Declare the signatures of the helper's foreign functions (ctypes would otherwise pass and return ints)."""
+    vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    u64, i64, pi = ctypes.c_uint64, ctypes.c_int64, ctypes.POINTER(c_int)
+    lib.adt_copy_spans.argtypes = [vp, vp, vp, sz, c_int, vp]
+    lib.adt_copy_spans.restype = ctypes.c_long
+    lib.adt_pool_new.argtypes, lib.adt_pool_new.restype = [c_int, c_int, u64], vp
+    lib.adt_pool_free.argtypes, lib.adt_pool_free.restype = [vp], None
+    lib.adt_job_submit.argtypes = [vp, vp, vp, vp, vp, sz, c_int, c_int, c_int, c_int]
+    lib.adt_job_submit.restype = vp
+    lib.adt_job_submit_grid.argtypes = [vp, vp, vp, sz, vp, vp, vp, sz, u64, u64, u64, u64, c_int, c_int, c_int,
+                                        c_int]
+    lib.adt_job_submit_grid.restype = vp
+    lib.adt_send_frame.argtypes = [c_int, vp, sz, vp, vp, i64, i64]
+    lib.adt_send_frame.restype = c_int
+    lib.adt_recv_frame.argtypes = [c_int, vp, vp, vp, sz, u64, u64, vp, vp, sz]
+    lib.adt_recv_frame.restype = ctypes.c_long
+    lib.adt_dir_withdraw.argtypes, lib.adt_dir_withdraw.restype = [vp, i64], None
+    lib.adt_net_new.argtypes, lib.adt_net_new.restype = [c_int, vp, sz, u64], vp
+    lib.adt_net_attach.argtypes, lib.adt_net_attach.restype = [vp, c_int], c_int
+    lib.adt_net_send.argtypes, lib.adt_net_send.restype = [vp, u64, vp, vp, sz], vp
+    lib.adt_net_receive.argtypes, lib.adt_net_receive.restype = [vp, u64], vp
+    lib.adt_net_set_destination.argtypes, lib.adt_net_set_destination.restype = [vp, vp, vp, vp, sz], c_int
+    lib.adt_net_read.argtypes = [vp, u64, i64, u64, u64, i64, vp, vp, sz, vp, vp, sz]
+    lib.adt_net_read.restype = vp
+    lib.adt_net_cancel.argtypes, lib.adt_net_cancel.restype = [vp, vp, c_int], None
+    lib.adt_net_job_state.argtypes, lib.adt_net_job_state.restype = [vp, vp, pi, pi], c_int
+    lib.adt_net_job_free.argtypes, lib.adt_net_job_free.restype = [vp], None
+    lib.adt_net_connections.argtypes, lib.adt_net_connections.restype = [vp], c_int
+    lib.adt_net_close.argtypes, lib.adt_net_close.restype = [vp], None
+    lib.adt_net_free.argtypes, lib.adt_net_free.restype = [vp], None
+    lib.adt_job_cancel.argtypes, lib.adt_job_cancel.restype = [vp, vp], None
+    lib.adt_job_state.argtypes, lib.adt_job_state.restype = [vp, vp, pi], c_int
+    lib.adt_job_free.argtypes, lib.adt_job_free.restype = [vp], None
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled helper with its signatures bound, or ``None`` where it is not built or unusable (once per
+    process; the reason is logged)."""
+    spec = importlib.util.find_spec("aiodatadist.native._native")
+    if spec is None or spec.origin is None:
+        log.info("native span copier not built; using ctypes.memmove per span")
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        lib.adt_copy_spans  # noqa: B018
+        lib.adt_net_read  # noqa: B018 - a stale build without it is not used
+    except (OSError, AttributeError) as exc:
+        log.warning("native helper %s unusable (%s); using the Python fallback", spec.origin, exc)
+        return None
+    bind(lib)
+    return lib

@@ -1,0 +1,406 @@
+"""Requester side of pulls and pushes: one deadline, and the round-trip, published and one-sided paths.
+
+The requester sends ``BEGIN`` with what it wants; the owner resolves the key at that moment, validates the
+whole transfer, takes a lease on its cache and answers with the cache's addresses.  The requester computes the
+same plan, copies the bytes itself (mapping the owner's shared-memory segment, or with
+``process_vm_readv``/``writev``; on the TCP plane its data plane receives or sends them) and ends with ``END``.
+A cache the owner published in its directory (same host) or one-sided TCP reads skip the round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import numpy as np
+
+from .._checks import I64_MAX, U64_LIMIT, require
+from .._settings import Settings
+from ..control.links import Link, LinkManager
+from ..copy.spans import STREAMING_THRESHOLD
+from ..cuda.driver import CU_IPC_HANDLE_SIZE
+from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
+from ..layout import CacheGeometry, CopyPlan, TransferParams, plan_side_spans, transfer_plan
+from ..protocol.codec import Kind, ProtocolError, int_field
+from ..protocol.messages import WireKey, geometry_to_wire
+from ..registry import CacheEntry, CacheRegistry
+from ..stats import StatsRecorder
+from ..transport.base import PULL, PUSH, TransferJob
+from ..transport.device import LinkDeviceState
+from ..transport.directory import Resolved
+from ..transport.tcp.native_plane import NativeDataPlane
+from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+from .engine import CopyEngine
+from .state import Descriptor, LinkTransfers, TransferStates, transfer_id
+from .wire import MAX_IPC_ALLOCATIONS, params_to_wire, parse_descriptor, published_from_wire, wire_key
+
+__all__ = ["Requester"]
+
+log = logging.getLogger("aiodatadist.transfer")
+END_ACK_TIMEOUT = 1.0
+STOP_ACK_TIMEOUT = 1.0  # a cut-short TCP push waits this long for the owner to stop writing, then drops the link
+SLOW_STOP_ACK = 0.05  # a confirmation slower than this is logged, with the owner's own share of it
+S = LLMStatusCode
+
+
+async def _shielded(coro: Any) -> None:
+    """Run ``coro`` to its end even if the caller is cancelled meanwhile (the cancellation is re-raised after)."""
+    task = asyncio.ensure_future(coro)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+
+class Requester:
+    """The requester side of every link of one instance."""
+
+    def __init__(self, cluster_id: int, settings: Settings, links: LinkManager, registry: CacheRegistry,
+                 engine: CopyEngine, states: TransferStates, stats: StatsRecorder) -> None:
+        self._cluster_id = cluster_id
+        self._settings = settings
+        self._links = links
+        self._registry = registry
+        self._engine = engine
+        self._states = states
+        self.stats = stats
+
+    async def run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
+                  params: TransferParams) -> None:
+        """One pull or push, bounded by ``sync_kv_timeout``; raises ``LLMTimeoutError`` on expiry."""
+        timeout_ms = self._settings.sync_kv_timeout_ms
+        started = time.perf_counter()
+        failure: str | None = "LLM_FAILED"
+        nbytes = 0
+        try:
+            try:
+                async with asyncio.timeout(timeout_ms / 1000):
+                    release, nbytes = await self._run(key, local, params)
+            except TimeoutError as exc:
+                if isinstance(exc, LLMException):
+                    raise
+                raise LLMTimeoutError(
+                    f"{params.op}_{params.api} from cluster {key.cluster_id} exceeded sync_kv_timeout={timeout_ms} ms"
+                ) from None
+            failure = None
+        except LLMException as exc:
+            failure = exc.status_code.name
+            raise
+        except asyncio.CancelledError:
+            failure = "CANCELLED"
+            raise
+        finally:
+            link = self._links.links.get(key.cluster_id)
+            self.stats.record(key.cluster_id, params.op, link.plane if link is not None else "",
+                              time.perf_counter() - started, nbytes, failure)
+        if release is not None:
+            # The data is complete: the owner's key release is confirmed outside the deadline (bounded), so a
+            # late acknowledgement never turns a finished pull into a timeout.
+            try:
+                async with asyncio.timeout(END_ACK_TIMEOUT):
+                    await release
+            except (LLMException, TimeoutError) as exc:
+                log.warning("cluster %d did not confirm the end of a pull: %s", key.cluster_id, exc or "timeout")
+
+    async def _run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
+                   params: TransferParams) -> tuple[Awaitable[Any] | None, int]:
+        """Do the transfer; returns the owner's pending key-release acknowledgement (if any) and the bytes."""
+        links = self._links
+        require(key.cluster_id != self._cluster_id, "data can not be pulled from own cluster.")
+        link = links.links.get(key.cluster_id)
+        if link is None:
+            raise LLMException(f"cluster {key.cluster_id} is not linked", status_code=S.LLM_NOT_YET_LINK)
+        st = self._states.of(link)
+        wkey = wire_key(key)
+        tcp = link.plane == "tcp"
+        if tcp and local.on_device:
+            raise LLMException(f"device caches move only between processes on one host (CUDA IPC); the link to "
+                               f"cluster {key.cluster_id} uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
+        if tcp:
+            remembered = st.resolved.get((wkey.kind, wkey.a, wkey.b)) if params.op == "pull" else None
+            if remembered is not None:
+                moved = await self._read_published(link, wkey, remembered, local, params)
+                if moved is not None:
+                    return None, moved
+        else:
+            resolved = self._published(link, wkey)
+            if resolved is not None:
+                return None, await self._run_published(link, wkey, resolved, local, params)
+        if tcp and link.data is None:
+            raise LLMLinkError(f"the link to cluster {key.cluster_id} has no data connections")
+        tid = transfer_id(st.running)
+        pull = params.op == "pull"
+        consumes_key = pull and wkey.kind in ("req", "prefix")
+        ok = ended = streaming = False
+        st.running.add(tid)
+        with self._registry.lease(local):
+            # A TCP pull's receiving end exists before BEGIN: the owner starts sending as soon as it accepts.
+            receiving = link.data.receive(PULL, tid) if tcp and pull and link.data is not None else None
+            try:
+                reply = await link.channel.request(Kind.BEGIN, {
+                    "tid": tid, "key": wkey.to_wire(), "peer": geometry_to_wire(local.geometry),
+                    "known": list(st.descriptors), **params_to_wire(params),
+                })
+                plan, descriptor = self._plan_from_reply(link, wkey, reply, local, params)
+                if tid in st.aborted:
+                    raise LLMException(f"cluster {key.cluster_id} released the cache before the copy started",
+                                       status_code=S.LLM_KV_CACHE_NOT_EXIST)
+                if tcp:
+                    streaming = True
+                    await self._stream(link, tid, plan, local, pull, receiving)
+                    if not pull:  # the bytes are sent; the owner confirms once they have all landed
+                        await link.channel.request(Kind.END, {"tid": tid, "ok": True, "confirm": True})
+                        ended = True
+                else:
+                    await self._copy(link, tid, plan, descriptor, local, params)
+                ok = True
+            finally:
+                if receiving is not None and not receiving.done and link.data is not None:
+                    link.data.cancel(receiving)  # BEGIN failed or was cancelled: drop what may still come
+                    await link.data.wait_stopped(receiving)
+                # Always end the transfer on the owner (it may have taken a lease even if we never saw the
+                # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
+                st.aborted.discard(tid)
+                st.running.discard(tid)
+                if streaming and not pull and not ended:
+                    # Bytes we sent may still sit in socket buffers: the push returns only once the owner
+                    # confirmed that its receiving end stopped writing.
+                    await _shielded(self._stop_remote_receive(links, link, tid))
+                elif not ended and not (ok and consumes_key):
+                    links.notify(link, Kind.END, {"tid": tid, "ok": ok})
+        if ok and consumes_key:
+            return link.channel.request(Kind.END, {"tid": tid, "ok": True}), plan.total_bytes
+        return None, plan.total_bytes
+
+    @staticmethod
+    async def _stop_remote_receive(links: Any, link: Link, tid: int) -> None:
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(STOP_ACK_TIMEOUT):
+                reply = await link.channel.request(Kind.END, {"tid": tid, "ok": False})
+            took = time.perf_counter() - started
+            if took > SLOW_STOP_ACK:
+                owner = reply.get("waited")
+                log.warning("cluster %d took %.1f ms to confirm the end of a cut-short push (its receiving end "
+                            "stopped after %s ms)", link.remote_cluster_id, took * 1e3,
+                            f"{owner:.1f}" if isinstance(owner, float) else "?")
+        except (LLMException, TimeoutError):
+            if not link.closed:  # it may still write what it receives: the link cannot be trusted any more
+                await links.drop(link, LLMLinkError(
+                    f"cluster {link.remote_cluster_id} did not confirm the end of a cut-short push; link dropped"))
+
+    async def _stream(self, link: Link, tid: int, plan: CopyPlan, local: CacheEntry, pull: bool,
+                      receiving: TransferJob | None) -> None:
+        """Move the bytes over the link's data connections (the caller holds a lease on ``local``)."""
+        st = self._states.of(link)
+        plane = link.data
+        assert plane is not None
+        if pull:
+            assert receiving is not None
+            plane.set_destination(receiving, *plan_side_spans(plan, local.addrs, "dst"))
+            job = receiving
+        else:
+            job = plane.send(PUSH, tid, *plan_side_spans(plan, local.addrs, "src"))
+        st.tcp_jobs[tid] = job
+        try:
+            await plane.wait(job)
+        finally:
+            st.tcp_jobs.pop(tid, None)
+
+    async def _copy(self, link: Link, tid: int, plan: CopyPlan, descriptor: Descriptor, local: CacheEntry,
+                    params: TransferParams) -> None:
+        """Move the bytes (the caller holds a lease on ``local``); link closure cancels the job."""
+        st = self._states.of(link)
+        engine = self._engine
+        geometry, remote_addrs, segment, ipc = descriptor
+        pull = params.op == "pull"
+        # The peer may free this cache meanwhile (FREED): its mapping here stays until the copy is done.
+        held = link.memory.hold(segment[0]) if segment is not None else None
+        device = None
+        try:
+            if ipc is not None:
+                device = self._link_device(link)
+                device.hold(ipc)
+            if local.on_device or ipc is not None:  # the GPU copies (see aiodatadist.transport.device)
+                remote = self._device_view(link, geometry, remote_addrs, segment, ipc)
+                mine = engine.device_addrs(local)
+                src, dst = (remote, mine) if pull else (mine, remote)
+                job = engine.start_job(plan, src, dst, None, (local,), on_device=True)
+            else:
+                copy = link.memory.copier(remote_is_src=pull, segment=segment,
+                                          streaming=plan.total_bytes >= STREAMING_THRESHOLD)
+                src, dst = (remote_addrs, local.addrs) if pull else (local.addrs, remote_addrs)
+                job = engine.start_job(plan, src, dst, copy, (local,))
+            st.jobs[tid] = job
+            try:
+                await engine.wait_job(job, (local,))
+            finally:
+                st.jobs.pop(tid, None)
+        except OSError as exc:
+            if isinstance(exc, LLMException):  # LLMTimeoutError / LLMLinkError are OSErrors too
+                raise
+            raise LLMLinkError(f"copy with cluster {link.remote_cluster_id} failed: {exc}") from exc
+        finally:
+            if held is not None:
+                link.memory.release(held)
+            if device is not None and ipc is not None:
+                device.release(ipc)
+
+    def _link_device(self, link: Link) -> LinkDeviceState:
+        st = self._states.of(link)
+        if st.device is None:
+            st.device = LinkDeviceState(self._engine.device(), link.caps.pid == os.getpid())
+        return st.device
+
+    def _device_view(self, link: Link, geometry: CacheGeometry, remote_addrs: np.ndarray, segment: Any,
+                     ipc: list[tuple[bytes, int, int]] | None) -> np.ndarray:
+        """The peer's tensors as this process's GPU reaches them: its device memory through IPC, its host
+        cache through the mapped segment, page-locked."""
+        device = self._link_device(link)
+        if ipc is not None:
+            return device.remote_delta(ipc, remote_addrs, geometry.tensor_size)
+        if segment is None or not link.caps.can_map:
+            raise LLMException(f"a GPU copy needs the host cache of cluster {link.remote_cluster_id} mapped in "
+                               "this process: allocate it with allocate_cache/allocate_blocks_cache (caller-"
+                               "registered host memory is reachable only by process_vm_readv/writev)",
+                               status_code=S.LLM_FEATURE_NOT_ENABLED)
+        identity, remote_base = segment
+        local_base = link.memory.local_base(identity)
+        delta = device.pinned_delta(local_base, identity.size)
+        return remote_addrs + np.uint64((local_base - remote_base + delta) % U64_LIMIT)
+
+    def _published(self, link: Link, wkey: WireKey) -> Resolved | None:
+        """The owner's cache for ``wkey`` if an earlier transfer resolved it and the directory says it is live."""
+        st = self._states.of(link)
+        if link.directory is None:
+            return None
+        resolved = st.resolved.get((wkey.kind, wkey.a, wkey.b))
+        if resolved is None:
+            return None
+        if link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id):
+            return resolved
+        del st.resolved[(wkey.kind, wkey.a, wkey.b)]  # released or re-keyed: ask the owner again
+        return None
+
+    async def _read_published(self, link: Link, wkey: WireKey, resolved: Resolved, local: CacheEntry,
+                              params: TransferParams) -> int | None:
+        """A TCP pull of a cache the owner resolved before: one-sided, served by the owner's native threads.
+
+        Returns None (after forgetting the resolution) when the owner says the cache is no longer the one
+        resolved (released or re-keyed): the caller then asks the owner again."""
+        st = self._states.of(link)
+        plane = link.data
+        assert plane is not None and isinstance(plane, NativeDataPlane)
+        owner_geometry, owner_addrs, _, _ = st.descriptors[resolved.cache_id]
+        plan = transfer_plan(params, local.geometry, owner_geometry, resolved.slot)
+        tid = transfer_id(st.running)
+        with self._registry.lease(local):
+            job = plane.read(tid, resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id,
+                             plan_side_spans(plan, owner_addrs, "src"), plan_side_spans(plan, local.addrs, "dst"))
+            st.tcp_jobs[tid] = job
+            try:
+                await plane.wait(job)
+            except LLMException as exc:
+                if exc.status_code != S.LLM_KV_CACHE_NOT_EXIST:
+                    raise
+                st.resolved.pop((wkey.kind, wkey.a, wkey.b), None)
+                return None
+            finally:
+                st.tcp_jobs.pop(tid, None)
+        return plan.total_bytes
+
+    async def _run_published(self, link: Link, wkey: WireKey, resolved: Resolved, local: CacheEntry,
+                             params: TransferParams) -> int:
+        """A transfer on a published cache: validated here against the owner's descriptor, no round trip."""
+        st = self._states.of(link)
+        descriptor = st.descriptors[resolved.cache_id]
+        plan = transfer_plan(params, local.geometry, descriptor[0], resolved.slot)
+        local.leases += 1  # (registry.lease, inline on this hot path)
+        try:
+            await self._copy(link, transfer_id(st.running), plan, descriptor, local, params)
+        finally:
+            self._registry.release_lease(local)
+        assert link.directory is not None
+        if not link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, None):
+            st.resolved.pop((wkey.kind, wkey.a, wkey.b), None)
+            raise LLMException(f"cluster {link.remote_cluster_id} released cache {resolved.cache_id} during the "
+                               "transfer", status_code=S.LLM_KV_CACHE_NOT_EXIST)
+        return plan.total_bytes
+
+    def _plan_from_reply(self, link: Link, wkey: WireKey, reply: dict[str, Any], local: CacheEntry,
+                         params: TransferParams) -> tuple[CopyPlan, Descriptor]:
+        st = self._states.of(link)
+        try:
+            owner_slot = int_field(reply, "slot", 0, 2**32 - 1)
+            cid = int_field(reply, "cid", 1, I64_MAX)
+            described = reply.get("desc")
+            if described is not None:
+                st.descriptors[cid] = parse_descriptor(described)
+            descriptor = st.descriptors.get(cid)
+            if descriptor is None:
+                raise ProtocolError(f"no descriptor for cache {cid}")
+            published = reply.get("pub")
+            one_sided = link.directory is not None or (
+                link.plane == "tcp" and link.peer_serves_reads and isinstance(link.data, NativeDataPlane)
+                and wkey.a <= I64_MAX)
+            if published is not None and one_sided and wkey.kind in ("id", "blocks"):
+                row, stamp = published_from_wire(published)
+                model = wkey.a if wkey.kind == "blocks" else None
+                st.resolved[(wkey.kind, wkey.a, wkey.b)] = Resolved(cid, owner_slot, row, stamp, model)
+        except ProtocolError as exc:
+            raise LLMLinkError(f"malformed reply from the owner: {exc}") from None
+        return transfer_plan(params, local.geometry, descriptor[0], owner_slot), descriptor
+
+    def abort(self, link: Link, message: dict[str, Any]) -> None:
+        """The owner released the cache of a running transfer: stop our copy at the next chunk."""
+        st = self._states.of(link)
+        tid = int_field(message, "tid", 0)
+        error = LLMException(f"cluster {link.remote_cluster_id} released the cache during the transfer",
+                             status_code=S.LLM_KV_CACHE_NOT_EXIST)
+        streamed = st.tcp_jobs.get(tid)
+        if streamed is not None and link.data is not None:
+            link.data.cancel(streamed, error)
+            return
+        job = st.jobs.get(tid)
+        if job is not None:
+            self._engine.cancel_job(job, error)
+        elif tid in st.running:
+            st.aborted.add(tid)  # the copy has not started yet: it must not start at all
+
+    def freed(self, link: Link, message: dict[str, Any]) -> None:
+        """The peer freed a cache: forget its description and let go of what maps it here (once idle)."""
+        st = self._states.of(link)
+        cid = int_field(message, "cid", 1, I64_MAX)
+        st.descriptors.pop(cid, None)
+        for key, resolved in list(st.resolved.items()):
+            if resolved.cache_id == cid:
+                del st.resolved[key]
+        seg = message.get("seg")
+        if isinstance(seg, list) and len(seg) == 2 and all(type(v) is int for v in seg):
+            device = st.device
+            link.memory.forget((seg[0], seg[1]), device.forget_pinned if device is not None else lambda _: None)
+        handles = message.get("ipc")
+        if isinstance(handles, list) and st.device is not None:
+            for handle in handles[:MAX_IPC_ALLOCATIONS]:
+                if isinstance(handle, bytes) and len(handle) == CU_IPC_HANDLE_SIZE:
+                    st.device.forget_handle(handle)
+
+    async def link_closed(self, state: LinkTransfers, error: LLMException) -> None:
+        """Stop the copies of a closed link (returns once no worker touches their memory)."""
+        for job in list(state.jobs.values()):
+            self._engine.cancel_job(job, error)
+        for job in list(state.jobs.values()):
+            await self._engine.wait_stopped(job)
+        if state.device is not None:  # no GPU copy uses the peer's memory any more
+            state.device.close()
+            state.device = None

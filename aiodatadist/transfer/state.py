@@ -1,0 +1,91 @@
+"""What the transfer layer keeps per link, both as requester and as owner.
+
+The control plane's :class:`~aiodatadist.control.links.Link` knows nothing of transfers: this table is keyed by
+the link object and dropped when the link closes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from ..copy.python_pool import CopyJob
+from ..layout import CacheGeometry
+from ..memory import SegmentIdentity
+from ..registry import CacheEntry, IndexKey
+from ..transport.base import TransferJob
+from ..transport.device import LinkDeviceState
+from ..transport.directory import Resolved
+
+if TYPE_CHECKING:
+    from ..control.links import Link
+
+__all__ = ["Descriptor", "Lease", "LinkTransfers", "TransferStates", "transfer_id"]
+
+Descriptor = tuple[CacheGeometry, npt.NDArray[np.uint64], tuple[SegmentIdentity, int] | None,
+                   list[tuple[bytes, int, int]] | None]
+"""An owner's cache as the requester knows it: geometry, tensor addresses, shared-memory segment and its base
+address in the owner (or None), device allocations to open by IPC (or None: a host cache)."""
+
+
+@dataclass(eq=False)
+class Lease:
+    """Owner side of a running transfer: keeps the cache alive until the requester ends it."""
+
+    entry: CacheEntry
+    release_key: IndexKey | None  # a pull by CacheKey: the key it consumes once it succeeded
+    job: TransferJob | None = None  # TCP plane: the owner's sending (pull) or receiving (push) end
+
+
+@dataclass(eq=False)
+class LinkTransfers:
+    """The transfers of one link."""
+
+    # owner side
+    leases: dict[int, Lease] = field(default_factory=dict)  # by transfer id
+    # requester side
+    jobs: dict[int, CopyJob] = field(default_factory=dict)  # same-host copies, by transfer id
+    tcp_jobs: dict[int, TransferJob] = field(default_factory=dict)  # TCP plane, by transfer id
+    running: set[int] = field(default_factory=set)  # transfers between BEGIN and their end
+    aborted: set[int] = field(default_factory=set)  # ABORTs that came before the copy started
+    descriptors: dict[int, Descriptor] = field(default_factory=dict)  # the peer's caches, by cache id
+    resolved: dict[IndexKey, Resolved] = field(default_factory=dict)  # keys resolved to published caches
+    device: LinkDeviceState | None = None  # the peer's memory as this GPU reaches it
+
+
+class TransferStates:
+    """``Link`` -> :class:`LinkTransfers`, created on first use, dropped when the link closes."""
+
+    def __init__(self) -> None:
+        self._by_link: dict[Link, LinkTransfers] = {}
+
+    def of(self, link: Link) -> LinkTransfers:
+        """The link's state (a closed link gets an empty one that is not kept)."""
+        state = self._by_link.get(link)
+        if state is None:
+            state = LinkTransfers()
+            if not link.closed:
+                self._by_link[link] = state
+        return state
+
+    def pop(self, link: Link) -> LinkTransfers | None:
+        return self._by_link.pop(link, None)
+
+    def items(self) -> list[tuple[Link, LinkTransfers]]:
+        return list(self._by_link.items())
+
+
+def transfer_id(running: set[int]) -> int:
+    """A fresh transfer id: random, so that it is also the transfer's token on the data connections.
+
+    A TCP frame is written only into a transfer its receiving end registered under that id, which the
+    authenticated control plane agreed; 62 random bits cannot be guessed by whoever else reaches the port.
+    """
+    while True:
+        tid = secrets.randbits(62)
+        if tid and tid not in running:
+            return tid

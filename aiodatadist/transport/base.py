@@ -1,0 +1,77 @@
+"""What every data plane shares: a transfer's end on a plane (:class:`TransferJob`) and how it is awaited.
+
+A transfer is a *send job* on one end and a *receive job* on the other, keyed by ``(flag, transfer id)``: the
+flag says whether the id is the receiver's (:data:`PULL`: the owner sends on the requester's id) or the
+sender's (:data:`PUSH`).  Whatever the plane, a job's future settles only once no I/O thread touches its
+memory, and a cancelled waiter returns only after that (:class:`WaitingMixin`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import numpy as np
+import numpy.typing as npt
+
+from ..copy.completion import wait_through_cancellation
+from ..native import KEY_FLAG_SHIFT, StopFlag
+
+__all__ = ["PULL", "PUSH", "TransferJob", "WaitingMixin"]
+
+UInt64Array = npt.NDArray[np.uint64]
+PULL = 1  # frame flag: the transfer id is the receiver's own (the owner sends a pull)
+PUSH = 0  # the transfer id is the sender's (the requester sends a push)
+
+
+class TransferJob:
+    """One end of one transfer on a data plane (``send`` or ``receive``)."""
+
+    def __init__(self, kind: str, flag: int, tid: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.kind = kind
+        self.key = flag << KEY_FLAG_SHIFT | tid
+        self.stop = StopFlag()
+        self.ready = threading.Event()  # receive jobs: the destination spans are known
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.future.add_done_callback(_retrieved)  # an owner-side job may end with nobody awaiting it
+        self.error: BaseException | None = None
+        self.inflight = 0
+        self.done = False
+        self.total = 0
+        self.moved = 0
+        self.addr: UInt64Array = np.empty(0, dtype=np.uint64)
+        self.length: UInt64Array = np.empty(0, dtype=np.uint64)
+        self.ends: UInt64Array = np.empty(0, dtype=np.uint64)  # receive: running byte sums of the spans
+        self.handle: int | None = None  # native plane: the helper's job
+        self.bounds: list[int] = [0]  # send: frame boundaries (span indices)
+        self.offsets: list[int] = [0]  # send: stream offset of each frame boundary
+        self.next_frame = 0
+
+
+class WaitingMixin:
+    """Awaiting a data plane's jobs (both implementations): cancellation stops the job, and the waiter returns
+    only once no I/O thread touches its memory."""
+
+    def cancel(self, job: TransferJob, error: BaseException | None = None) -> None:
+        raise NotImplementedError
+
+    async def wait(self, job: TransferJob) -> None:
+        """Await a job; if the caller is cancelled, stop the job and return only once no thread touches it."""
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            self.cancel(job)
+            await self.wait_stopped(job)
+            raise
+
+    async def wait_stopped(self, job: TransferJob) -> None:
+        """Wait, through further cancellations, until no thread touches the job's memory (its error, if any, is
+        its waiter's business; a cancellation meanwhile is re-raised)."""
+        with contextlib.suppress(Exception):
+            await wait_through_cancellation(job.future)
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    if not future.cancelled():
+        future.exception()

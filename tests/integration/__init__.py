@@ -1,0 +1,1 @@
+"""Tests with real links, sockets or peer processes (marked ``integration``)."""

@@ -1,0 +1,222 @@
+"""Timeouts and cancellation of pulls and pushes between two real processes.
+
+Each test poisons the destination, cuts a large transfer short, then checks that no byte lands after the call
+has returned (two snapshots some time apart are identical), that the error is the right one, and that the
+link still moves data byte-exact afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from helpers.data import fill_pattern, pattern
+
+from aiodatadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    LLMTimeoutError,
+    Placement,
+)
+from aiodatadist.testing import PeerProcess, cluster_info, free_port
+
+TENSORS, BLOCKS, BLOCK = 16, 256, 32 << 10  # 128 MiB per cache
+POISON = 0xA5
+PROMPT, DECODER = 11, 12
+
+
+@functools.cache
+def expected(seed: int, tensor: int) -> np.ndarray:
+    return pattern(seed, tensor, BLOCKS * BLOCK).reshape(BLOCKS, BLOCK)
+
+
+def _desc() -> CacheDesc:
+    return CacheDesc(TENSORS, (BLOCKS, BLOCK), DataType.DT_UINT8, Placement.HOST)
+
+
+class Pair:
+    def __init__(self, peer: PeerProcess, dd: LLMDataDist, remote_cache: int, port: int) -> None:
+        self.peer, self.dd, self.remote_cache, self.port = peer, dd, remote_cache, port
+        self.cache = dd.cache_manager.allocate_blocks_cache(_desc())
+
+    def poison(self) -> None:
+        for t in self.cache.tensors:
+            t[...] = POISON
+
+    def snapshot(self) -> list[bytes]:
+        return [hashlib.sha256(t.tobytes()).digest() for t in self.cache.tensors]
+
+    def assert_pulled(self, src: list[int], dst: list[int]) -> None:
+        for t, tensor in enumerate(self.cache.tensors):
+            assert np.array_equal(tensor[dst], expected(5, t)[src]), f"tensor {t}"
+
+
+@pytest.fixture(params=["shm", "tcp", "tcp-python"])
+async def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Pair]:
+    """A prompt process and a decoder here; with "tcp" the prompt forces the TCP data plane on all its links
+    ("tcp-python": both ends use the Python I/O threads, the fallback where the native helper is not built)."""
+    transport, _, implementation = request.param.partition("-")
+    env = {"AIODATADIST_NET": "python"} if implementation else None
+    if implementation:
+        monkeypatch.setenv("AIODATADIST_NET", "python")
+    port = free_port()
+    peer = await PeerProcess.start(env=env)
+    try:
+        await peer.call("init", role="PROMPT", cluster_id=PROMPT,
+                        options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "30000",
+                                 "llm.Transport": transport})
+        remote = await peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
+                                 blocks_key=[PROMPT, 0])
+        await peer.call("fill", cache_id=remote["cache_id"], seed=5)
+        async with LLMDataDist(LLMRole.DECODER, DECODER) as dd:
+            cfg = LLMConfig()
+            cfg.sync_kv_timeout = 30000
+            await dd.init(cfg.generate_options())
+            code, _ = await dd.link_clusters([cluster_info(PROMPT, port)], timeout=5000)
+            assert code == LLMStatusCode.LLM_SUCCESS
+            assert dd.links()[0]["plane"] == transport
+            yield Pair(peer, dd, remote["cache_id"], port)
+    finally:
+        await peer.close()
+
+
+ALL = list(range(BLOCKS))
+REVERSED = ALL[::-1]
+
+
+async def _no_late_writes(pair: Pair) -> None:
+    first = pair.snapshot()
+    await asyncio.sleep(0.2)
+    assert pair.snapshot() == first, "bytes landed in the destination after the call returned"
+
+
+async def _still_works(pair: Pair) -> None:
+    pair.poison()
+    await pair.dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, [1, 2, 200], [9, 10, 11])
+    pair.assert_pulled([1, 2, 200], [9, 10, 11])
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.01, 0.03])
+async def test_cancelled_pull_writes_nothing_afterwards(pair: Pair, delay: float) -> None:
+    pair.poison()
+    task = asyncio.ensure_future(
+        pair.dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, ALL, REVERSED))
+    await asyncio.sleep(delay)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    else:  # the transfer won the race: then it must be complete
+        pair.assert_pulled(ALL, REVERSED)
+    await _no_late_writes(pair)
+    await _still_works(pair)
+
+
+async def test_asyncio_timeout_behaves_like_cancel(pair: Pair) -> None:
+    pair.poison()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.005):
+            await pair.dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, ALL, REVERSED)
+    await _no_late_writes(pair)
+    await _still_works(pair)
+
+
+async def test_sync_kv_timeout_raises_llm_timeout(pair: Pair) -> None:
+    port = free_port()
+    # A second decoder with a tiny sync_kv_timeout, linked to the same prompt process.
+    async with LLMDataDist(LLMRole.DECODER, DECODER + 1) as dd:
+        cfg = LLMConfig()
+        cfg.sync_kv_timeout = 200
+        cfg.listen_ip_info = f"127.0.0.1:{port}"
+        await dd.init(cfg.generate_options())
+        code, _ = await dd.link_clusters([cluster_info(PROMPT, pair.port)], timeout=5000)
+        assert code == LLMStatusCode.LLM_SUCCESS
+        cache = dd.cache_manager.allocate_blocks_cache(_desc())
+        for t in cache.tensors:
+            t[...] = POISON
+        # 64 concurrent full pulls (8 GiB) share the bandwidth: they cannot all finish within 200 ms.
+        pulls = [dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), cache, ALL, REVERSED) for _ in range(64)]
+        results = await asyncio.gather(*pulls, return_exceptions=True)
+        # The first pulls may still finish in time; the later ones cannot.
+        timeouts = [r for r in results if isinstance(r, LLMTimeoutError)]
+        assert len(timeouts) >= 1 and all(r is None or isinstance(r, LLMTimeoutError) for r in results), results
+        info = pytest.ExceptionInfo.from_exception(timeouts[0])
+        assert info.value.status_code == LLMStatusCode.LLM_TIMEOUT
+        assert isinstance(info.value, TimeoutError) and isinstance(info.value, LLMException)
+        first = [hashlib.sha256(t.tobytes()).digest() for t in cache.tensors]
+        await asyncio.sleep(0.2)
+        assert [hashlib.sha256(t.tobytes()).digest() for t in cache.tensors] == first
+        # A small transfer fits in 200 ms: the link that timed out is still usable.
+        await dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), cache, [4], [4])
+        assert np.array_equal(cache.tensors[0][4], expected(5, 0)[4])
+    await _still_works(pair)
+
+
+async def test_cancelled_push_writes_nothing_afterwards(pair: Pair) -> None:
+    fill_pattern(pair.cache, 8)
+    await pair.peer.call("poison", cache_id=pair.remote_cache, value=POISON)
+    task = asyncio.ensure_future(
+        pair.dd.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, ALL, REVERSED))
+    await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    first = await pair.peer.call("digest", cache_id=pair.remote_cache)
+    await asyncio.sleep(0.2)
+    assert await pair.peer.call("digest", cache_id=pair.remote_cache) == first
+    # The link survives: the push can be redone in full.
+    await pair.dd.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, [3], [250])
+    got = await pair.peer.call("read", cache_id=pair.remote_cache, tensor=1, offset=250 * BLOCK, nbytes=BLOCK)
+    assert bytes.fromhex(got) == pattern(8, 1, BLOCKS * BLOCK)[3 * BLOCK: 4 * BLOCK].tobytes()
+
+
+async def test_cancelling_one_transfer_leaves_the_others_intact(pair: Pair) -> None:
+    pair.poison()
+    cm = pair.dd.cache_manager
+    key = BlocksCacheKey(PROMPT, 0)
+    victim = asyncio.ensure_future(cm.pull_blocks(key, pair.cache, ALL[:128], ALL[:128]))
+    survivors = [asyncio.ensure_future(cm.pull_blocks(key, pair.cache, [b], [b])) for b in range(128, 256, 8)]
+    await asyncio.sleep(0.003)
+    victim.cancel()
+    await asyncio.gather(*survivors)
+    with pytest.raises(asyncio.CancelledError):
+        await victim
+    survivors_blocks = list(range(128, 256, 8))
+    pair.assert_pulled(survivors_blocks, survivors_blocks)
+
+
+async def test_timeout_on_a_stalled_peer_then_recovery(pair: Pair) -> None:
+    """A peer that does not answer at all (SIGSTOP) costs the deadline, not a hang; after SIGCONT the link works
+    and the owner has no lease left behind."""
+    async with LLMDataDist(LLMRole.DECODER, DECODER + 2) as dd:
+        cfg = LLMConfig()
+        cfg.sync_kv_timeout = 200
+        await dd.init(cfg.generate_options())
+        code, _ = await dd.link_clusters([cluster_info(PROMPT, pair.port)], timeout=5000)
+        assert code == LLMStatusCode.LLM_SUCCESS
+        cache = dd.cache_manager.allocate_blocks_cache(_desc())
+        os.kill(pair.peer.pid, signal.SIGSTOP)
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(LLMTimeoutError):
+                await dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), cache, [1], [1])
+            assert loop.time() - start < 1.0
+        finally:
+            os.kill(pair.peer.pid, signal.SIGCONT)
+        await dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), cache, [1], [1])
+        assert np.array_equal(cache.tensors[2][1], expected(5, 2)[1])
+    await _still_works(pair)

@@ -1,0 +1,220 @@
+"""The cache directory: transfers by a key the owner already resolved skip the round trip, and stay exact.
+
+The table's semantics are checked as a property against a model; the transfer path with two real instances
+linked over ZeroMQ on 127.0.0.1 (in this process, so that the test can act between a copy's start and its end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers.data import fill_pattern
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMException, LLMStatusCode, Placement
+from aiodatadist.memory import SegmentIdentity
+from aiodatadist.protocol.codec import Kind
+from aiodatadist.testing import linked_pair
+from aiodatadist.transport.directory import CacheDirectory, DirectoryView
+
+NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
+# -- the table -----------------------------------------------------------------------------------------------
+
+operations = st.lists(st.one_of(
+    st.tuples(st.just("publish"), st.integers(-1, 5)),
+    st.tuples(st.just("withdraw"), st.integers(0, 7)),
+    st.tuples(st.just("model"), st.integers(0, 7), st.integers(-1, 5)),
+), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations)
+def test_directory_matches_a_model(ops: list[tuple[Any, ...]]) -> None:
+    """A published (row, stamp) is live until withdrawn, never again after (rows are reused with new stamps),
+    and answers to the model id last set for it; a full table publishes nothing."""
+    directory = CacheDirectory(rows=4)
+    view = DirectoryView(SegmentIdentity(*directory.to_wire()))
+    try:
+        live: dict[int, tuple[int, int, int, int]] = {}  # cache id -> (row, stamp, cache id, model)
+        dead: list[tuple[int, int, int]] = []
+        next_id = 1
+        for op in ops:
+            if op[0] == "publish":
+                published = directory.publish(next_id, op[1])
+                if len(live) == 4:
+                    assert published is None
+                else:
+                    assert published is not None
+                    live[next_id] = (*published, next_id, op[1])
+                next_id += 1
+            elif live:
+                cache_id = sorted(live)[op[1] % len(live)]
+                row, stamp, _, model = live[cache_id]
+                if op[0] == "withdraw":
+                    directory.withdraw(row)
+                    del live[cache_id]
+                    dead.append((row, stamp, cache_id))
+                else:
+                    directory.set_model(row, op[2])
+                    live[cache_id] = (row, stamp, cache_id, op[2])
+            for row, stamp, cache_id, model in live.values():
+                assert view.live(row, stamp, cache_id, None)
+                assert view.live(row, stamp, cache_id, model)
+                assert not view.live(row, stamp, cache_id, model + 1)
+                assert not view.live(row, stamp + 1, cache_id, None)
+            for row, stamp, cache_id in dead:
+                assert not view.live(row, stamp, cache_id, None)
+        assert not view.live(99, 1, 1, None)  # rows outside the table are never live
+    finally:
+        view.close()
+        directory.close()
+
+
+def test_peers_map_the_directory_read_only() -> None:
+    directory = CacheDirectory(rows=4)
+    view = DirectoryView(SegmentIdentity(*directory.to_wire()))
+    try:
+        with pytest.raises(ValueError):
+            view._words[0] = 1  # a peer can never forge a live entry
+    finally:
+        view.close()
+        directory.close()
+
+
+# -- transfers -----------------------------------------------------------------------------------------------
+
+DESC = CacheDesc(4, (8, 256), DataType.DT_UINT8, Placement.HOST)
+
+
+def count_begins(decoder: Any) -> list[int]:
+    """Count the BEGIN requests the decoder sends to its (only) peer."""
+    link = next(iter(decoder._links.links.values()))
+    sent = [0]
+    request = link.channel.request
+
+    async def counting(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        sent[0] += kind == Kind.BEGIN
+        return await request(kind, body)
+
+    link.channel.request = counting
+    return sent
+
+
+def blocks(cache: Any, indices: list[int]) -> list[np.ndarray]:
+    return [t.view(np.uint8).reshape(cache.cache_desc.shape[0], -1)[indices].copy() for t in cache.tensors]
+
+
+def config(transport: str) -> LLMConfig:
+    cfg = LLMConfig()
+    cfg.transport = transport
+    return cfg
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("directory", ["on", "off"])
+async def test_repeated_pulls_ask_the_owner_once(directory: str, transport: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same host: the requester checks the owner's directory itself.  TCP: the owner's native threads serve a
+    one-sided read (AIODATADIST_NET=python: no one-sided reads, every pull asks)."""
+    if directory == "off":
+        monkeypatch.setenv("AIODATADIST_DIRECTORY" if transport == "shm" else "AIODATADIST_NET",
+                           "0" if transport == "shm" else "python")
+    async with linked_pair(config=config(transport)) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 3))
+        dst = decoder.cache_manager.allocate_blocks_cache(DESC)
+        fill_pattern(src, 11)
+        fill_pattern(dst, 12)
+        begins = count_begins(decoder)
+        for i, (s, d) in enumerate([([1, 2], [5, 0]), ([7], [3]), ([0, 4, 6], [1, 2, 4])]):
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, s, d)
+            for want, got in zip(blocks(src, s), blocks(dst, d)):
+                assert np.array_equal(want, got), f"pull {i}"
+        assert begins[0] == (1 if directory == "on" else 3)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_a_model_id_taken_over_or_released_is_resolved_again(transport: str) -> None:
+    async with linked_pair(config=config(transport)) as (prompt, decoder):
+        pcm, dcm = prompt.cache_manager, decoder.cache_manager
+        first = pcm.allocate_blocks_cache(DESC, BlocksCacheKey(1, 5))
+        fill_pattern(first, 21)
+        dst = dcm.allocate_blocks_cache(DESC)
+        await dcm.pull_blocks(BlocksCacheKey(1, 5), dst, [1], [1])
+        assert np.array_equal(blocks(first, [1])[0], blocks(dst, [1])[0])
+
+        second = pcm.allocate_blocks_cache(DESC, BlocksCacheKey(1, 5))  # the last one registered wins
+        fill_pattern(second, 22)
+        await dcm.pull_blocks(BlocksCacheKey(1, 5), dst, [2], [2])
+        assert np.array_equal(blocks(second, [2])[0], blocks(dst, [2])[0])
+
+        pcm.deallocate_blocks_cache(second)  # model 5 now names no cache, although `first` still exists
+        before = blocks(dst, [3])
+        with pytest.raises(LLMException) as info:
+            await dcm.pull_blocks(BlocksCacheKey(1, 5), dst, [3], [3])
+        assert info.value.status_code == NOT_EXIST
+        assert all(np.array_equal(a, b) for a, b in zip(before, blocks(dst, [3])))
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_a_release_during_a_pull_without_round_trip_fails_it(transport: str) -> None:
+    """The owner releases the cache between the copy's start and its end: the pull reports LLM_KV_CACHE_NOT_EXIST
+    (as the round-trip path does), and the link stays usable."""
+    big = CacheDesc(16, (16, 256 << 10), DataType.DT_UINT8, Placement.HOST)  # 64 MiB
+    async with linked_pair(config=config(transport)) as (prompt, decoder):
+        pcm, dcm = prompt.cache_manager, decoder.cache_manager
+        src = pcm.allocate_blocks_cache(big, BlocksCacheKey(1, 9))
+        fill_pattern(src, 31)
+        dst = dcm.allocate_blocks_cache(big)
+        await dcm.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0])  # resolved once through the owner
+        link = decoder._transfers.state_of(next(iter(decoder._links.links.values())))
+        task = asyncio.ensure_future(dcm.pull_blocks(BlocksCacheKey(1, 9), dst, list(range(16)), list(range(16))))
+        while not (link.jobs or link.tcp_jobs):
+            await asyncio.sleep(0)
+        pcm.deallocate_blocks_cache(src)  # before the pull can look at the directory again
+        with pytest.raises(LLMException) as info:
+            await task
+        assert info.value.status_code == NOT_EXIST
+        assert not link.jobs and not link.tcp_jobs and not link.resolved
+
+        again = pcm.allocate_blocks_cache(big, BlocksCacheKey(1, 9))
+        fill_pattern(again, 32)
+        await dcm.pull_blocks(BlocksCacheKey(1, 9), dst, [4, 5], [4, 5])
+        assert all(np.array_equal(a, b) for a, b in zip(blocks(again, [4, 5]), blocks(dst, [4, 5])))
+
+
+
+async def test_one_sided_reads_outside_the_cache_are_refused() -> None:
+    """A requester that asks the owner's native threads for bytes outside the published cache (a hostile or
+    buggy peer) gets LLM_PARAM_INVALID, and no byte of the owner's other memory leaves the process."""
+    async with linked_pair(config=config("tcp")) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 3))
+        secret = prompt.cache_manager.allocate_blocks_cache(DESC)  # not the published cache being read
+        fill_pattern(src, 41)
+        fill_pattern(secret, 42)
+        dst = decoder.cache_manager.allocate_blocks_cache(DESC)
+        fill_pattern(dst, 43)
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [0], [0])  # resolved once
+        link = next(iter(decoder._links.links.values()))
+        resolved = next(iter(decoder._transfers.state_of(link).resolved.values()))
+        before = [t.copy() for t in dst.tensors]
+        local = (np.array([dst.tensor_addrs[0]], dtype=np.uint64), np.array([1024], dtype=np.uint64))
+        for bad in ([secret.tensor_addrs[0]], [src.tensor_addrs[0] + 4 * DESC.size - 512]):  # elsewhere / straddling
+            job = link.data.read(10_000, resolved.row, resolved.stamp, resolved.cache_id, None,
+                                 (np.array(bad, dtype=np.uint64), np.array([1024], dtype=np.uint64)), local)
+            with pytest.raises(LLMException) as info:
+                await link.data.wait(job)
+            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        stale = link.data.read(10_001, resolved.row, resolved.stamp + 1, resolved.cache_id, None,
+                               (np.array([src.tensor_addrs[0]], dtype=np.uint64), np.array([1024], np.uint64)), local)
+        with pytest.raises(LLMException) as info:
+            await link.data.wait(stale)
+        assert info.value.status_code == NOT_EXIST
+        assert all(np.array_equal(a, b) for a, b in zip(before, dst.tensors))
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [2], [2])  # the link still works
+        assert np.array_equal(blocks(src, [2])[0], blocks(dst, [2])[0])

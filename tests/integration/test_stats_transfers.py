@@ -1,0 +1,71 @@
+"""Transfer statistics of real transfers over a linked pair: counted per remote cluster and direction, and
+exported to Prometheus (the recorder alone is tested in ``unit/test_stats.py``)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.data import fill_pattern
+
+from aiodatadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMConfig,
+    LLMException,
+    LLMStatusCode,
+    Placement,
+    StatsSnapshot,
+)
+from aiodatadist.testing import linked_pair
+
+DESC = CacheDesc(4, (8, 1024), DataType.DT_UINT8, Placement.HOST)  # 1 KiB blocks, 4 tensors
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_transfers_are_counted_per_cluster_and_direction(transport: str) -> None:
+    cfg = LLMConfig()
+    cfg.transport = transport
+    async with linked_pair(config=cfg) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 3))
+        dst = decoder.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(2, 4))
+        fill_pattern(src, 1)
+        fill_pattern(dst, 2)
+        assert decoder.stats() == StatsSnapshot()
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [1, 2], [3, 4])  # 4 tensors x 2 KiB
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [5], [6])  # 4 KiB
+        before = decoder.stats()
+        with pytest.raises(LLMException):
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 99), dst, [5], [6])  # no such model id
+        await decoder.cache_manager.push_blocks(BlocksCacheKey(1, 3), dst, [0, 1, 2], [0, 1, 2])  # 12 KiB
+
+        pulls, pushes = decoder.stats().get(1, "pull"), decoder.stats().get(1, "push")
+        assert pulls is not None and pushes is not None
+        assert (pulls.operations, pulls.succeeded, pulls.bytes) == (3, 2, 12 << 10)
+        assert dict(pulls.failures) == {LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.name: 1}
+        assert (pushes.operations, pushes.bytes, dict(pushes.failures)) == (1, 12 << 10, {})
+        assert pulls.plane == pushes.plane == transport
+        assert 0 < pulls.latency_p50_ms <= pulls.latency_p99_ms <= pulls.latency_max_ms
+        assert before.get(1, "pull").operations == 2  # type: ignore[union-attr]  # a snapshot never changes
+        assert decoder.stats().total_bytes == 24 << 10
+        assert prompt.stats() == StatsSnapshot()  # the owner does not record transfers it serves
+
+
+async def test_prometheus_export_reads_the_statistics() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from aiodatadist.metrics import register_prometheus
+
+    async with linked_pair() as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 3))
+        dst = decoder.cache_manager.allocate_blocks_cache(DESC)
+        registry = prometheus_client.CollectorRegistry()
+        register_prometheus(decoder, registry)
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [1], [1])
+        with pytest.raises(LLMException):
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 7), dst, [1], [1])
+        del src
+        labels = {"cluster": "2", "remote_cluster": "1", "direction": "pull", "plane": "shm"}
+        assert registry.get_sample_value("aiodatadist_transfers_total", labels) == 2
+        assert registry.get_sample_value("aiodatadist_transfer_bytes_total", labels) == 4 << 10
+        assert registry.get_sample_value("aiodatadist_transfer_failures_total",
+                                         {**labels, "code": "LLM_KV_CACHE_NOT_EXIST"}) == 1
+        assert registry.get_sample_value("aiodatadist_transfer_latency_ms", {**labels, "quantile": "0.5"}) > 0

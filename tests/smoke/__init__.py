@@ -1,0 +1,1 @@
+"""End-to-end runs of the CLI, the examples, soak and bench peers (marked ``slow`` and ``integration``)."""

@@ -1,0 +1,1 @@
+"""Fast tests: no peer process, no link, no network socket."""
