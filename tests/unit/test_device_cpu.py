@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiodatadist.protocol.codec import ProtocolError
-from aiodatadist.transfer.service import _ipc_from_wire
+from aiodatadist.transfer.wire import _ipc_from_wire
 from aiodatadist.transport.device import merged_ranges
 
 PAGE = mmap.PAGESIZE
