@@ -21,7 +21,7 @@ from .errors import LLMException, LLMStatusCode
 from .layout import CacheGeometry
 from .memory import SharedSegment
 from .transport.directory import CacheDirectory
-from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
+from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
 
 if TYPE_CHECKING:
     from .copy.python_pool import CopyJob
@@ -167,20 +167,6 @@ class CacheRegistry:
         if entry is None or entry.handle is not handle:
             raise not_exist(f"cache {cache_id} is not a live cache of this instance.")
         return entry
-
-    def resolve(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> tuple[CacheEntry, int]:
-        """Owner-side resolution of a key to (entry, batch slot) at transfer time."""
-        if isinstance(key, CacheKeyByIdAndIndex):
-            return self.by_id(key.cache_id), key.batch_index
-        if isinstance(key, BlocksCacheKey):
-            entry = self._by_model.get(key.model_id)
-            if entry is None:
-                raise not_exist(f"no blocks cache with model_id {key.model_id}.")
-            return entry, 0
-        found = self._by_key.get(key.index_key())
-        if found is None:
-            raise not_exist(f"cache key {key} does not exist.")
-        return found
 
     def resolve_wire(self, kind: str, a: int, b: int) -> tuple[CacheEntry, int]:
         """Resolve a key sent by a peer: ``("id", cache_id, batch)``, ``("blocks", model_id, _)``,

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
 from ..protocol.codec import Kind, ProtocolError, encode_batch
+from ..protocol.messages import Reply, Request, reply_to_wire, request_to_wire
 
 __all__ = ["Channel", "RequestHandler", "TaskSet"]
 
@@ -126,33 +127,33 @@ class Channel:
         self._outbox.clear()
         self.close(error)
 
-    async def request(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Send a request and await its reply; a non-zero reply code raises ``LLMException``."""
+    async def request(self, msg: Request) -> dict[str, Any]:
+        """Send a request and await its reply (the whole decoded message: decode it with the reply type's
+        ``from_wire``); a non-zero reply code raises ``LLMException``."""
         if self.closed is not None:
             raise self.closed
         req_id = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[req_id] = future
         try:
-            self._post({**body, "k": kind, "i": req_id})
+            self._post(request_to_wire(msg, req_id))
             reply = await future
         finally:
             self._pending.pop(req_id, None)
-        code = reply.get("code", 0)
-        if code:
-            raise LLMException(str(reply.get("msg", "peer reported an error")),
-                               status_code=LLMStatusCode.from_code(code if isinstance(code, int) else -1))
+        status = Reply.from_wire(reply)
+        if status.code:
+            raise LLMException(status.error, status_code=LLMStatusCode.from_code(status.code))
         return reply
 
-    def notify(self, kind: str, body: dict[str, Any]) -> None:
+    def notify(self, msg: Request) -> None:
         """Queue a request whose reply nobody awaits (replies to unknown ids are dropped)."""
         if self.closed is None:
-            self._post({**body, "k": kind, "i": next(self._ids)})
+            self._post(request_to_wire(msg, next(self._ids)))
 
     async def reply(self, req_id: int, body: dict[str, Any] | None = None, *, code: int = 0, msg: str = "") -> None:
         """Answer a request; a peer that has gone away meanwhile is not an error of ours."""
         if self.closed is None:
-            self._post({**(body or {}), "k": Kind.REPLY, "r": req_id, "code": code, "msg": msg})
+            self._post(reply_to_wire(req_id, body, code=code, msg=msg))
 
     async def dispatch(self, message: dict[str, Any]) -> None:
         """Route a decoded message: replies resolve futures, requests go to the handler."""

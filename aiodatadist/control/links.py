@@ -17,18 +17,42 @@ import zmq.asyncio
 
 from .._settings import Settings
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
+from ..memory import SegmentIdentity
 from ..native import native_pool
 from ..protocol import auth
-from ..protocol.codec import Kind, ProtocolError, int_field
-from ..protocol.codec import field as msg_field
-from ..protocol.handshake import PROTOCOL_VERSION
-from ..protocol.messages import segment_to_wire
+from ..protocol.codec import Kind, ProtocolError
+from ..protocol.handshake import (
+    AUTH_FAILED,
+    MAX_LINKS,
+    PROTOCOL_VERSION,
+    SHM_ELSEWHERE,
+    Refused,
+    admit,
+    answer_challenge,
+    authenticate,
+    choose_plane,
+    client_plane,
+    data_connections,
+    may_link,
+)
+from ..protocol.messages import (
+    Bye,
+    DataOffer,
+    Hello,
+    HelloChallenge,
+    HelloReply,
+    Ping,
+    Plane,
+    Request,
+    is_challenge,
+    reply_to_wire,
+)
 from ..registry import CacheRegistry
 from ..transport.directory import DirectoryView
 from ..transport.same_host import HostProbe, PeerCapabilities, PeerMemory, probe_peer
 from ..transport.tcp.frames import DATA_HELLO, MAGIC
-from ..transport.tcp.python_plane import MAX_DATA_CONNECTIONS, PythonDataPlane
-from ..types import LLMClusterInfo, LLMRole, Transport, ip_int_to_str
+from ..transport.tcp.python_plane import PythonDataPlane
+from ..types import LLMClusterInfo, LLMRole, ip_int_to_str
 from .channel import Channel, TaskSet
 from .sockets import LINGER_MS, Server, connect_dealer, dealer_sender, new_context, read_dealer
 
@@ -45,7 +69,6 @@ RequestHook = Callable[["Link", dict[str, Any]], Awaitable["dict[str, Any] | Non
 """Serves a peer's transfer request on a link; returns the reply body (None: answered later, or never)."""
 ClosedHook = Callable[["Link", LLMException], Awaitable[None]]
 """Told when a link is torn down, after its data plane stopped, before its peer memory is let go."""
-MAX_LINKS = 512
 S = LLMStatusCode
 
 
@@ -75,7 +98,7 @@ class Link:
     def __post_init__(self) -> None:
         self.memory = PeerMemory(self.caps)
 
-    def map_directory(self, announced: Any, enabled: bool) -> None:
+    def map_directory(self, announced: SegmentIdentity | None, enabled: bool) -> None:
         """Map the peer's cache directory (same host, mapping allowed, ``llm.Directory`` on); without it every
         transfer asks the owner."""
         if enabled and self.plane == "shm" and self.caps.can_map:
@@ -97,10 +120,6 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _transport_of(value: object) -> Transport:
-    return Transport(value) if value in {t.value for t in Transport} else Transport.AUTO
-
-
 def _data_listener(ip: str) -> socket.socket:
     """A TCP listener for data connections on ``ip`` (an ephemeral port, announced in the handshake)."""
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -114,12 +133,6 @@ def _data_listener(ip: str) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def _plane_for(caps: PeerCapabilities, transport: Transport) -> str:
-    if transport == Transport.TCP or not caps.same_host:
-        return "tcp"
-    return "shm"
 
 
 class LinkManager:
@@ -195,148 +208,111 @@ class LinkManager:
             self._server = None
             self._server_task = None
 
-    def _hello_body(self, remote_cluster_id: int) -> dict[str, Any]:
-        return {
-            "v": PROTOCOL_VERSION,
-            "cluster": self._cluster_id,
-            "to": remote_cluster_id,
-            "role": int(self.role),
-            "host": self._probe.to_wire(),
-            "transport": self._settings.transport.value,
-            "segs": self._segments(),
-            "dir": self._directory(),
-            "reads": self._native_net,
-        }
+    def _hello(self, remote_cluster_id: int, client_nonce: bytes) -> Hello:
+        """The first HELLO of a link to ``remote_cluster_id``."""
+        return Hello(PROTOCOL_VERSION, self._cluster_id, remote_cluster_id, int(self.role), self._settings.transport,
+                     self._probe.info(), self._segments(), self._directory(), self._native_net, cn=client_nonce)
 
-    def _segments(self) -> list[Any]:
+    def _segments(self) -> tuple[tuple[SegmentIdentity, int], ...]:
         """This instance's shared-memory caches, announced at link time so that the peer maps them early."""
-        return [segment_to_wire(e.segment.identity, e.segment.address)
-                for e in self._registry.entries() if e.segment is not None and e.remote_accessible]
+        return tuple((e.segment.identity, e.segment.address)
+                     for e in self._registry.entries() if e.segment is not None and e.remote_accessible)
 
-    def _directory(self) -> list[int] | None:
+    def _directory(self) -> SegmentIdentity | None:
         directory = self._registry.directory
-        return directory.to_wire() if directory is not None else None
+        return directory.identity if directory is not None else None
 
     async def _on_hello(self, routing_id: bytes, message: dict[str, Any]) -> None:
         assert self._server is not None
         server = self._server
         req_id = message["i"]
         try:
-            version = int_field(message, "v")
-            cluster = int_field(message, "cluster", 0)
-            target = int_field(message, "to", 0)
-            role = int_field(message, "role", 0, 3)
-            transport = msg_field(message, "transport", str)
+            hello = Hello.from_wire(message)
         except ProtocolError as exc:
-            await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": int(S.LLM_LINK_FAILED),
-                                                "msg": f"malformed hello: {exc}"})
+            await server.reply_raw(routing_id, reply_to_wire(req_id, code=int(S.LLM_LINK_FAILED),
+                                                             msg=f"malformed hello: {exc}"))
             return
+        cluster = hello.cluster
         nonces = None
         if self._auth_key is not None:
-            nonces = await self._authenticate(server, routing_id, req_id, message, cluster)
+            nonces = await self._authenticate(server, routing_id, req_id, hello)
             if nonces is None:
                 return  # challenged (the client answers with a second HELLO) or refused
         stale = self.links.get(cluster)
         if stale is not None and not stale.is_client and not await self._alive(stale):
             # The peer restarted (or its old connection died): its old link must not block the new one.
             await self.drop(stale, LLMLinkError(f"cluster {cluster} reconnected; its old link was dead"))
-        code, msg = self._admit(version, cluster, target)
-        peer_transport = _transport_of(transport)
-        caps = probe_peer(message.get("host")) if code == 0 else PeerCapabilities(False, False, False, 0)
-        if code == 0 and Transport.SHM in (self._settings.transport, peer_transport) and not caps.same_host:
-            code, msg = int(S.LLM_LINK_FAILED), "transport shm forced, but the peer is not on this host"
-        if code:
-            await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": code, "msg": msg})
+        code, msg = admit(hello.version, cluster, hello.target, own_id=self._cluster_id, links=self.links,
+                          linking=self._linking, max_links=MAX_LINKS)
+        caps = PeerCapabilities(False, False, False, 0)
+        plane: Plane | None = None
+        if code == 0:
+            caps = probe_peer(hello.host)
+            plane = choose_plane(self._settings.transport, hello.transport, caps.same_host)
+            if plane is None:
+                code, msg = int(S.LLM_LINK_FAILED), SHM_ELSEWHERE
+        if plane is None:
+            await server.reply_raw(routing_id, reply_to_wire(req_id, code=code, msg=msg))
             return
-        forced_tcp = Transport.TCP in (self._settings.transport, peer_transport)
         channel = Channel(server.sender(routing_id), self._handle, f"{self._cluster_id}<-{cluster}")
-        link = Link(cluster, channel, caps, is_client=False, endpoint=server.endpoint, remote_role=role,
-                    plane=_plane_for(caps, Transport.TCP if forced_tcp else Transport.AUTO), routing_id=routing_id)
+        link = Link(cluster, channel, caps, is_client=False, endpoint=server.endpoint, remote_role=hello.role,
+                    plane=plane, routing_id=routing_id)
         channel.context = link
-        link.peer_serves_reads = message.get("reads") is True
+        link.peer_serves_reads = hello.reads
         self.links[cluster] = link
         server.channels[routing_id] = channel
-        reply: dict[str, Any] = {"cluster": self._cluster_id, "role": int(self.role),
-                                 "host": self._probe.to_wire(), "transport": self._settings.transport.value,
-                                 "segs": self._segments(), "dir": self._directory(), "plane": link.plane,
-                                 "reads": self._native_net}
+        data, dconns = None, None
         if self._data_listener is not None:
             port = self._data_listener.getsockname()[1]
             if nonces is not None and self._auth_key is not None:  # derived on both ends, never sent
                 link.data_token = auth.data_token(self._auth_key, *nonces)
-                reply["data"] = [port]
             else:
                 link.data_token = secrets.token_bytes(16)
-                reply["data"] = [port, link.data_token]
+            data = DataOffer(port, None if nonces is not None else link.data_token)
             self._data_tokens[link.data_token] = link
-            link.data_admits = reply["dconns"] = self._settings.tcp_connections
+            link.data_admits = dconns = self._settings.tcp_connections
             link.data = self._new_data_plane(link)
-        await channel.reply(req_id, reply)
-        link.map_directory(message.get("dir"), self._settings.directory)
-        link.memory.premap(message.get("segs"))  # in the background: nobody waits for it
+        reply = HelloReply(self._cluster_id, int(self.role), self._probe.info(), self._settings.transport,
+                           self._segments(), self._directory(), plane, self._native_net, data, dconns)
+        await channel.reply(req_id, reply.to_wire())
+        link.map_directory(hello.directory, self._settings.directory)
+        link.memory.premap(hello.segs)  # in the background: nobody waits for it
         log.info("cluster %d accepted link from %d (%s)", self._cluster_id, cluster, link.plane)
 
-    async def _authenticate(self, server: Server, routing_id: bytes, req_id: Any, message: dict[str, Any],
-                            cluster: int) -> tuple[bytes, bytes] | None:
+    async def _authenticate(self, server: Server, routing_id: bytes, req_id: Any,
+                            hello: Hello) -> tuple[bytes, bytes] | None:
         """Server side of the challenge (see :mod:`aiodatadist.protocol.auth`): the nonces once the client proved it holds
         the key; None after answering with a challenge or a refusal."""
         assert self._auth_key is not None
-        client_nonce = message.get("cn")
-        if message.get("cp") is None:
-            if not (isinstance(client_nonce, bytes) and len(client_nonce) == auth.NONCE_BYTES):
-                await self._refuse(server, routing_id, req_id, "this cluster requires authentication (llm.AuthKey)")
-                return None
-            server_nonce = self._challenges.issue(routing_id, client_nonce, time.monotonic())
-            await server.reply_raw(routing_id, {
-                "k": Kind.REPLY, "r": req_id, "code": 0, "challenge": server_nonce,
-                "sp": auth.proof(self._auth_key, "server", client_nonce, server_nonce, cluster, self._cluster_id)})
+        outcome = authenticate(self._auth_key, self._challenges, routing_id, hello, self._cluster_id,
+                               time.monotonic())
+        if isinstance(outcome, HelloChallenge):
+            await server.reply_raw(routing_id, outcome.reply_to_wire(req_id))
             return None
-        issued = self._challenges.take(routing_id, time.monotonic())
-        if issued is None or issued[0] != client_nonce or not auth.verify(
-                auth.proof(self._auth_key, "client", issued[0], issued[1], cluster, self._cluster_id),
-                message.get("cp")):
-            log.warning("cluster %d refused a link from cluster %d: authentication failed", self._cluster_id,
-                        cluster)
-            await self._refuse(server, routing_id, req_id, "authentication failed")
+        if isinstance(outcome, Refused):
+            if outcome.msg == AUTH_FAILED:
+                log.warning("cluster %d refused a link from cluster %d: authentication failed", self._cluster_id,
+                            hello.cluster)
+            await server.reply_raw(routing_id, reply_to_wire(req_id, code=outcome.code, msg=outcome.msg))
             return None
-        return issued
-
-    @staticmethod
-    async def _refuse(server: Server, routing_id: bytes, req_id: Any, msg: str) -> None:
-        await server.reply_raw(routing_id, {"k": Kind.REPLY, "r": req_id, "code": int(S.LLM_LINK_FAILED),
-                                            "msg": msg})
+        return outcome
 
     async def _alive(self, link: Link, timeout: float = 0.5) -> bool:
         try:
             async with asyncio.timeout(timeout):
-                await link.channel.request(Kind.PING, {})
+                await link.channel.request(Ping())
             return True
         except (LLMException, TimeoutError):
             return False
-
-    def _admit(self, version: int, cluster: int, target: int) -> tuple[int, str]:
-        if version != PROTOCOL_VERSION:
-            return int(S.LLM_LINK_FAILED), f"protocol version {version} is not supported ({PROTOCOL_VERSION})"
-        if target != self._cluster_id:
-            return int(S.LLM_LINK_FAILED), f"this is cluster {self._cluster_id}, not {target}"
-        if cluster == self._cluster_id:
-            return int(S.LLM_PARAM_INVALID), "a cluster cannot link to itself"
-        if cluster in self.links or cluster in self._linking:
-            return int(S.LLM_ALREADY_LINK), f"cluster {cluster} is already linked"
-        if len(self.links) + len(self._linking) >= MAX_LINKS:
-            return int(S.LLM_CLUSTER_NUM_EXCEED_LIMIT), f"at most {MAX_LINKS} links"
-        return 0, ""
 
     # -- client ----------------------------------------------------------------------------------------------
     async def link_one(self, cluster: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
         remote_id = cluster.remote_cluster_id
         assert remote_id is not None
-        if remote_id in self.links or remote_id in self._linking:
-            return S.LLM_ALREADY_LINK
-        if remote_id == self._cluster_id:
-            return S.LLM_PARAM_INVALID
-        if len(self.links) + len(self._linking) >= MAX_LINKS:
-            return S.LLM_CLUSTER_NUM_EXCEED_LIMIT
+        status = may_link(remote_id, own_id=self._cluster_id, links=self.links, linking=self._linking,
+                          max_links=MAX_LINKS)
+        if status != S.LLM_SUCCESS:
+            return status
         ip, port = cluster.remote_ip_info_list[0]
         endpoint = f"tcp://{ip_int_to_str(ip)}:{port}"
         self._linking.add(remote_id)
@@ -346,9 +322,9 @@ class LinkManager:
         reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}")
         try:
             async with asyncio.timeout(timeout_ms / 1000):
-                reply, nonces = await self._hello(channel, remote_id)
-            caps = probe_peer(reply.get("host"))
-            int_field(reply, "cluster", 0)
+                answer, nonces = await self._handshake(channel, remote_id)
+            reply = HelloReply.from_wire(answer)
+            caps = probe_peer(reply.host)
         except (LLMException, TimeoutError, ProtocolError) as exc:
             reader.cancel()
             sock.close(linger=LINGER_MS)  # a BYE queued for a server that admitted us still goes out
@@ -362,29 +338,23 @@ class LinkManager:
             raise
         finally:
             self._linking.discard(remote_id)
-        peer_transport = _transport_of(reply.get("transport"))
-        forced = {self._settings.transport, peer_transport}
-        if Transport.SHM in forced and not caps.same_host:
+        plane = choose_plane(self._settings.transport, reply.transport, caps.same_host)
+        if plane is None:
             with contextlib.suppress(LLMException):
-                channel.notify(Kind.BYE, {})  # the server admitted us: let it drop its end
+                channel.notify(Bye())  # the server admitted us: let it drop its end
             reader.cancel()
             sock.close(linger=LINGER_MS)
             return S.LLM_LINK_FAILED
-        transport = Transport.TCP if Transport.TCP in forced else Transport.AUTO
-        link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint,
-                    remote_role=int(reply.get("role", 0)) if isinstance(reply.get("role"), int) else 0,
-                    plane=_plane_for(caps, transport), sock=sock, reader=reader)
-        link.peer_serves_reads = reply.get("reads") is True
-        if reply.get("plane") == "tcp":
-            link.plane = "tcp"  # the server cannot use this host's shared memory: both ends use TCP
+        link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint, remote_role=reply.role,
+                    plane=client_plane(plane, reply.plane), sock=sock, reader=reader)
+        link.peer_serves_reads = reply.reads
         if link.plane == "tcp":
             remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
-            error = await self._connect_data(link, ip_int_to_str(ip), reply.get("data"), reply.get("dconns"), nonces,
-                                             remaining)
+            error = await self._connect_data(link, ip_int_to_str(ip), reply, nonces, remaining)
             if error is not None:
                 log.info("link %d -> %d (%s): %s", self._cluster_id, remote_id, endpoint, error)
                 with contextlib.suppress(LLMException):
-                    channel.notify(Kind.BYE, {})
+                    channel.notify(Bye())
                 channel.close()
                 reader.cancel()
                 sock.close(linger=LINGER_MS)
@@ -396,8 +366,8 @@ class LinkManager:
         link.watcher = self._tasks.spawn(self._watch(link), name=f"watch-{remote_id}")
         # Map the peer's caches now, and give their page tables the rest of the link timeout to fill in, so that
         # the first transfers do not pay for it (what is left continues in the background).
-        link.map_directory(reply.get("dir"), self._settings.directory)
-        populating = link.memory.premap(reply.get("segs"))
+        link.map_directory(reply.directory, self._settings.directory)
+        populating = link.memory.premap(reply.segs)
         remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
         if populating and remaining > 0:
             await asyncio.wait(populating, timeout=remaining)
@@ -419,46 +389,42 @@ class LinkManager:
         return NativeDataPlane(name, loop, broken,
                                (directory.address, directory.rows) if directory is not None else None)
 
-    async def _hello(self, channel: Channel, remote_id: int) -> tuple[dict[str, Any], tuple[bytes, bytes] | None]:
+    async def _handshake(self, channel: Channel,
+                         remote_id: int) -> tuple[dict[str, Any], tuple[bytes, bytes] | None]:
         """Client side of the handshake, with the challenge when either end has a key; returns the server's
-        admission reply and, for an authenticated link, the nonces."""
+        admission reply (to decode with ``HelloReply.from_wire``) and, for an authenticated link, the nonces."""
         client_nonce = auth.new_nonce()
-        body = {**self._hello_body(remote_id), "cn": client_nonce}
-        reply = await channel.request(Kind.HELLO, body)
-        key, server_nonce = self._auth_key, reply.get("challenge")
-        if server_nonce is None:
-            if key is not None:
-                channel.notify(Kind.BYE, {})  # the server admitted us: let it drop its end
+        hello = self._hello(remote_id, client_nonce)
+        answer = await channel.request(hello)
+        challenge = None
+        if is_challenge(answer):
+            try:
+                challenge = HelloChallenge.from_wire(answer)
+            except ProtocolError:
+                challenge = HelloChallenge(b"", b"")  # malformed: fails like a wrong one (or asks for a key)
+        second = answer_challenge(self._auth_key, hello, challenge)
+        if isinstance(second, Refused):
+            if second.bye:
+                channel.notify(Bye())  # the server admitted us: let it drop its end
                 channel.flush()
-                raise LLMException(f"cluster {remote_id} does not authenticate (no llm.AuthKey): refusing the link",
-                                   status_code=S.LLM_LINK_FAILED)
-            return reply, None
-        if key is None:
-            raise LLMException(f"cluster {remote_id} requires authentication: set llm.AuthKey / LLMConfig.auth_key",
-                               status_code=S.LLM_LINK_FAILED)
-        if not (isinstance(server_nonce, bytes) and len(server_nonce) == auth.NONCE_BYTES) or not auth.verify(
-                auth.proof(key, "server", client_nonce, server_nonce, self._cluster_id, remote_id), reply.get("sp")):
-            raise LLMException(f"cluster {remote_id} does not hold the same auth key", status_code=S.LLM_LINK_FAILED)
-        client_proof = auth.proof(key, "client", client_nonce, server_nonce, self._cluster_id, remote_id)
-        reply = await channel.request(Kind.HELLO, {**body, "sn": server_nonce, "cp": client_proof})
-        return reply, (client_nonce, server_nonce)
+            raise LLMException(second.msg, status_code=S.from_code(second.code))
+        if second is None:
+            return answer, None
+        assert challenge is not None
+        return await channel.request(second), (client_nonce, challenge.challenge)
 
-    async def _connect_data(self, link: Link, host: str, offer: Any, count: Any, nonces: tuple[bytes, bytes] | None,
+    async def _connect_data(self, link: Link, host: str, reply: HelloReply, nonces: tuple[bytes, bytes] | None,
                             timeout: float) -> str | None:
-        """Client side: open the ``count`` data connections the server admits; returns what went wrong, or None."""
-        if not (type(count) is int and 1 <= count <= MAX_DATA_CONNECTIONS):
-            return f"the peer offers a bad number of data connections: {count!r}"
-        if nonces is not None and self._auth_key is not None and isinstance(offer, list) and len(offer) == 1:
-            offer = [offer[0], auth.data_token(self._auth_key, *nonces)]
-        if not (isinstance(offer, list) and len(offer) == 2 and type(offer[0]) is int and 0 < offer[0] < 65536
-                and isinstance(offer[1], bytes) and len(offer[1]) == 16):
-            return "the peer offers no TCP data connections"
-        port, token = offer
+        """Client side: open the data connections the server admits; returns what went wrong, or None."""
+        offer = data_connections(reply, self._auth_key, nonces)
+        if isinstance(offer, str):
+            return offer
+        port, token = offer.port, offer.token
         link.data = self._new_data_plane(link)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(max(timeout, 0.001)):
-                for _ in range(count):
+                for _ in range(offer.count):
                     family = socket.AF_INET6 if ":" in host else socket.AF_INET
                     conn = socket.socket(family, socket.SOCK_STREAM)
                     try:
@@ -520,13 +486,13 @@ class LinkManager:
         code = S.LLM_SUCCESS
         if force:
             try:  # tell the peer without waiting for it (zmq queues the message at once)
-                link.channel.notify(Kind.BYE, {})
+                link.channel.notify(Bye())
             except LLMException:
                 pass
         else:
             try:
                 async with asyncio.timeout(timeout_ms / 1000):
-                    await link.channel.request(Kind.BYE, {})
+                    await link.channel.request(Bye())
             except (LLMException, TimeoutError):
                 code = S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
         await self.drop(link, LLMLinkError(f"cluster {remote_id} was unlinked"))
@@ -537,9 +503,9 @@ class LinkManager:
         self._tasks.spawn(coro, name=name)
 
     @staticmethod
-    def notify(link: Link, kind: str, body: dict[str, Any]) -> None:
+    def notify(link: Link, msg: Request) -> None:
         """Queue a message that needs no answer (sent with the channel's next frame)."""
-        link.channel.notify(kind, body)
+        link.channel.notify(msg)
 
     async def _watch_server(self, server: Server) -> None:
         """Server side: when a client connection breaks, find which links lost their peer (a PING to a vanished
@@ -550,7 +516,7 @@ class LinkManager:
                 await monitor.recv_multipart()
                 served = [link for link in self.links.values() if not link.is_client and not link.closed]
                 for link in served:  # a vanished routing id fails the send at once (ROUTER_MANDATORY)
-                    link.channel.notify(Kind.PING, {})
+                    link.channel.notify(Ping())
                 await asyncio.sleep(0.05)  # a slow but living peer is never dropped: only failed sends count
                 for link in served:
                     if link.channel.closed is not None and not link.closed:
@@ -615,7 +581,7 @@ class LinkManager:
         link: Link = channel.context
         kind = message["k"]
         if kind == Kind.PING:
-            return {}
+            return Ping().to_wire()  # an empty reply
         if kind == Kind.BYE:
             await channel.reply(message["i"], {})
             await self.drop(link, LLMLinkError(f"cluster {link.remote_cluster_id} unlinked"))
@@ -631,7 +597,7 @@ class LinkManager:
         """Unlink everything (peers are told), stop listening and free the sockets and context."""
         for link in list(self.links.values()):
             try:
-                link.channel.notify(Kind.BYE, {})
+                link.channel.notify(Bye())
             except LLMException:
                 pass
             await self.drop(link, LLMLinkError(f"cluster {self._cluster_id} was finalized"))

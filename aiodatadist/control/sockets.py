@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from ..errors import LLMLinkError, LLMStatusCode
 from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode
+from ..protocol.messages import reply_to_wire
 from .channel import Channel, TaskSet
 
 __all__ = ["LINGER_MS", "Server", "connect_dealer", "dealer_sender", "new_context", "read_dealer"]
@@ -146,9 +147,8 @@ class Server:
                 elif message["k"] == Kind.HELLO:
                     tasks.spawn(self._on_hello(routing_id, message), name="hello")
                 elif message["k"] != Kind.REPLY:
-                    await self.reply_raw(routing_id, {"k": Kind.REPLY, "r": message["i"],
-                                                      "code": int(LLMStatusCode.LLM_NOT_YET_LINK),
-                                                      "msg": "not linked"})
+                    await self.reply_raw(routing_id, reply_to_wire(
+                        message["i"], code=int(LLMStatusCode.LLM_NOT_YET_LINK), msg="not linked"))
 
     def close(self) -> None:
         self.sock.close(linger=LINGER_MS)

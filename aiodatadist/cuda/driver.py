@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Self
 
-from .. import _settings
+from .._settings import ENV_LIBCUDA as _ENV_LIBCUDA
 from .._settings import env_knobs
 from ..errors import LLMException, LLMStatusCode
 
@@ -42,7 +42,7 @@ __all__ = [
     "search_paths",
 ]
 
-ENV_LIBCUDA: Final = _settings.ENV_LIBCUDA
+ENV_LIBCUDA: Final = _ENV_LIBCUDA
 
 CUDA_SUCCESS: Final = 0
 CUDA_ERROR_INVALID_VALUE: Final = 1

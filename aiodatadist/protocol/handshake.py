@@ -66,9 +66,10 @@ class Refused:
 
 # -- admission -------------------------------------------------------------------------------------------------
 def admit(version: int, cluster: int, target: int, *, own_id: int, links: Collection[int],
-          linking: Collection[int]) -> tuple[int, str]:
+          linking: Collection[int], max_links: int = MAX_LINKS) -> tuple[int, str]:
     """Server side: whether cluster ``cluster``'s HELLO (``version``, addressed to ``target``) is admitted by
-    cluster ``own_id``, which has ``links`` and is ``linking`` to others: :data:`ADMITTED` or (code, message)."""
+    cluster ``own_id``, which has ``links`` and is ``linking`` to others (at most ``max_links`` in all):
+    :data:`ADMITTED` or (code, message)."""
     if version != PROTOCOL_VERSION:
         return int(S.LLM_LINK_FAILED), f"protocol version {version} is not supported ({PROTOCOL_VERSION})"
     if target != own_id:
@@ -77,18 +78,19 @@ def admit(version: int, cluster: int, target: int, *, own_id: int, links: Collec
         return int(S.LLM_PARAM_INVALID), "a cluster cannot link to itself"
     if cluster in links or cluster in linking:
         return int(S.LLM_ALREADY_LINK), f"cluster {cluster} is already linked"
-    if len(links) + len(linking) >= MAX_LINKS:
-        return int(S.LLM_CLUSTER_NUM_EXCEED_LIMIT), f"at most {MAX_LINKS} links"
+    if len(links) + len(linking) >= max_links:
+        return int(S.LLM_CLUSTER_NUM_EXCEED_LIMIT), f"at most {max_links} links"
     return ADMITTED
 
 
-def may_link(remote_id: int, *, own_id: int, links: Collection[int], linking: Collection[int]) -> LLMStatusCode:
+def may_link(remote_id: int, *, own_id: int, links: Collection[int], linking: Collection[int],
+             max_links: int = MAX_LINKS) -> LLMStatusCode:
     """Client side, before connecting: ``LLM_SUCCESS`` or why cluster ``own_id`` cannot link to ``remote_id``."""
     if remote_id in links or remote_id in linking:
         return S.LLM_ALREADY_LINK
     if remote_id == own_id:
         return S.LLM_PARAM_INVALID
-    if len(links) + len(linking) >= MAX_LINKS:
+    if len(links) + len(linking) >= max_links:
         return S.LLM_CLUSTER_NUM_EXCEED_LIMIT
     return S.LLM_SUCCESS
 

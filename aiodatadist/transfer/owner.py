@@ -12,17 +12,15 @@ import logging
 import time
 from typing import Any
 
-from .._checks import I64_MAX, require
+from .._checks import require
 from ..control.links import Link, LinkManager
 from ..errors import LLMException, LLMStatusCode
 from ..layout import plan_side_spans, transfer_plan
-from ..protocol.codec import Kind, field, int_field, opt_int_list
-from ..protocol.messages import WireKey, geometry_from_wire, geometry_to_wire, segment_to_wire
+from ..protocol.messages import Abort, Begin, BeginReply, Descriptor, End, EndReply, Freed
 from ..registry import CacheEntry, CacheRegistry, IndexKey
 from ..transport.base import PULL, PUSH
 from .engine import CopyEngine
 from .state import Lease, LinkTransfers, TransferStates
-from .wire import params_from_wire
 
 __all__ = ["Owner"]
 
@@ -41,13 +39,9 @@ class Owner:
         self._states = states
         self._pulling_keys: set[IndexKey] = set()  # CacheKeys being pulled, over any link
 
-    def begin(self, link: Link, message: dict[str, Any]) -> dict[str, Any]:
+    def begin(self, link: Link, message: Begin) -> dict[str, Any]:
         """``BEGIN``: resolve, validate, lease; the reply describes the cache to a requester that lacks it."""
-        tid = int_field(message, "tid", 0)
-        key = WireKey.from_wire(message.get("key"))
-        params = params_from_wire(message)
-        peer_geometry = geometry_from_wire(message.get("peer"))
-        known = set(opt_int_list(message, "known", 1, I64_MAX))
+        tid, key, params, peer_geometry = message.tid, message.key, message.params, message.peer
         state = self._states.of(link)
         require(tid not in state.leases, f"transfer {tid} is already running.")
         registry = self._registry
@@ -81,30 +75,27 @@ class Owner:
                 if release_key is not None:
                     self._pulling_keys.discard(release_key)
                 raise
-        reply: dict[str, Any] = {"cid": entry.cache_id, "slot": slot}
-        if entry.published is not None:
-            reply["pub"] = list(entry.published)
-        if entry.cache_id not in known:  # a cache's layout never changes: described once per requester
-            reply["desc"] = {
-                "geometry": geometry_to_wire(entry.geometry), "addrs": entry.addrs.tolist(),
-                "segment": segment_to_wire(entry.segment.identity if entry.segment else None,
-                                           entry.segment.address if entry.segment else 0),
-            }
+        descriptor = None
+        if entry.cache_id not in message.known:  # a cache's layout never changes: described once per requester
+            ipc = None
             if entry.on_device:
                 exported = self._engine.device().ipc_export(entry.addrs, entry.desc.size)
                 entry.exported.update(handle for handle, _, _ in exported)
-                reply["desc"]["ipc"] = exported
-        return reply
+                ipc = tuple((handle, base, size) for handle, base, size in exported)
+            segment = (entry.segment.identity, entry.segment.address) if entry.segment is not None else None
+            descriptor = Descriptor(entry.geometry, entry.addrs, segment, ipc)
+        return BeginReply(entry.cache_id, slot, entry.published, descriptor).to_wire()
 
-    def end(self, link: Link, message: dict[str, Any]) -> dict[str, Any] | None:
-        """``END``: answered at once, or (a TCP transfer whose owner-side job still runs) once it is settled."""
+    def end(self, link: Link, message: End, req_id: int) -> dict[str, Any] | None:
+        """``END`` (request ``req_id``): answered at once, or (a TCP transfer whose owner-side job still runs)
+        once it is settled."""
         state = self._states.of(link)
-        lease = state.leases.get(int_field(message, "tid", 0))
+        lease = state.leases.get(message.tid)
         if lease is not None and lease.job is not None and not lease.job.done:
-            self._links.spawn(self._end_streamed(link, state, message), name="end-streamed")
+            self._links.spawn(self._end_streamed(link, state, message, req_id), name="end-streamed")
             return None
-        self._end(state, int_field(message, "tid", 0), field(message, "ok", bool))
-        return {}
+        self._end(state, message.tid, message.ok)
+        return EndReply().to_wire()
 
     def _end(self, state: LinkTransfers, tid: int, ok: bool) -> None:
         lease = state.leases.pop(tid, None)
@@ -116,14 +107,13 @@ class Owner:
             self._registry.release_key_after_pull(lease.release_key, lease.entry)
         self._registry.release_lease(lease.entry)
 
-    async def _end_streamed(self, link: Link, state: LinkTransfers, message: dict[str, Any]) -> None:
+    async def _end_streamed(self, link: Link, state: LinkTransfers, message: End, req_id: int) -> None:
         """END of a TCP transfer whose owner-side job is still running: a confirmed push waits until every byte
         landed; anything else stops the job.  The lease is released only once no thread touches the cache."""
-        tid = int_field(message, "tid", 0)
-        ok, confirm = field(message, "ok", bool), message.get("confirm") is True
+        tid, ok, confirm = message.tid, message.ok, message.confirm
         lease, plane = state.leases.get(tid), link.data
         if lease is None or lease.job is None or plane is None:  # a second END for this transfer: already settled
-            await link.channel.reply(message["i"], {})
+            await link.channel.reply(req_id, EndReply().to_wire())
             return
         code, text = 0, ""
         started = time.perf_counter()
@@ -137,21 +127,20 @@ class Owner:
             code, text, ok = int(exc.status_code), str(exc), False
         finally:
             self._end(state, tid, ok)
-        await link.channel.reply(message["i"], {"waited": (time.perf_counter() - started) * 1e3}, code=code, msg=text)
+        waited = EndReply((time.perf_counter() - started) * 1e3)
+        await link.channel.reply(req_id, waited.to_wire(), code=code, msg=text)
 
     def announce_freed(self, entry: CacheEntry) -> None:
         """``entry``'s memory is gone; same-host peers that mapped it let go of their mappings (a peer's mapping
         would otherwise keep freed pages alive until the link closes)."""
-        body: dict[str, Any] = {"cid": entry.cache_id}
-        if entry.segment is not None:
-            body["seg"] = [entry.segment.identity.inode, entry.segment.identity.device]
-        if entry.exported:
-            body["ipc"] = sorted(entry.exported)
-        if len(body) == 1:
+        segment = entry.segment
+        if segment is None and not entry.exported:
             return
+        freed = Freed(entry.cache_id, (segment.identity.inode, segment.identity.device) if segment is not None
+                      else None, tuple(sorted(entry.exported)))
         for link in list(self._links.links.values()):
             if link.caps.same_host and not link.closed:
-                self._links.notify(link, Kind.FREED, body)
+                self._links.notify(link, freed)
 
     def abort_remote(self, entry: CacheEntry) -> None:
         """Ask requesters whose running transfers use ``entry`` (being released) to stop."""
@@ -160,7 +149,7 @@ class Owner:
                 if lease.entry is entry:
                     if lease.job is not None and link.data is not None:
                         link.data.cancel(lease.job)  # our own I/O threads stop touching it too
-                    self._links.notify(link, Kind.ABORT, {"tid": tid})
+                    self._links.notify(link, Abort(tid))
 
     def link_closed(self, state: LinkTransfers) -> None:
         """Drop the leases of a closed link (its data plane has stopped touching the caches)."""

@@ -18,15 +18,25 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import I64_MAX, U64_LIMIT, require
+from .._checks import I64_MAX, U64_LIMIT, check_int, require
 from .._settings import Settings
 from ..control.links import Link, LinkManager
 from ..copy.spans import STREAMING_THRESHOLD
-from ..cuda.driver import CU_IPC_HANDLE_SIZE
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from ..layout import CacheGeometry, CopyPlan, TransferParams, plan_side_spans, transfer_plan
-from ..protocol.codec import Kind, ProtocolError, int_field
-from ..protocol.messages import WireKey, geometry_to_wire
+from ..memory import SegmentIdentity
+from ..protocol.codec import ProtocolError
+from ..protocol.messages import (
+    Abort,
+    Begin,
+    BeginReply,
+    Descriptor,
+    End,
+    EndReply,
+    Freed,
+    IpcAllocation,
+    WireKey,
+)
 from ..registry import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
 from ..transport.base import PULL, PUSH, TransferJob
@@ -35,8 +45,7 @@ from ..transport.directory import Resolved
 from ..transport.tcp.native_plane import NativeDataPlane
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 from .engine import CopyEngine
-from .state import Descriptor, LinkTransfers, TransferStates, transfer_id
-from .wire import MAX_IPC_ALLOCATIONS, params_to_wire, parse_descriptor, published_from_wire, wire_key
+from .state import LinkTransfers, TransferStates, transfer_id
 
 __all__ = ["Requester"]
 
@@ -60,6 +69,15 @@ async def _shielded(coro: Any) -> None:
     if cancelled:
         raise asyncio.CancelledError
 
+
+def wire_key(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> WireKey:
+    """A cache key as the owner indexes it."""
+    if isinstance(key, CacheKeyByIdAndIndex):
+        return WireKey("id", key.cache_id, key.batch_index)
+    if isinstance(key, BlocksCacheKey):
+        return WireKey("blocks", check_int("model_id", key.model_id, "uint64"), 0)
+    kind, ident, model = key.index_key()
+    return WireKey(kind, ident, model)
 
 
 class Requester:
@@ -147,10 +165,7 @@ class Requester:
             # A TCP pull's receiving end exists before BEGIN: the owner starts sending as soon as it accepts.
             receiving = link.data.receive(PULL, tid) if tcp and pull and link.data is not None else None
             try:
-                reply = await link.channel.request(Kind.BEGIN, {
-                    "tid": tid, "key": wkey.to_wire(), "peer": geometry_to_wire(local.geometry),
-                    "known": list(st.descriptors), **params_to_wire(params),
-                })
+                reply = await link.channel.request(Begin(tid, wkey, local.geometry, params, tuple(st.descriptors)))
                 plan, descriptor = self._plan_from_reply(link, wkey, reply, local, params)
                 if tid in st.aborted:
                     raise LLMException(f"cluster {key.cluster_id} released the cache before the copy started",
@@ -159,7 +174,7 @@ class Requester:
                     streaming = True
                     await self._stream(link, tid, plan, local, pull, receiving)
                     if not pull:  # the bytes are sent; the owner confirms once they have all landed
-                        await link.channel.request(Kind.END, {"tid": tid, "ok": True, "confirm": True})
+                        await link.channel.request(End(tid, True, confirm=True))
                         ended = True
                 else:
                     await self._copy(link, tid, plan, descriptor, local, params)
@@ -177,9 +192,9 @@ class Requester:
                     # confirmed that its receiving end stopped writing.
                     await _shielded(self._stop_remote_receive(links, link, tid))
                 elif not ended and not (ok and consumes_key):
-                    links.notify(link, Kind.END, {"tid": tid, "ok": ok})
+                    links.notify(link, End(tid, ok))
         if ok and consumes_key:
-            return link.channel.request(Kind.END, {"tid": tid, "ok": True}), plan.total_bytes
+            return link.channel.request(End(tid, True)), plan.total_bytes
         return None, plan.total_bytes
 
     @staticmethod
@@ -187,13 +202,13 @@ class Requester:
         started = time.perf_counter()
         try:
             async with asyncio.timeout(STOP_ACK_TIMEOUT):
-                reply = await link.channel.request(Kind.END, {"tid": tid, "ok": False})
+                reply = await link.channel.request(End(tid, False))
             took = time.perf_counter() - started
             if took > SLOW_STOP_ACK:
-                owner = reply.get("waited")
+                owner = EndReply.from_wire(reply).waited
                 log.warning("cluster %d took %.1f ms to confirm the end of a cut-short push (its receiving end "
                             "stopped after %s ms)", link.remote_cluster_id, took * 1e3,
-                            f"{owner:.1f}" if isinstance(owner, float) else "?")
+                            f"{owner:.1f}" if owner is not None else "?")
         except (LLMException, TimeoutError):
             if not link.closed:  # it may still write what it receives: the link cannot be trusted any more
                 await links.drop(link, LLMLinkError(
@@ -222,7 +237,8 @@ class Requester:
         """Move the bytes (the caller holds a lease on ``local``); link closure cancels the job."""
         st = self._states.of(link)
         engine = self._engine
-        geometry, remote_addrs, segment, ipc = descriptor
+        geometry, remote_addrs, segment = descriptor.geometry, descriptor.addrs, descriptor.segment
+        ipc = list(descriptor.ipc) if descriptor.ipc is not None else None
         pull = params.op == "pull"
         # The peer may free this cache meanwhile (FREED): its mapping here stays until the copy is done.
         held = link.memory.hold(segment[0]) if segment is not None else None
@@ -262,8 +278,8 @@ class Requester:
             st.device = LinkDeviceState(self._engine.device(), link.caps.pid == os.getpid())
         return st.device
 
-    def _device_view(self, link: Link, geometry: CacheGeometry, remote_addrs: np.ndarray, segment: Any,
-                     ipc: list[tuple[bytes, int, int]] | None) -> np.ndarray:
+    def _device_view(self, link: Link, geometry: CacheGeometry, remote_addrs: np.ndarray,
+                     segment: tuple[SegmentIdentity, int] | None, ipc: list[IpcAllocation] | None) -> np.ndarray:
         """The peer's tensors as this process's GPU reaches them: its device memory through IPC, its host
         cache through the mapped segment, page-locked."""
         device = self._link_device(link)
@@ -301,8 +317,9 @@ class Requester:
         st = self._states.of(link)
         plane = link.data
         assert plane is not None and isinstance(plane, NativeDataPlane)
-        owner_geometry, owner_addrs, _, _ = st.descriptors[resolved.cache_id]
-        plan = transfer_plan(params, local.geometry, owner_geometry, resolved.slot)
+        descriptor = st.descriptors[resolved.cache_id]
+        owner_addrs = descriptor.addrs
+        plan = transfer_plan(params, local.geometry, descriptor.geometry, resolved.slot)
         tid = transfer_id(st.running)
         with self._registry.lease(local):
             job = plane.read(tid, resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id,
@@ -324,7 +341,7 @@ class Requester:
         """A transfer on a published cache: validated here against the owner's descriptor, no round trip."""
         st = self._states.of(link)
         descriptor = st.descriptors[resolved.cache_id]
-        plan = transfer_plan(params, local.geometry, descriptor[0], resolved.slot)
+        plan = transfer_plan(params, local.geometry, descriptor.geometry, resolved.slot)
         local.leases += 1  # (registry.lease, inline on this hot path)
         try:
             await self._copy(link, transfer_id(st.running), plan, descriptor, local, params)
@@ -341,30 +358,27 @@ class Requester:
                          params: TransferParams) -> tuple[CopyPlan, Descriptor]:
         st = self._states.of(link)
         try:
-            owner_slot = int_field(reply, "slot", 0, 2**32 - 1)
-            cid = int_field(reply, "cid", 1, I64_MAX)
-            described = reply.get("desc")
-            if described is not None:
-                st.descriptors[cid] = parse_descriptor(described)
-            descriptor = st.descriptors.get(cid)
+            begun = BeginReply.from_wire(reply)
+            if begun.desc is not None:
+                st.descriptors[begun.cid] = begun.desc
+            descriptor = st.descriptors.get(begun.cid)
             if descriptor is None:
-                raise ProtocolError(f"no descriptor for cache {cid}")
-            published = reply.get("pub")
-            one_sided = link.directory is not None or (
-                link.plane == "tcp" and link.peer_serves_reads and isinstance(link.data, NativeDataPlane)
-                and wkey.a <= I64_MAX)
-            if published is not None and one_sided and wkey.kind in ("id", "blocks"):
-                row, stamp = published_from_wire(published)
-                model = wkey.a if wkey.kind == "blocks" else None
-                st.resolved[(wkey.kind, wkey.a, wkey.b)] = Resolved(cid, owner_slot, row, stamp, model)
+                raise ProtocolError(f"no descriptor for cache {begun.cid}")
         except ProtocolError as exc:
             raise LLMLinkError(f"malformed reply from the owner: {exc}") from None
-        return transfer_plan(params, local.geometry, descriptor[0], owner_slot), descriptor
+        one_sided = link.directory is not None or (
+            link.plane == "tcp" and link.peer_serves_reads and isinstance(link.data, NativeDataPlane)
+            and wkey.a <= I64_MAX)
+        if begun.pub is not None and one_sided and wkey.kind in ("id", "blocks"):
+            row, stamp = begun.pub
+            model = wkey.a if wkey.kind == "blocks" else None
+            st.resolved[(wkey.kind, wkey.a, wkey.b)] = Resolved(begun.cid, begun.slot, row, stamp, model)
+        return transfer_plan(params, local.geometry, descriptor.geometry, begun.slot), descriptor
 
-    def abort(self, link: Link, message: dict[str, Any]) -> None:
+    def abort(self, link: Link, message: Abort) -> None:
         """The owner released the cache of a running transfer: stop our copy at the next chunk."""
         st = self._states.of(link)
-        tid = int_field(message, "tid", 0)
+        tid = message.tid
         error = LLMException(f"cluster {link.remote_cluster_id} released the cache during the transfer",
                              status_code=S.LLM_KV_CACHE_NOT_EXIST)
         streamed = st.tcp_jobs.get(tid)
@@ -377,23 +391,20 @@ class Requester:
         elif tid in st.running:
             st.aborted.add(tid)  # the copy has not started yet: it must not start at all
 
-    def freed(self, link: Link, message: dict[str, Any]) -> None:
+    def freed(self, link: Link, message: Freed) -> None:
         """The peer freed a cache: forget its description and let go of what maps it here (once idle)."""
         st = self._states.of(link)
-        cid = int_field(message, "cid", 1, I64_MAX)
+        cid = message.cid
         st.descriptors.pop(cid, None)
         for key, resolved in list(st.resolved.items()):
             if resolved.cache_id == cid:
                 del st.resolved[key]
-        seg = message.get("seg")
-        if isinstance(seg, list) and len(seg) == 2 and all(type(v) is int for v in seg):
+        if message.seg is not None:
             device = st.device
-            link.memory.forget((seg[0], seg[1]), device.forget_pinned if device is not None else lambda _: None)
-        handles = message.get("ipc")
-        if isinstance(handles, list) and st.device is not None:
-            for handle in handles[:MAX_IPC_ALLOCATIONS]:
-                if isinstance(handle, bytes) and len(handle) == CU_IPC_HANDLE_SIZE:
-                    st.device.forget_handle(handle)
+            link.memory.forget(message.seg, device.forget_pinned if device is not None else lambda _: None)
+        if st.device is not None:
+            for handle in message.ipc:
+                st.device.forget_handle(handle)
 
     async def link_closed(self, state: LinkTransfers, error: LLMException) -> None:
         """Stop the copies of a closed link (returns once no worker touches their memory)."""

@@ -13,7 +13,8 @@ from .._settings import Settings
 from ..control.links import Link, LinkManager
 from ..errors import LLMException
 from ..layout import TransferParams
-from ..protocol.codec import Kind, ProtocolError
+from ..protocol.codec import ProtocolError
+from ..protocol.messages import Abort, Begin, End, Freed, request_from_wire
 from ..registry import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
@@ -47,18 +48,19 @@ class TransferService:
 
     async def handle(self, link: Link, message: dict[str, Any]) -> dict[str, Any] | None:
         """A transfer request from a peer; returns the reply body (None: answered later, or never)."""
-        kind = message["k"]
-        if kind == Kind.BEGIN:
-            return self._owner.begin(link, message)
-        if kind == Kind.END:
-            return self._owner.end(link, message)
-        if kind == Kind.ABORT:
-            self._requester.abort(link, message)
-            return None
-        if kind == Kind.FREED:
-            self._requester.freed(link, message)
-            return None
-        raise ProtocolError(f"unexpected request {kind!r}")
+        match request_from_wire(message):
+            case Begin() as begin:
+                return self._owner.begin(link, begin)
+            case End() as end:
+                return self._owner.end(link, end, message["i"])
+            case Abort() as abort:
+                self._requester.abort(link, abort)
+                return None
+            case Freed() as freed:
+                self._requester.freed(link, freed)
+                return None
+            case _:
+                raise ProtocolError(f"unexpected request {message['k']!r}")
 
     def announce_freed(self, entry: CacheEntry) -> None:
         """Owner side: ``entry``'s memory is gone; same-host peers let go of their mappings."""

@@ -10,12 +10,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
-
 from ..copy.python_pool import CopyJob
-from ..layout import CacheGeometry
-from ..memory import SegmentIdentity
+from ..protocol.messages import Descriptor
 from ..registry import CacheEntry, IndexKey
 from ..transport.base import TransferJob
 from ..transport.device import LinkDeviceState
@@ -24,12 +20,7 @@ from ..transport.directory import Resolved
 if TYPE_CHECKING:
     from ..control.links import Link
 
-__all__ = ["Descriptor", "Lease", "LinkTransfers", "TransferStates", "transfer_id"]
-
-Descriptor = tuple[CacheGeometry, npt.NDArray[np.uint64], tuple[SegmentIdentity, int] | None,
-                   list[tuple[bytes, int, int]] | None]
-"""An owner's cache as the requester knows it: geometry, tensor addresses, shared-memory segment and its base
-address in the owner (or None), device allocations to open by IPC (or None: a host cache)."""
+__all__ = ["Lease", "LinkTransfers", "TransferStates", "transfer_id"]
 
 
 @dataclass(eq=False)

@@ -17,10 +17,10 @@ back to the caller on release), so transfers on it always go through the owner.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import secrets
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -79,9 +79,13 @@ class CacheDirectory:
             self._words[row * _WORDS + _STAMP] = 0
         self._free.append(row)
 
+    @property
+    def identity(self) -> SegmentIdentity:
+        """The table's segment, as the handshake announces it to same-host peers (``dir``)."""
+        return self.segment.identity
+
     def to_wire(self) -> list[int]:
-        ident = self.segment.identity
-        return [ident.pid, ident.fd, ident.inode, ident.device, ident.size]
+        return list(dataclasses.astuple(self.identity))
 
     def close(self) -> None:
         self._words = np.empty(0, dtype=np.int64)  # the view would keep the mapping alive
@@ -98,12 +102,10 @@ class DirectoryView:
         self.rows = len(self._words) // _WORDS
 
     @classmethod
-    def from_wire(cls, value: Any, pid: int) -> DirectoryView | None:
-        """Map the directory a peer announced; ``None`` when it is absent, malformed or not mappable."""
-        if not (isinstance(value, list) and len(value) == 5 and all(type(v) is int for v in value)):
-            return None
-        identity = SegmentIdentity(*value)
-        if identity.pid != pid or not 0 < identity.size <= DIRECTORY_ROWS * _WORDS * 8 * 16:
+    def from_wire(cls, identity: SegmentIdentity | None, pid: int) -> DirectoryView | None:
+        """Map the directory a peer announced (the handshake's ``directory``); ``None`` when it is absent,
+        malformed or not mappable."""
+        if identity is None or identity.pid != pid or not 0 < identity.size <= DIRECTORY_ROWS * _WORDS * 8 * 16:
             return None
         try:
             return cls(identity)

@@ -15,7 +15,7 @@ import logging
 import mmap
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,15 +26,14 @@ from .._checks import U64_LIMIT
 from .._settings import env_knobs
 from ..memory import SegmentIdentity, SharedSegment, map_peer_segment
 from ..native import CopyMode, CopySpec, populate, process_vm_read, pvm_copier
-from ..protocol.codec import ProtocolError
-from ..protocol.messages import segment_from_wire
+from ..protocol.messages import HOST_NONCE_BYTES as NONCE_BYTES
+from ..protocol.messages import MAX_ANNOUNCED_SEGMENTS, HostInfo
 
-__all__ = ["HostProbe", "PeerCapabilities", "PeerMemory", "allowed_mechanisms"]
+__all__ = ["MAX_ANNOUNCED_SEGMENTS", "NONCE_BYTES", "HostProbe", "PeerCapabilities", "PeerMemory",
+           "allowed_mechanisms"]
 
 log = logging.getLogger("aiodatadist.transport.same_host")
 UInt64Array = npt.NDArray[np.uint64]
-NONCE_BYTES = 32
-MAX_ANNOUNCED_SEGMENTS = 4096
 
 
 def allowed_mechanisms() -> frozenset[str]:
@@ -59,14 +58,12 @@ class HostProbe:
         self.segment = SharedSegment(mmap.PAGESIZE, name="aiodatadist-probe")
         self.segment.array()[:NONCE_BYTES] = np.frombuffer(self.nonce, dtype=np.uint8)
 
+    def info(self) -> HostInfo:
+        """The probe as the handshake announces it (``host``)."""
+        return HostInfo(_boot_id(), os.getpid(), self.segment.identity, self.segment.address, self.nonce)
+
     def to_wire(self) -> dict[str, Any]:
-        ident = self.segment.identity
-        return {
-            "boot": _boot_id(),
-            "pid": os.getpid(),
-            "probe": [ident.pid, ident.fd, ident.inode, ident.device, ident.size, self.segment.address],
-            "nonce": self.nonce,
-        }
+        return self.info().to_wire()
 
     def close(self) -> None:
         self.segment.close()
@@ -88,18 +85,13 @@ class PeerCapabilities:
         return "same host (" + ("+".join(mechanisms) or "no mechanism") + ")"
 
 
-def probe_peer(info: Any) -> PeerCapabilities:
-    """Test both mechanisms on a peer's announced probe; never raises for a hostile or foreign probe."""
-    try:
-        boot, pid, probe, nonce = info["boot"], info["pid"], info["probe"], info["nonce"]
-        ok_types = (isinstance(boot, str) and isinstance(pid, int) and isinstance(nonce, bytes)
-                    and isinstance(probe, list) and len(probe) == 6 and all(isinstance(v, int) for v in probe))
-    except (KeyError, TypeError):
-        ok_types = False
-    if not ok_types or boot != _boot_id() or len(nonce) != NONCE_BYTES:
+def probe_peer(info: HostInfo | None) -> PeerCapabilities:
+    """Test both mechanisms on a peer's announced probe (None: absent or malformed); never raises for a hostile
+    or foreign probe."""
+    if info is None or info.boot != _boot_id():
         return PeerCapabilities(False, False, False, 0)
     allowed = allowed_mechanisms()
-    identity = SegmentIdentity(*probe[:5])
+    identity, pid, nonce = info.probe, info.pid, info.nonce
     can_map = can_pvm = False
     if "map" in allowed:
         try:
@@ -113,7 +105,7 @@ def probe_peer(info: Any) -> PeerCapabilities:
     if "pvm" in allowed:
         buf = ctypes.create_string_buffer(NONCE_BYTES)
         try:
-            process_vm_read(pid, np.array([probe[5]], dtype=np.uint64),
+            process_vm_read(pid, np.array([info.address], dtype=np.uint64),
                             np.array([ctypes.addressof(buf)], dtype=np.uint64),
                             np.array([NONCE_BYTES], dtype=np.uint64))
             can_pvm = buf.raw == nonce
@@ -182,24 +174,24 @@ class PeerMemory:
         except BufferError:  # still exported somewhere: the next collection unmaps it
             pass
 
-    def premap(self, segments: Any) -> list[asyncio.Task[Any]]:
-        """Map the segments a peer announced at link time; returns the page-table population tasks.
+    def premap(self, segments: Sequence[tuple[SegmentIdentity, int]]) -> list[asyncio.Task[Any]]:
+        """Map the segments a peer announced at link time (``segs``, already parsed); returns the page-table
+        population tasks.
 
-        Invalid entries are skipped: a wrong announcement only costs the lazy mapping at first use.
+        Segments that cannot be mapped are skipped: a wrong announcement only costs the lazy mapping at first use.
         """
-        if not self.caps.can_map or not isinstance(segments, list):
+        if not self.caps.can_map:
             return []
         tasks = []
-        for value in segments[:MAX_ANNOUNCED_SEGMENTS]:
-            try:
-                parsed = segment_from_wire(value)
-                if parsed is None or parsed[0].pid != self.caps.pid:
-                    continue
-                self.local_base(parsed[0])
-            except (ProtocolError, OSError, ValueError) as exc:
-                log.debug("peer segment %r not mapped at link time: %s", value, exc)
+        for identity, _ in segments:
+            if identity.pid != self.caps.pid:
                 continue
-            task = self._populating.get((parsed[0].inode, parsed[0].device))
+            try:
+                self.local_base(identity)
+            except (OSError, ValueError) as exc:
+                log.debug("peer segment %r not mapped at link time: %s", identity, exc)
+                continue
+            task = self._populating.get((identity.inode, identity.device))
             if task is not None:
                 tasks.append(task)
         return tasks

@@ -98,9 +98,9 @@ def count_begins(decoder: Any) -> list[int]:
     sent = [0]
     request = link.channel.request
 
-    async def counting(kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        sent[0] += kind == Kind.BEGIN
-        return await request(kind, body)
+    async def counting(msg: Any) -> dict[str, Any]:
+        sent[0] += msg.KIND == Kind.BEGIN
+        return await request(msg)
 
     link.channel.request = counting
     return sent

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from helpers.data import fill_rows, row_views
 from helpers.ids import new_cluster_id
+from helpers.keys import resolve
 
 from aiodatadist import (
     CacheDesc,
@@ -227,7 +228,7 @@ async def test_finalize_closes_every_segment() -> None:
         arrays = [np.zeros(4 * 8192, np.uint8) for _ in range(2)]
         cm.register_cache(desc, [a.ctypes.data for a in arrays])  # registered memory has no descriptor
         segments = [cm.registry.by_id(c.cache_id).segment for c in caches]
-        segments.append(cm.registry.resolve(CacheKey(1, 1))[0].segment)
+        segments.append(resolve(cm.registry, CacheKey(1, 1))[0].segment)
         assert len(open_fds()) >= after_init + 6
         assert len({fd_inode(fd) for fd in memfds() - init_memfds}) == 6
         assert {s.identity.inode for s in segments} == {fd_inode(fd) for fd in memfds() - init_memfds}

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from helpers.data import fill_rows, row_views
 from helpers.ids import new_cluster_id
+from helpers.keys import resolve
 
 import aiodatadist.copy.python_pool as executor_module
 from aiodatadist import (
@@ -154,7 +155,7 @@ async def test_allocate_cache_and_blocks_cache(cache_manager: CacheManager) -> N
     # the views are the cache memory: writes through one handle are seen through a fresh one
     cache.tensors[1][2, 3, 4] = 1.5
     assert cache.tensors[1][2, 3, 4] == 1.5
-    assert cache_manager.registry.resolve(BlocksCacheKey(99, 7))[0].handle is blocks
+    assert resolve(cache_manager.registry, BlocksCacheKey(99, 7))[0].handle is blocks
 
 
 @pytest.mark.skipif(HAS_CUDA_DEVICE, reason="a CUDA device is present: DEVICE caches may be supported")
@@ -266,20 +267,20 @@ async def test_cache_keys_bind_slots(cache_manager: CacheManager) -> None:
     prefix = CacheKey(1, U64_MAX, 0, 55)
     cache = cache_manager.allocate_cache(desc, [k0, pad, k2, prefix])
     reg = cache_manager.registry
-    assert reg.resolve(k0) == (reg.by_id(cache.cache_id), 0)
-    assert reg.resolve(k2)[1] == 2
-    assert reg.resolve(prefix)[1] == 3
+    assert resolve(reg, k0) == (reg.by_id(cache.cache_id), 0)
+    assert resolve(reg, k2)[1] == 2
+    assert resolve(reg, prefix)[1] == 3
     # cluster_id is not part of the stored key
-    assert reg.resolve(CacheKey(999, 102, 3))[1] == 2
+    assert resolve(reg, CacheKey(999, 102, 3))[1] == 2
     with raises_status(NOT_EXIST):
-        reg.resolve(CacheKey(1, 102, 4))  # model_id is part of the key
+        resolve(reg, CacheKey(1, 102, 4))  # model_id is part of the key
     with raises_status(NOT_EXIST):
-        reg.resolve(pad)  # placeholders bind nothing
-    assert reg.resolve(CacheKeyByIdAndIndex(1, cache.cache_id, 3)) == (reg.by_id(cache.cache_id), 3)
+        resolve(reg, pad)  # placeholders bind nothing
+    assert resolve(reg, CacheKeyByIdAndIndex(1, cache.cache_id, 3)) == (reg.by_id(cache.cache_id), 3)
     # a tuple of keys works as well; registered memory binds keys the same way
     arrays = [np.zeros(64, np.uint8) for _ in range(2)]
     other = cache_manager.register_cache(desc, [a.ctypes.data for a in arrays], (CacheKey(1, 200),))
-    assert reg.resolve(CacheKey(1, 200))[0].handle is other
+    assert resolve(reg, CacheKey(1, 200))[0].handle is other
 
 
 async def test_cache_keys_validation(cache_manager: CacheManager) -> None:
@@ -307,8 +308,8 @@ async def test_cache_keys_validation(cache_manager: CacheManager) -> None:
     assert len(cache_manager.registry.entries()) == n
     for req in (1, 2, 3, 8):
         with raises_status(NOT_EXIST):
-            cache_manager.registry.resolve(CacheKey(1, req))
-    assert cache_manager.registry.resolve(CacheKey(1, 7))[0].handle is taken
+            resolve(cache_manager.registry, CacheKey(1, req))
+    assert resolve(cache_manager.registry, CacheKey(1, 7))[0].handle is taken
 
 
 async def test_blocks_cache_model_id_last_wins(cache_manager: CacheManager) -> None:
@@ -318,20 +319,20 @@ async def test_blocks_cache_model_id_last_wins(cache_manager: CacheManager) -> N
     second = cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))  # cluster_id is ignored
     other = cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 1))
     cache_manager.allocate_blocks_cache(desc)  # no key: indexed by id only
-    assert reg.resolve(BlocksCacheKey(1, 0))[0].handle is second
-    assert reg.resolve(BlocksCacheKey(3, 1))[0].handle is other
+    assert resolve(reg, BlocksCacheKey(1, 0))[0].handle is second
+    assert resolve(reg, BlocksCacheKey(3, 1))[0].handle is other
     arr = np.zeros(64, np.uint8)
     third = cache_manager.register_blocks_cache(desc, [arr.ctypes.data], BlocksCacheKey(1, 0))
-    assert reg.resolve(BlocksCacheKey(1, 0))[0].handle is third
+    assert resolve(reg, BlocksCacheKey(1, 0))[0].handle is third
     cache_manager.unregister_cache(third.cache_id)
     with raises_status(NOT_EXIST):
-        reg.resolve(BlocksCacheKey(1, 0))
+        resolve(reg, BlocksCacheKey(1, 0))
     assert reg.by_id(first.cache_id).handle is first  # replaced in the index, still alive by id
     cache_manager.deallocate_blocks_cache(other)
     with raises_status(NOT_EXIST):
-        reg.resolve(BlocksCacheKey(1, 1))
+        resolve(reg, BlocksCacheKey(1, 1))
     with raises_status(NOT_EXIST):
-        reg.resolve(BlocksCacheKey(1, 2))
+        resolve(reg, BlocksCacheKey(1, 2))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -410,7 +411,7 @@ async def test_release_with_outstanding_key_defers_free(cache_manager: CacheMana
     with raises_status(NOT_EXIST):
         reg.by_id(cache.cache_id)
     # both keys still resolve to the released cache and its memory is intact
-    assert reg.resolve(keys[0]) == (entry, 0) and reg.resolve(keys[1]) == (entry, 1)
+    assert resolve(reg, keys[0]) == (entry, 0) and resolve(reg, keys[1]) == (entry, 1)
     assert not entry.segment.closed
     whole = entry.segment.array()
     for t in range(2):
@@ -418,13 +419,13 @@ async def test_release_with_outstanding_key_defers_free(cache_manager: CacheMana
     del whole
     cache_manager.remove_cache_key(keys[0])
     with raises_status(NOT_EXIST):
-        reg.resolve(keys[0])
-    assert reg.resolve(keys[1]) == (entry, 1)
+        resolve(reg, keys[0])
+    assert resolve(reg, keys[1]) == (entry, 1)
     assert not entry.segment.closed
     cache_manager.remove_cache_key(keys[1])
     assert entry.segment.closed
     with raises_status(NOT_EXIST):
-        reg.resolve(keys[1])
+        resolve(reg, keys[1])
     cache_manager.remove_cache_key(keys[1])  # again: no-op
     # the keys are free again
     assert cache_manager.allocate_cache(desc, keys).cache_id == cache.cache_id + 1
@@ -437,7 +438,7 @@ async def test_remove_key_of_live_cache_keeps_cache(cache_manager: CacheManager)
     entry = cache_manager.registry.by_id(cache.cache_id)
     cache_manager.remove_cache_key(key)
     with raises_status(NOT_EXIST):
-        cache_manager.registry.resolve(key)
+        resolve(cache_manager.registry, key)
     assert not entry.segment.closed and cache.tensor_addrs
     cache_manager.deallocate_cache(cache)
     assert entry.segment.closed
@@ -454,7 +455,7 @@ async def test_release_without_keys_frees_at_once(cache_manager: CacheManager) -
     cache_manager.deallocate_blocks_cache(blocks)
     assert all(e.segment.closed for e in entries)
     with raises_status(NOT_EXIST):
-        cache_manager.registry.resolve(BlocksCacheKey(1, 3))
+        resolve(cache_manager.registry, BlocksCacheKey(1, 3))
 
 
 async def test_registered_cache_keys_released_with_it(cache_manager: CacheManager) -> None:
@@ -464,7 +465,7 @@ async def test_registered_cache_keys_released_with_it(cache_manager: CacheManage
     cache_manager.unregister_cache(cache.cache_id)
     for req in (1, 2):
         with raises_status(NOT_EXIST):
-            cache_manager.registry.resolve(CacheKey(1, req))
+            resolve(cache_manager.registry, CacheKey(1, req))
     cache_manager.register_cache(desc, [arr.ctypes.data], [CacheKey(1, 1)])  # the key is free again
 
 
@@ -986,7 +987,7 @@ class SlowCopier:
 
         monkeypatch.setattr(executor_module, "bind_runner", bind)
         executor = CopyExecutor()
-        monkeypatch.setattr(manager, "_executor", executor)
+        monkeypatch.setattr(manager.engine, "_executor", executor)
         return executor
 
 
@@ -1114,7 +1115,7 @@ async def test_finalize_fails_queued_copy_with_llm_exception(monkeypatch: pytest
     await busy.init(LLMConfig().generate_options())
     await victim.init(LLMConfig().generate_options())
     executor = copier.install(monkeypatch, busy.cache_manager)  # one slowed executor for both instances
-    monkeypatch.setattr(victim.cache_manager, "_executor", executor)
+    monkeypatch.setattr(victim.cache_manager.engine, "_executor", executor)
     try:
         # occupy every worker of the shared executor with chunks that wait on the gate
         big = busy.cache_manager.allocate_blocks_cache(host_desc(*MID_DESC))

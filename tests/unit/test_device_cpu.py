@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiodatadist.protocol.codec import ProtocolError
-from aiodatadist.transfer.wire import _ipc_from_wire
+from aiodatadist.protocol.messages import ipc_from_wire
 from aiodatadist.transport.device import merged_ranges
 
 PAGE = mmap.PAGESIZE
@@ -34,10 +34,10 @@ def test_merged_ranges_cover_every_tensor_with_disjoint_whole_pages(addrs: list[
 
 def test_ipc_allocations_from_the_wire_are_validated() -> None:
     handle = bytes(range(64))
-    assert _ipc_from_wire(None) is None
-    assert _ipc_from_wire([[handle, 3 << 20, 1 << 20], [handle, 1 << 20, 1 << 20]]) == [
-        (handle, 1 << 20, 1 << 20), (handle, 3 << 20, 1 << 20)]  # sorted by base
+    assert ipc_from_wire(None) is None
+    assert ipc_from_wire([[handle, 3 << 20, 1 << 20], [handle, 1 << 20, 1 << 20]]) == (
+        (handle, 1 << 20, 1 << 20), (handle, 3 << 20, 1 << 20))  # sorted by base
     for bad in ([], "x", [[handle[:63], 1, 1]], [[handle, 0, 1]], [[handle, 1, 0]], [[handle, 2**64 - 1, 2]],
                 [[handle, 1]], [[handle, 1, True]], [[handle, 1, 1]] * 5000):
         with pytest.raises(ProtocolError):
-            _ipc_from_wire(bad)
+            ipc_from_wire(bad)
