@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from .._settings import Settings
+from ..copy.completion import wait_through_cancellation
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
 from ..memory import SegmentIdentity
 from ..native import native_pool
@@ -350,7 +351,15 @@ class LinkManager:
         link.peer_serves_reads = reply.reads
         if link.plane == "tcp":
             remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
-            error = await self._connect_data(link, ip_int_to_str(ip), reply, nonces, remaining)
+            try:
+                error = await self._connect_data(link, ip_int_to_str(ip), reply, nonces, remaining)
+            except BaseException:  # cancelled: leave no data plane, thread, socket or reader behind
+                channel.close()
+                reader.cancel()
+                sock.close(linger=0)
+                if link.data is not None:
+                    await wait_through_cancellation(link.data.aclose(LLMLinkError("linking was cancelled")))
+                raise
             if error is not None:
                 log.info("link %d -> %d (%s): %s", self._cluster_id, remote_id, endpoint, error)
                 with contextlib.suppress(LLMException):
@@ -602,16 +611,18 @@ class LinkManager:
                 pass
             await self.drop(link, LLMLinkError(f"cluster {self._cluster_id} was finalized"))
         self.stop_listening()
-        await self._tasks.close()
-        # term() waits for every socket of the context to be closed: close any that a torn-down link or
-        # watcher left open (closing twice is harmless), here on the loop thread that owns them.
-        for sock in list(getattr(self._ctx, "_sockets", ())):
-            if not sock.closed:
-                log.debug("closing a socket left open at finalize: %r", sock)
-                sock.close(linger=LINGER_MS)
-        # Closed sockets linger briefly so that the BYEs reach the peers; term() waits for that, off the loop.
-        await asyncio.to_thread(self._ctx.term)
-        self._probe.close()
+        try:
+            await self._tasks.close()  # raises the background failures nobody handled, once every task ended
+        finally:
+            # term() waits for every socket of the context to be closed: close any that a torn-down link or
+            # watcher left open (closing twice is harmless), here on the loop thread that owns them.
+            for sock in list(getattr(self._ctx, "_sockets", ())):
+                if not sock.closed:
+                    log.debug("closing a socket left open at finalize: %r", sock)
+                    sock.close(linger=LINGER_MS)
+            # Closed sockets linger briefly so that the BYEs reach the peers; term() waits for that, off the loop.
+            await asyncio.to_thread(self._ctx.term)
+            self._probe.close()
 
     def describe(self) -> list[dict[str, Any]]:
         return [link.describe() for link in self.links.values()]

@@ -21,6 +21,7 @@ import numpy as np
 from .._checks import I64_MAX, U64_LIMIT, check_int, require
 from .._settings import Settings
 from ..control.links import Link, LinkManager
+from ..copy.completion import wait_through_cancellation
 from ..copy.spans import STREAMING_THRESHOLD
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from ..layout import CacheGeometry, CopyPlan, TransferParams, plan_side_spans, transfer_plan
@@ -54,20 +55,6 @@ END_ACK_TIMEOUT = 1.0
 STOP_ACK_TIMEOUT = 1.0  # a cut-short TCP push waits this long for the owner to stop writing, then drops the link
 SLOW_STOP_ACK = 0.05  # a confirmation slower than this is logged, with the owner's own share of it
 S = LLMStatusCode
-
-
-async def _shielded(coro: Any) -> None:
-    """Run ``coro`` to its end even if the caller is cancelled meanwhile (the cancellation is re-raised after)."""
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            cancelled = True
-    task.result()
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 def wire_key(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> WireKey:
@@ -190,7 +177,7 @@ class Requester:
                 if streaming and not pull and not ended:
                     # Bytes we sent may still sit in socket buffers: the push returns only once the owner
                     # confirmed that its receiving end stopped writing.
-                    await _shielded(self._stop_remote_receive(links, link, tid))
+                    await wait_through_cancellation(self._stop_remote_receive(links, link, tid))
                 elif not ended and not (ok and consumes_key):
                     links.notify(link, End(tid, ok))
         if ok and consumes_key:
