@@ -5,7 +5,8 @@ Fixtures
     ``cache_manager``  the ``CacheManager`` of ``datadist``.
 
 Markers by folder (registered in ``pyproject.toml``)
-    ``unit/``          none: the fast subset, ``pytest -m "not slow and not integration"``.
+    ``unit/``          none: the fast subset, ``pytest -m "not slow and not integration"``, which also runs a
+                       tenth of each property test's examples (``helpers.examples``; CI runs them all).
     ``integration/``   ``integration``.
     ``gpu/``           ``gpu`` and ``integration`` (a real or emulated GPU, linked pairs and peer processes).
     ``smoke/``         ``slow`` and ``integration`` (whole processes: CLI, examples, soak, bench peers).
@@ -19,7 +20,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from helpers.examples import QUICK_SCALE, set_quick
 from helpers.ids import new_cluster_id
+from hypothesis import settings
 
 from aiodatadist import CacheManager, LLMConfig, LLMDataDist, LLMRole
 
@@ -29,6 +32,17 @@ FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
     "gpu": ("gpu", "integration"),
     "smoke": ("slow", "integration"),
 }
+
+
+settings.register_profile("quick", max_examples=max(5, settings.default.max_examples // QUICK_SCALE))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The quick loop (``-m "not slow and not integration"``) runs a tenth of each property test's examples."""
+    expression = " ".join(str(config.getoption("markexpr", "") or "").split())
+    if "not slow" in expression and "not integration" in expression:
+        set_quick(True)
+        settings.load_profile("quick")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these markers

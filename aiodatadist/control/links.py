@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import socket
@@ -320,7 +321,8 @@ class LinkManager:
         started = asyncio.get_running_loop().time()
         sock = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15))
         channel = Channel(dealer_sender(sock), self._handle, f"{self._cluster_id}->{remote_id}")
-        reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}")
+        reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}",
+                                   on_error=functools.partial(self._reader_failed, channel))
         try:
             async with asyncio.timeout(timeout_ms / 1000):
                 answer, nonces = await self._handshake(channel, remote_id)
@@ -382,6 +384,17 @@ class LinkManager:
             await asyncio.wait(populating, timeout=remaining)
         log.info("cluster %d linked to %d at %s (%s)", self._cluster_id, remote_id, endpoint, link.plane)
         return S.LLM_SUCCESS
+
+    def _reader_failed(self, channel: Channel, error: BaseException) -> None:
+        """A link's reader task failed (a bug: it survives any input): nothing more arrives on the link, so its
+        requests would only run into their deadlines.  Drop the link, failing them at once."""
+        log.error("the reader of %s failed", channel.name, exc_info=error)
+        failure = LLMLinkError(f"the reader of link {channel.name} failed: {error!r}")
+        link = channel.context
+        if isinstance(link, Link) and not link.closed:
+            self._tasks.spawn(self.drop(link, failure), name=f"drop-{link.remote_cluster_id}")
+        else:
+            channel.close(failure)
 
     # -- TCP data connections -------------------------------------------------------------------------------
     def _new_data_plane(self, link: Link) -> DataPlane:

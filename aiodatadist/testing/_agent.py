@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import U64_MAX
 from ..cache import Cache
 from ..datadist import LLMDataDist
 from ..errors import LLMException
 from ..types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
-from .._checks import U64_MAX
 from . import cluster_info, fill_pattern, tensor_bytes, write_tensor
 
 

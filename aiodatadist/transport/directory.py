@@ -17,7 +17,6 @@ back to the caller on release), so transfers on it always go through the owner.
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import secrets
 from dataclasses import dataclass
@@ -83,9 +82,6 @@ class CacheDirectory:
     def identity(self) -> SegmentIdentity:
         """The table's segment, as the handshake announces it to same-host peers (``dir``)."""
         return self.segment.identity
-
-    def to_wire(self) -> list[int]:
-        return list(dataclasses.astuple(self.identity))
 
     def close(self) -> None:
         self._words = np.empty(0, dtype=np.int64)  # the view would keep the mapping alive

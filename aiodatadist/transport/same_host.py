@@ -62,9 +62,6 @@ class HostProbe:
         """The probe as the handshake announces it (``host``)."""
         return HostInfo(_boot_id(), os.getpid(), self.segment.identity, self.segment.address, self.nonce)
 
-    def to_wire(self) -> dict[str, Any]:
-        return self.info().to_wire()
-
     def close(self) -> None:
         self.segment.close()
 

@@ -150,8 +150,8 @@ async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
     even the linked peer gets nothing the control plane did not agree: DATA frames under guessed transfer ids are
     dropped (a running push still lands byte-exact), and one-sided READs that guess a published cache's stamp are
     refused.  Ids and stamps are random 62-bit numbers, never 1, 2, 3, ... as they were."""
-    from aiodatadist.transport.tcp.frames import DATA_HELLO, MAGIC
     from aiodatadist.transport.base import PUSH
+    from aiodatadist.transport.tcp.frames import DATA_HELLO, MAGIC
 
     big = CacheDesc(2, (64, 65536), DataType.DT_UINT8, Placement.HOST)  # 8 MiB per push
     async with instances("s3cret", "s3cret", "tcp") as (server, client, port):

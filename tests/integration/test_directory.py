@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMException, LLMStatusCode, Placement
-from aiodatadist.memory import SegmentIdentity
 from aiodatadist.protocol.codec import Kind
 from aiodatadist.testing import linked_pair
 from aiodatadist.transport.directory import CacheDirectory, DirectoryView
@@ -39,7 +38,7 @@ def test_directory_matches_a_model(ops: list[tuple[Any, ...]]) -> None:
     """A published (row, stamp) is live until withdrawn, never again after (rows are reused with new stamps),
     and answers to the model id last set for it; a full table publishes nothing."""
     directory = CacheDirectory(rows=4)
-    view = DirectoryView(SegmentIdentity(*directory.to_wire()))
+    view = DirectoryView(directory.identity)
     try:
         live: dict[int, tuple[int, int, int, int]] = {}  # cache id -> (row, stamp, cache id, model)
         dead: list[tuple[int, int, int]] = []
@@ -78,7 +77,7 @@ def test_directory_matches_a_model(ops: list[tuple[Any, ...]]) -> None:
 
 def test_peers_map_the_directory_read_only() -> None:
     directory = CacheDirectory(rows=4)
-    view = DirectoryView(SegmentIdentity(*directory.to_wire()))
+    view = DirectoryView(directory.identity)
     try:
         with pytest.raises(ValueError):
             view._words[0] = 1  # a peer can never forge a live entry

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.examples import examples
 from helpers.fake_cuda import build_fake_libcuda
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,6 +35,7 @@ from aiodatadist.layout import Spans
 # -- loading and errors, whatever the machine has ----------------------------------------------------------
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_import_does_not_load_libcuda() -> None:
     code = ("import aiodatadist.cuda, aiodatadist.cuda.executor\n"
             "maps = open('/proc/self/maps').read()\n"
@@ -148,7 +150,7 @@ def test_shipped_ptx_matches_the_source(tmp_path: Path) -> None:
 # -- pure helpers --------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.integers(0, 10**7), st.integers(0, 1 << 40), st.integers(1, 512))
 def test_launch_geometry(num_spans: int, max_span: int, sm_count: int) -> None:
     grid, block = cuda.launch_geometry(num_spans, max_span, sm_count=sm_count)
@@ -164,7 +166,7 @@ def test_launch_geometry(num_spans: int, max_span: int, sm_count: int) -> None:
     assert cuda.launch_geometry(num_spans, max_span + 1, sm_count=sm_count)[1] >= block
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(0, 1 << 44), st.integers(1, 512))
 def test_choose_piece(total: int, sm_count: int) -> None:
     piece = cuda.choose_piece(total, sm_count=sm_count)
@@ -178,7 +180,7 @@ SPANS = st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 1 << 20), st.
                  max_size=60)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(SPANS, st.integers(1, 2048))
 def test_split_long_spans_covers_each_span_in_order(spans: list[tuple[int, int, int]], piece: int) -> None:
     base = 1 << 40
@@ -201,7 +203,7 @@ def test_split_long_spans_covers_each_span_in_order(spans: list[tuple[int, int, 
     assert k == len(out.length)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.integers(0, 100_000), max_size=30), st.sampled_from([16, 64, 4096, 65536]))
 def test_split_long_spans_keeps_16_byte_alignment(lengths: list[int], piece: int) -> None:
     src = np.arange(len(lengths), dtype=np.uint64) * np.uint64(1 << 20) + np.uint64(1 << 32)

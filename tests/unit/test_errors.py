@@ -7,6 +7,7 @@ import pickle
 from enum import IntEnum
 
 import pytest
+from helpers.examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -100,7 +101,7 @@ def test_from_code_unknown_maps_to_failed(code: int) -> None:
     assert LLMStatusCode.from_code(code) is LLMStatusCode.LLM_FAILED
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(min_value=-(2**64), max_value=2**64))
 def test_from_code_total(code: int) -> None:
     result = LLMStatusCode.from_code(code)

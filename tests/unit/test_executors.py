@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers.examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -104,7 +105,7 @@ def test_plans_copy_like_the_reference(kind: str) -> None:
     whatever the merging across tensors, the cutting into pieces and the grouping into chunks."""
     executor = make(kind)
 
-    @settings(max_examples=120, deadline=None)
+    @settings(max_examples=examples(120), deadline=None)
     @given(grid_plans(), st.integers(0, 2**32 - 1))
     def check(plan_args: tuple[int, int, list[int], list[int], list[tuple[int, int]], int], seed: int) -> None:
         block, nblocks, src_blocks, dst_blocks, pairs, chunk = plan_args
@@ -152,6 +153,7 @@ print("ok")
 
 @pytest.mark.skipif(native_pool() is None or not os.path.exists(MALLOC_DEBUG), reason="needs the native helper and "
                     "glibc's malloc debugging library")
+@pytest.mark.slow  # a child process under glibc malloc checks
 def test_tcp_frame_planning_stays_inside_its_buffers() -> None:
     """Cutting spans into frames never writes past the arrays it allocated (once a heap overflow that crashed a
     TCP peer after tens of seconds): checked under glibc's malloc consistency checks."""

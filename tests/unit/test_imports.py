@@ -7,6 +7,7 @@ it does not remove it.  The layers are listed bottom-up in ``LAYERS`` and drawn 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)

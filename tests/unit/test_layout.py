@@ -14,6 +14,7 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers.examples import examples
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -37,8 +38,8 @@ from aiodatadist.layout import (
     swap_blocks_runs,
 )
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-CHEAP = settings(max_examples=400, deadline=None)
+SETTINGS = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CHEAP = settings(max_examples=examples(400), deadline=None)
 
 #: Block / slot indices far outside any cache.  The public API type-checks them as uint32/uint64 before they
 #: reach the layout module, so the layout functions must reject them with LLM_PARAM_INVALID too.

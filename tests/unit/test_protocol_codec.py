@@ -14,6 +14,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 import pytest
+from helpers.examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -154,13 +155,13 @@ def valid_messages(draw: st.DrawFn) -> dict[str, Any]:
     return {**extra, **draw(envelopes)}
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(valid_messages(), min_size=1, max_size=8))
 def test_round_trip_of_any_valid_frame(messages: list[dict[str, Any]]) -> None:
     assert decode_batch(encode_batch(messages)) == messages
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(st.binary(max_size=200), json_like.map(pack),
                  st.lists(st.one_of(valid_messages(), json_like), max_size=4).map(pack)))
 def test_any_bytes_decode_or_raise_protocol_error(data: bytes) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 import pytest
+from helpers.examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -219,7 +220,7 @@ def test_the_host_probe_form_is_what_a_host_probe_announces() -> None:
 
     probe = HostProbe()
     try:
-        announced = probe.to_wire()
+        announced = probe.info().to_wire()
         assert HostInfo.from_wire(announced).to_wire() == announced
     finally:
         probe.close()
@@ -304,7 +305,7 @@ end_replies = st.builds(EndReply, st.none() | st.floats(allow_nan=False))
 replies = st.builds(Reply, u64, st.integers(-(2**63), I64_MAX), st.text(max_size=30))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests, u64)
 def test_every_request_round_trips(message: Request, req_id: int) -> None:
     decoded = through_the_wire(request_to_wire(message, req_id))
@@ -313,7 +314,7 @@ def test_every_request_round_trips(message: Request, req_id: int) -> None:
     assert request_from_wire(decoded) == message
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(hello_replies, challenges, begin_replies, end_replies), u64)
 def test_every_reply_body_round_trips(body: Any, req_id: int) -> None:
     wire = body.reply_to_wire(req_id) if isinstance(body, HelloChallenge) else reply_to_wire(req_id, body.to_wire())
@@ -324,13 +325,13 @@ def test_every_reply_body_round_trips(body: Any, req_id: int) -> None:
         assert hello_reply_from_wire(decoded) == body
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(replies)
 def test_the_reply_envelope_round_trips(reply: Reply) -> None:
     assert Reply.from_wire(through_the_wire(reply.to_wire())) == reply
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(requests, u64), min_size=1, max_size=12))
 def test_a_batch_of_requests_round_trips(batch: list[tuple[Request, int]]) -> None:
     decoded = decode_batch(encode_batch([request_to_wire(m, i) for m, i in batch]))
@@ -599,7 +600,7 @@ FIELD_NAMES = sorted({*VALID_BEGIN, *VALID_HELLO, "ok", "confirm", "cid", "seg",
 DECODERS: list[Any] = [Hello, Begin, End, Abort, Freed, Ping, Bye, HelloReply, HelloChallenge, BeginReply, EndReply, Reply]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([{}, VALID_HELLO, VALID_BEGIN, VALID_BEGIN_REPLY, {"tid": 1, "ok": True}, {"cid": 1}]),
        st.dictionaries(st.sampled_from(FIELD_NAMES), hostile, max_size=4))
 def test_decoders_raise_only_protocol_errors(base: dict[str, Any], fields: dict[str, Any]) -> None:

@@ -7,13 +7,14 @@ import dataclasses
 
 import numpy as np
 import pytest
+from helpers.examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiodatadist.stats import LATENCY_WINDOW, StatsRecorder
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 10), st.integers(0, 1 << 30), st.sampled_from([None, "LLM_TIMEOUT",
                                                                                      "CANCELLED"])),
                 min_size=1, max_size=300))

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers.examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -636,7 +637,7 @@ def test_cluster_info_append_keeps_order() -> None:
     assert info.local_ip_info_list == [(0x0100000A, 0)]
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.ip_addresses(v=4))
 def test_cluster_info_ip_is_little_endian_inet_aton(addr: Any) -> None:
     info = LLMClusterInfo()

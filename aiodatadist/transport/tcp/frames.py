@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from ...native import NET_MAGIC, FrameType, native_pool
 
-__all__ = ["DATA_HELLO", "HEADER", "MAGIC", "T_DATA", "FrameError", "recv_exact", "recv_frame", "send_frame"]
+__all__ = ["DATA_HELLO", "FRAME_BYTES", "HEADER", "MAGIC", "T_DATA", "FrameError", "recv_exact", "recv_frame", "send_frame"]
 
 UInt64Array = npt.NDArray[np.uint64]
 # magic, type, key (flag << 63 | transfer id), stream offset, payload bytes, two words for other frame types;
@@ -28,6 +28,7 @@ UInt64Array = npt.NDArray[np.uint64]
 HEADER: Final = struct.Struct("<IIQQQQQ")
 MAGIC: Final = NET_MAGIC
 T_DATA: Final = FrameType.DATA
+FRAME_BYTES: Final = 4 << 20  # the largest DATA frame a sender cuts (both planes)
 DATA_HELLO: Final = struct.Struct("<I16s")  # first bytes of a data connection: magic, the link's token
 RECV_PIECE: Final = 1 << 20
 

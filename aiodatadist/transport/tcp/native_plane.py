@@ -22,7 +22,7 @@ from ...copy.completion import NotifyPipe, settle
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...native import ANY_MODEL, KEY_FLAG_SHIFT, TID_MASK, JobState, OwnerStatus, native_pool
 from ..base import PULL, TransferJob, WaitingMixin
-from .python_plane import FRAME_BYTES
+from .frames import FRAME_BYTES
 
 __all__ = ["NativeDataPlane"]
 

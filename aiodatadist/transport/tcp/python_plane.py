@@ -34,13 +34,12 @@ from ...layout import Spans
 from ...native import TID_MASK, StopFlag
 from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in _net.c)
 from ..base import TransferJob, WaitingMixin
-from .frames import HEADER, MAGIC, T_DATA, FrameError, recv_exact, recv_frame, send_frame
+from .frames import FRAME_BYTES, HEADER, MAGIC, T_DATA, FrameError, recv_exact, recv_frame, send_frame
 
-__all__ = ["FRAME_BYTES", "MAX_DATA_CONNECTIONS", "PythonDataPlane"]
+__all__ = ["MAX_DATA_CONNECTIONS", "PythonDataPlane"]
 
 log = logging.getLogger("aiodatadist.tcp")
 UInt64Array = npt.NDArray[np.uint64]
-FRAME_BYTES = 4 << 20
 SCRATCH_BYTES = 1 << 20
 JOIN_TIMEOUT = 5.0  # seconds aclose() waits for each I/O thread (they end at once once their socket is shut down)
 
