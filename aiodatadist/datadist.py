@@ -78,10 +78,12 @@ class LLMDataDist:
             return
         settings = parse_options(options)
         executor = shared_executor()
+        directory: CacheDirectory | None = None
         links: LinkManager | None = None
         try:
             # The composition root: every service gets its collaborators here, and none reaches back.
-            registry = CacheRegistry(CacheDirectory())
+            directory = CacheDirectory()
+            registry = CacheRegistry(directory)
             engine = CopyEngine(executor, settings.device_id)
             links = LinkManager(self._cluster_id, self._role, settings, registry)
             transfers = TransferService(self._cluster_id, settings, links, registry, engine, self._stats)
@@ -90,9 +92,13 @@ class LLMDataDist:
             if settings.listen is not None:
                 links.listen(*settings.listen)
         except BaseException:
-            if links is not None:
-                await links.close()
-            await release_shared_executor()
+            try:
+                if links is not None:
+                    await links.close()
+            finally:
+                if directory is not None:
+                    directory.close()
+                await release_shared_executor()
             raise
         self._settings = settings
         self._cache_manager = manager
