@@ -6,6 +6,7 @@ Type errors raise ``TypeError``, integers out of their C range raise ``ValueErro
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -97,3 +98,13 @@ def check_layer_range(name: str, value: Any, *, allow_empty: bool) -> range | No
     result: range = value
     return result
 
+
+WRONG_LOOP = ("this LLMDataDist was initialized on another event loop; use one loop per instance, "
+              "or aiodatadist.sync from threads")
+
+
+def check_event_loop(loop: asyncio.AbstractEventLoop | None) -> None:
+    """``LLMException(LLM_FAILED)`` unless the running event loop is ``loop`` (the one an instance was
+    initialized on; ``None``: not bound to a loop yet).  An identity check: cheap enough for every call."""
+    if loop is not None and asyncio.get_running_loop() is not loop:
+        raise LLMException(WRONG_LOOP, status_code=LLMStatusCode.LLM_FAILED)

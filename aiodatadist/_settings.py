@@ -47,6 +47,7 @@ __all__ = [
     "env_knobs_cache_clear",
     "parse_listen_ip_info",
     "parse_options",
+    "usable_cpus",
 ]
 
 log = logging.getLogger("aiodatadist.settings")
@@ -69,8 +70,17 @@ ENV_LIBCUDA: Final = "AIODATADIST_LIBCUDA"
 
 
 # -- parsers: raw string -> value, or ValueError ---------------------------------------------------------
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a serving engine's worker pinned to one core); the
+    machine's count where the platform has no affinity."""
+    try:
+        return len(os.sched_getaffinity(0)) or os.cpu_count() or 2
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
 def _cpus() -> int:
-    return os.cpu_count() or 2
+    return usable_cpus()
 
 
 def _default_copy_threads() -> int:
@@ -172,7 +182,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
          help="copy executor: the helper's native pool, or Python threads"),
     Knob(ENV_COPY_THREADS, "copy_threads", f"an integer in [1, {MAX_COPY_THREADS}]", _default_copy_threads,
          lambda raw: _digits(raw, 1, MAX_COPY_THREADS), "warning", salvage=_clamp(MAX_COPY_THREADS),
-         help="copy threads (default: one per core, 2 to 8)"),
+         help="copy threads (default: one per CPU the process may run on, 2 to 8)"),
     Knob(ENV_COPY_NICE, "copy_nice", f"an integer in [0, {MAX_COPY_NICE}]", lambda: 10,
          lambda raw: _digits(raw, 0, MAX_COPY_NICE), "warning", salvage=_clamp(MAX_COPY_NICE),
          help="how much lower the native copy threads' priority is"),
@@ -192,7 +202,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
          option=OptionKey.DIRECTORY, help="same-host requesters read the owner's cache directory"),
     Knob(ENV_TCP_CONNECTIONS, "tcp_connections", f"an integer in [1, {MAX_TCP_CONNECTIONS}]",
          _default_tcp_connections, parse_tcp_connections, "error", option=OptionKey.TCP_CONNECTIONS,
-         help="data connections per TCP link, set by its server (default: one per core, 2 to 4)"),
+         help="data connections per TCP link, set by its server (default: one per CPU the process may run on, 2 to 4)"),
     Knob(ENV_LIBCUDA, "libcuda", "paths of the CUDA driver library", lambda: (), _parse_libcuda, "none",
          help="CUDA driver library to load (default: search)"),
 )

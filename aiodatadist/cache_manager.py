@@ -3,6 +3,7 @@ through the linked peer, see :mod:`aiodatadist.transfer`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -11,6 +12,7 @@ import numpy as np
 
 from ._checks import (
     check_bool,
+    check_event_loop,
     check_int,
     check_int_list,
     check_isinstance,
@@ -52,6 +54,13 @@ def _check_desc(cache_desc: Any) -> CacheDesc:
     return desc
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # built outside a coroutine (tests): bound to no loop
+        return None
+
+
 def _check_cache_keys(cache_keys: Any) -> list[CacheKey]:
     check_isinstance("cache_keys", cache_keys, (list, tuple))
     for key in cache_keys:
@@ -74,11 +83,18 @@ class CacheManager:
         self._engine = engine
         self._transfers = transfers
         self._closed = False
+        self._loop = _running_loop()  # the loop of LLMDataDist.init: every coroutine method must run on it
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise LLMNotInitializedError()
+
+    def _check_open_on_loop(self) -> None:
+        """At the entry of every coroutine method: open, and called on the loop the instance was made on."""
+        if self._closed:
+            raise LLMNotInitializedError()
+        check_event_loop(self._loop)
 
     def _entry(self, name: str, cache: Any) -> CacheEntry:
         check_isinstance(name, cache, Cache)
@@ -100,7 +116,7 @@ class CacheManager:
     async def run_copy(self, plan: CopyPlan, src: CacheEntry, dst: CacheEntry) -> None:
         """Copy a plan between two local caches while holding leases on them; cancellable at chunk boundaries
         (a GPU copy, when either cache is on the device, is waited for)."""
-        self._check_open()
+        self._check_open_on_loop()
         entries = (dst,) if src is dst else (dst, src)
         engine = self._engine
         with self._registry.lease(*entries):
@@ -249,7 +265,7 @@ class CacheManager:
     async def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0, src_batch_index: int = 0,
                          offset: int = 0, size: int = -1, req_id: int | None = None) -> None:
         """Copy ``size`` bytes at ``offset`` of a batch slot of every tensor from ``src`` to ``dst``."""
-        self._check_open()
+        self._check_open_on_loop()
         dst_entry, src_entry = self._entry("dst", dst), self._entry("src", src)
         dst_slot = check_int("dst_batch_index", dst_batch_index, "uint32")
         src_slot = check_int("src_batch_index", src_batch_index, "uint32")
@@ -266,7 +282,7 @@ class CacheManager:
 
     async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, list[int]]) -> None:
         """Within one blocks cache, copy each source block to each of its destination blocks."""
-        self._check_open()
+        self._check_open_on_loop()
         entry = self._entry("cache", cache)
         check_isinstance("copy_block_info", copy_block_info, dict)
         info: dict[int, list[int]] = {}
@@ -283,7 +299,7 @@ class CacheManager:
 
         Either cache may be a ``Cache.create_cpu_cache`` handle over caller-owned host memory.
         """
-        self._check_open()
+        self._check_open_on_loop()
         src_entry = self._swap_entry("src_cache", src_cache)
         dst_entry = self._swap_entry("dst_cache", dst_cache)
         check_isinstance("src_to_dst", src_to_dst, dict)
@@ -319,7 +335,7 @@ class CacheManager:
         written into it after the call has returned.  A successful pull by ``CacheKey`` releases that key on
         the owner.
         """
-        self._check_open()
+        self._check_open_on_loop()
         local, params = validate.pull_cache(self._entry, self._remote_accessible(), cache_key, cache, batch_index,
                                             size, kwargs)
         await self._transfers.run(cache_key, local, params)
@@ -333,7 +349,7 @@ class CacheManager:
         Timeouts and cancellation as :meth:`pull_cache`: the listed destination blocks are unspecified
         afterwards and never written once the call has returned.
         """
-        self._check_open()
+        self._check_open_on_loop()
         local, params = validate.pull_blocks(self._entry, src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
         await self._transfers.run(src_cache_key, local, params)
 
@@ -345,7 +361,7 @@ class CacheManager:
         Every layer is validated before any byte moves.  Timeouts and cancellation as :meth:`pull_cache`
         (here the remote slot is left unspecified, and never written after the call has returned).
         """
-        self._check_open()
+        self._check_open_on_loop()
         layers = {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
                   "tensor_num_per_layer": tensor_num_per_layer}
         local, params = validate.push_cache(self._entry, self._remote_accessible(), dst_cache_key, src_cache,
@@ -360,7 +376,7 @@ class CacheManager:
 
         Timeouts and cancellation as :meth:`push_cache`.
         """
-        self._check_open()
+        self._check_open_on_loop()
         layers = {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
                   "tensor_num_per_layer": tensor_num_per_layer}
         local, params = validate.push_blocks(self._entry, self._remote_accessible(), dst_cache_key, src_cache,

@@ -391,7 +391,7 @@ class LLMConfig:
     def tcp_connections(self) -> int | None:
         """Data connections of each TCP link this instance accepts as the server (the client opens as many as
         the server asks for), in [1, 16]; ``None`` (unset) = the ``AIODATADIST_TCP_CONNECTIONS`` variable, else
-        one per core, 2 to 4."""
+        one per CPU the process may run on, 2 to 4."""
         return self._tcp_connections
 
     @tcp_connections.setter

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from types import TracebackType
 
-from ._checks import check_bool, check_int, check_isinstance, require
+from ._checks import check_bool, check_event_loop, check_int, check_isinstance, require
 from ._settings import Settings, parse_listen_ip_info, parse_options
 from .cache_manager import CacheManager
 from .config import OptionKey
@@ -41,6 +41,7 @@ class LLMDataDist:
         self._links: LinkManager | None = None
         self._transfers: TransferService | None = None
         self._stats = StatsRecorder()  # outlives links and finalize
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of init: every coroutine runs on it
 
     # -- properties ------------------------------------------------------------------------------------------
     @property
@@ -74,8 +75,10 @@ class LLMDataDist:
 
         With ``llm.listenIpInfo`` the instance listens there (it is a server).
         """
+        check_event_loop(self._loop)
         if self._settings is not None:
             return
+        loop = asyncio.get_running_loop()
         settings = parse_options(options)
         executor = shared_executor()
         directory: CacheDirectory | None = None
@@ -101,6 +104,7 @@ class LLMDataDist:
                 await release_shared_executor()
             raise
         self._settings = settings
+        self._loop = loop
         self._cache_manager = manager
         self._transfers = transfers
         self._links = links
@@ -111,6 +115,7 @@ class LLMDataDist:
         every cache, the sockets and the worker threads.  A no-op when not initialized."""
         if self._settings is None:
             return
+        check_event_loop(self._loop)
         links, self._links = self._links, None
         try:
             if links is not None:
@@ -118,6 +123,7 @@ class LLMDataDist:
         finally:
             manager, self._cache_manager = self._cache_manager, None
             self._settings = None
+            self._loop = None
             self._transfers = None
             try:
                 if manager is not None:
@@ -158,6 +164,7 @@ class LLMDataDist:
         within ``timeout`` ms) or ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` (more than 512 links).
         """
         links = self._links_or_raise()
+        check_event_loop(self._loop)
         items, timeout_ms = self._check_clusters(clusters, timeout)
         codes = list(await asyncio.gather(*(links.link_one(c, timeout_ms) for c in items)))
         return _overall(codes), codes
@@ -171,6 +178,7 @@ class LLMDataDist:
         ``LLM_UNLINK_FAILED``.  With ``force`` only the local end is torn down without waiting.
         """
         links = self._links_or_raise()
+        check_event_loop(self._loop)
         check_bool("force", force)
         check_isinstance("clusters", clusters, (list, tuple))
         for cluster in clusters:
@@ -187,6 +195,7 @@ class LLMDataDist:
         """Change the role label; ``llm.listenIpInfo`` in ``switch_options`` (re)starts listening there,
         its absence stops a server listening.  Raises ``LLM_EXIST_LINK`` while links exist."""
         links = self._links_or_raise()
+        check_event_loop(self._loop)
         check_isinstance("role", role, LLMRole)
         check_isinstance("switch_options", switch_options, dict, allow_none=True)
         options = switch_options or {}
@@ -208,6 +217,13 @@ class LLMDataDist:
     def links(self) -> list[dict[str, object]]:
         """The current links: remote cluster, side, endpoint, data plane and what this side can do."""
         return self._links_or_raise().describe()
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """``(ip, port)`` this instance listens on, with the port actually bound (``llm.listenIpInfo`` with port 0
+        picks a free one; read it here and give it to the clients), also after :meth:`switch_role` listens
+        again; None when it is not a server.  Requires ``init``."""
+        return self._links_or_raise().listen_address
 
     def stats(self) -> StatsSnapshot:
         """Transfer statistics per remote cluster and direction, as an immutable snapshot (see

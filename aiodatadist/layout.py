@@ -43,12 +43,14 @@ UInt64Array = npt.NDArray[np.uint64]
 
 @dataclass(frozen=True, slots=True)
 class CacheGeometry:
-    """Byte geometry of a cache: ``slots`` = ``shape[0]`` (batch size or number of blocks)."""
+    """Byte geometry of a cache: ``slots`` = ``shape[0]`` (batch size or number of blocks); ``data_type`` is the
+    ``DataType`` value of its elements (-1: not known), which a transfer's two caches must share."""
 
     num_tensors: int
     tensor_size: int
     slots: int
     is_blocks: bool
+    data_type: int = -1
 
     @property
     def stride(self) -> int:
@@ -406,9 +408,21 @@ class TransferParams:
     local_slot: int = 0
 
 
+def _type_name(value: int) -> str:
+    from .types import DataType  # layout stays free of the API types but for this message
+
+    try:
+        return DataType(value).name
+    except ValueError:
+        return f"data type {value}"
+
+
 def transfer_plan(params: TransferParams, requester: CacheGeometry, owner: CacheGeometry, owner_slot: int) -> CopyPlan:
     """The validated plan of a pull or push; requester and owner compute the same plan independently."""
     require(params.op in ("pull", "push") and params.api in ("cache", "blocks"), "unknown transfer kind.")
+    require(requester.data_type == owner.data_type,
+            f"data type mismatch: the local cache holds {_type_name(requester.data_type)}, the remote cache "
+            f"{_type_name(owner.data_type)}.")
     if params.op == "pull":
         src, dst, src_slot, dst_slot = owner, requester, owner_slot, params.local_slot
         tensors = pull_tensor_indices(src, dst, params.src_layer_range, params.dst_layer_range,

@@ -40,7 +40,7 @@ class Handle(Protocol):
 
 
 def geometry_of(desc: CacheDesc, is_blocks: bool) -> CacheGeometry:
-    return CacheGeometry(desc.num_tensors, desc.size, int(desc.shape[0]), is_blocks)
+    return CacheGeometry(desc.num_tensors, desc.size, int(desc.shape[0]), is_blocks, desc.data_type.value)
 
 
 @dataclass(eq=False)

@@ -9,6 +9,7 @@ import logging
 import secrets
 import socket
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,16 @@ from ..transport.tcp.frames import DATA_HELLO, MAGIC
 from ..transport.tcp.python_plane import PythonDataPlane
 from ..types import LLMClusterInfo, LLMRole, ip_int_to_str
 from .channel import Channel, TaskSet
-from .sockets import LINGER_MS, Server, connect_dealer, dealer_sender, new_context, read_dealer
+from .sockets import (
+    LINGER_MS,
+    Context,
+    Server,
+    abandon_context,
+    connect_dealer,
+    dealer_sender,
+    new_context,
+    read_dealer,
+)
 
 if TYPE_CHECKING:
     from ..transport.tcp.native_plane import NativeDataPlane
@@ -137,6 +147,17 @@ def _data_listener(ip: str) -> socket.socket:
     return sock
 
 
+def _abandoned(ctx: Context, cluster_id: int) -> None:
+    """A link manager was garbage-collected without :meth:`LinkManager.close` (its instance was never finalized,
+    e.g. its event loop ended first): like an unclosed file, warn and free what it held, never blocking."""
+    try:
+        log.warning("cluster %d was not finalized: its sockets are closed without notifying its peers "
+                    "(call LLMDataDist.finalize() or use 'async with')", cluster_id)
+    except Exception:  # noqa: BLE001, S110 - logging may be gone at interpreter shutdown
+        pass
+    abandon_context(ctx)
+
+
 class LinkManager:
     """The links of one :class:`LLMDataDist`, its server socket and its control-plane tasks."""
 
@@ -148,6 +169,9 @@ class LinkManager:
         # TCP links use the native helper's I/O threads unless llm.Net / AIODATADIST_NET says python
         self._native_net = settings.native_net and native_pool() is not None
         self._ctx = new_context()
+        # Dropped without close() (the instance never finalized): free the sockets and context without blocking.
+        self._abandoned = weakref.finalize(self, _abandoned, self._ctx, cluster_id)
+        self._abandoned.atexit = False  # at exit pyzmq leaves contexts alone; a live loop may still use them
         self._tasks = TaskSet()
         self._probe = HostProbe()
         self._server: Server | None = None
@@ -167,12 +191,18 @@ class LinkManager:
     # -- server ----------------------------------------------------------------------------------------------
     @property
     def listening(self) -> str | None:
+        """The bound endpoint (``tcp://ip:port``, the real port when asked for port 0), or None."""
         return self._server.endpoint if self._server is not None else None
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """``(ip, port)`` of the bound server socket (the real port when asked for port 0), or None."""
+        return _split_endpoint(self._server.endpoint) if self._server is not None else None
 
     def listen(self, ip: str, port: int) -> None:
         """Listen on ``ip:port`` (replacing the current address; the same address is kept as it is)."""
         endpoint = f"tcp://{ip}:{port}"
-        if self._server is not None and self._server.endpoint == endpoint:
+        if self._server is not None and self._server.requested == endpoint:
             return
         old = self._server.endpoint if self._server is not None else None
         if old is not None and _split_endpoint(old)[1] == port:
@@ -194,7 +224,7 @@ class LinkManager:
         self._server_watch = self._tasks.spawn(self._watch_server(server), name=f"watch-{endpoint}")
         self._data_listener = data_listener
         self._tasks.spawn(self._accept_data(data_listener), name=f"data-{endpoint}")
-        log.info("cluster %d listening on %s", self._cluster_id, endpoint)
+        log.info("cluster %d listening on %s", self._cluster_id, server.endpoint)
 
     def stop_listening(self) -> None:
         if self._data_listener is not None:
@@ -635,6 +665,7 @@ class LinkManager:
                     sock.close(linger=LINGER_MS)
             # Closed sockets linger briefly so that the BYEs reach the peers; term() waits for that, off the loop.
             await asyncio.to_thread(self._ctx.term)
+            self._abandoned.detach()
             self._probe.close()
 
     def describe(self) -> list[dict[str, Any]]:

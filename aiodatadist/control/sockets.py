@@ -8,6 +8,7 @@ instance's :class:`~.channel.TaskSet`).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -19,7 +20,8 @@ from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode
 from ..protocol.messages import reply_to_wire
 from .channel import Channel, TaskSet
 
-__all__ = ["LINGER_MS", "Server", "connect_dealer", "dealer_sender", "new_context", "read_dealer"]
+__all__ = ["LINGER_MS", "Context", "Server", "abandon_context", "connect_dealer", "dealer_sender", "new_context",
+           "read_dealer"]
 
 log = logging.getLogger("aiodatadist.control.sockets")
 
@@ -33,11 +35,56 @@ HEARTBEAT_TIMEOUT_MS: Final = 5000
 HEARTBEAT_TTL_MS: Final = 5000
 
 
-def new_context() -> zmq.asyncio.Context:
-    ctx = zmq.asyncio.Context()
+class Context(zmq.asyncio.Context):
+    """An asyncio context that holds its open sockets (monitor sockets included) strongly, until each is closed.
+
+    pyzmq's own set is weak: when an abandoned instance is garbage-collected, the collector clears those references
+    before any finalizer runs, and the context's ``term()`` then waits for ever on sockets it no longer knows.
+    Here :func:`abandon_context` can still reach and close every one of them."""
+
+    open_sockets: set[Any]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open_sockets = set()
+
+    def _add_socket(self, socket: Any) -> None:
+        super()._add_socket(socket)
+        self.open_sockets.add(socket)
+
+    def _rm_socket(self, socket: Any) -> None:
+        super()._rm_socket(socket)
+        if getattr(self, "open_sockets", None) is not None:
+            self.open_sockets.discard(socket)
+
+
+def new_context() -> Context:
+    ctx = Context()
     ctx.setsockopt(zmq.LINGER, 0)
     ctx.set(zmq.MAX_SOCKETS, 8192)
     return ctx
+
+
+def abandon_context(ctx: Context) -> None:
+    """Free a context whose owner was dropped without being closed (from a finalizer, on any thread, with its event
+    loop possibly gone): every socket closed with linger 0, then ``term()`` on a daemon thread.  Never blocks."""
+    for sock in list(ctx.open_sockets):
+        if sock.closed:
+            continue
+        try:
+            sock.close(linger=0)  # the asyncio close: cancels its futures, leaves its loop
+        except Exception:  # noqa: BLE001 - its loop is closed: close the socket itself
+            try:
+                zmq.Socket.close(sock, linger=0)
+            except Exception:  # noqa: BLE001, S110 - a finalizer must not raise
+                pass
+        ctx.open_sockets.discard(sock)
+    if ctx.closed:
+        return
+    try:  # the thread holds the context until term() returns, so its own __del__ does not term it again
+        threading.Thread(target=ctx.term, name="aiodatadist-zmq-term", daemon=True).start()
+    except RuntimeError:  # interpreter shutdown: pyzmq no longer terms contexts then either
+        pass
 
 
 def _tune(sock: zmq.asyncio.Socket) -> None:
@@ -109,7 +156,10 @@ class Server:
         except zmq.ZMQError:
             self.sock.close(linger=0)  # an unclosed socket would block the context's term() forever
             raise
-        self.endpoint = endpoint
+        self.requested = endpoint  # as asked: port 0 means any free port
+        bound = self.sock.getsockopt(zmq.LAST_ENDPOINT)
+        port = bound.decode().rsplit(":", 1)[1] if isinstance(bound, bytes) else endpoint.rsplit(":", 1)[1]
+        self.endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"  # as bound: the port peers connect to
         self.channels: dict[bytes, Channel] = {}
         self._on_hello = on_hello
 

@@ -48,7 +48,8 @@ def worker_spin_ns() -> int:
 
 
 def default_workers() -> int:
-    """Copy threads: ``AIODATADIST_COPY_THREADS`` (1-64) if set, else one per core (2 to 8)."""
+    """Copy threads: ``AIODATADIST_COPY_THREADS`` (1-64) if set, else one per CPU this process may run on
+    (its affinity; 2 to 8)."""
     return env_knobs().copy_threads
 
 

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 S = LLMStatusCode
-PROTOCOL_VERSION = 2  # 2: batched frames, segments announced at link time
+PROTOCOL_VERSION = 3  # 2: batched frames, segments announced at link time; 3: geometries carry the data type
 MAX_LINKS = 512
 ADMITTED: tuple[int, str] = (0, "")
 SHM_ELSEWHERE = "transport shm forced, but the peer is not on this host"

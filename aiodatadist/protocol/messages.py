@@ -11,8 +11,8 @@ directory, ``reads``, the server's ``plane``, its data-connection offer, ...) de
 empty tuple, ``False``) instead of raising, exactly as the readers did: a wrong announcement only costs an
 optimisation.  Absent optional fields decode to their defaults.
 
-The wire format is that of protocol version 2 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`): same
-keys, same value shapes, same key order.
+The wire format is that of protocol version 3 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`): that of
+version 2 (same keys, same value shapes, same key order) except that a cache geometry carries its data type.
 """
 
 from __future__ import annotations
@@ -111,17 +111,19 @@ def _lenient(parse: Callable[[Any], _T], value: Any) -> _T | None:
 
 # -- wire forms shared by several messages ---------------------------------------------------------------------
 def geometry_to_wire(g: CacheGeometry) -> list[Any]:
-    return [g.num_tensors, g.tensor_size, g.slots, g.is_blocks]
+    """``[num_tensors, tensor_size, slots, is_blocks, data_type]`` (the data type since protocol version 3)."""
+    return [g.num_tensors, g.tensor_size, g.slots, g.is_blocks, g.data_type]
 
 
 def geometry_from_wire(value: Any) -> CacheGeometry:
-    if not (isinstance(value, list) and len(value) == 4 and isinstance(value[3], bool)
-            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= I64_MAX for v in value[:3])):
+    if not (isinstance(value, list) and len(value) == 5 and isinstance(value[3], bool)
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= I64_MAX for v in value[:3])
+            and _is_int(value[4]) and I64_MIN <= value[4] <= I64_MAX):
         raise ProtocolError("invalid cache geometry")
-    num_tensors, tensor_size, slots, is_blocks = value
+    num_tensors, tensor_size, slots, is_blocks, data_type = value
     if num_tensors <= 0 or slots <= 0 or tensor_size <= 0 or tensor_size % slots:
         raise ProtocolError("invalid cache geometry")
-    return CacheGeometry(num_tensors, tensor_size, slots, is_blocks)
+    return CacheGeometry(num_tensors, tensor_size, slots, is_blocks, data_type)
 
 
 def segment_to_wire(s: SegmentIdentity | None, base: int) -> list[int] | None:

@@ -10,7 +10,7 @@ import numpy as np
 import zmq
 
 from .. import __version__
-from .._settings import EnvKnobs, env_knobs
+from .._settings import EnvKnobs, env_knobs, usable_cpus
 from ..cuda import cuda_status
 from ..native import native_available, native_pool
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
          f", {knobs.tcp_connections} connections per link (defaults of llm.Net and llm.TcpConnections: "
          "AIODATADIST_NET, AIODATADIST_TCP_CONNECTIONS)"),
         f"GPU (Placement.DEVICE, CUDA driver API through ctypes): {cuda_status()}",
-        f"cpus: {os.cpu_count()}",
+        f"cpus: {usable_cpus()} usable (affinity) of {os.cpu_count()}",
         "settings (AIODATADIST_* environment variables; an option named here overrides it per instance):",
         *_settings_lines(knobs),
     ]

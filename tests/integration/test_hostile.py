@@ -38,7 +38,7 @@ from aiodatadist.transport.tcp.frames import HEADER, MAGIC
 
 S = LLMStatusCode
 DESC = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)
-GEOMETRY = geometry_to_wire(CacheGeometry(2, 8 * 4096, 8, True))
+GEOMETRY = geometry_to_wire(CacheGeometry(2, 8 * 4096, 8, True, DESC.data_type.value))
 FIELDS = ["tid", "key", "peer", "known", "op", "api", "sb", "db", "sr", "dr", "n", "size", "slot", "ok", "confirm",
           "r", "code", "cluster", "to", "v", "role", "transport", "cn", "cp", "sn"]
 

@@ -7,6 +7,8 @@ import asyncio
 import gc
 import os
 import resource
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -214,3 +216,50 @@ async def test_caches_the_owner_frees_are_unmapped_by_the_requester() -> None:
         prompt.cache_manager.deallocate_blocks_cache(src)
         await asyncio.sleep(0.1)
         assert peer_mappings(1) <= 2, peer_mappings(1)
+
+
+DROPPED_WITHOUT_FINALIZE = """
+import asyncio, gc, sys
+from aiodatadist import LLMConfig, LLMDataDist, LLMRole, LLMStatusCode
+from aiodatadist.testing import cluster_info, free_port
+
+dropped, transport = sys.argv[1], sys.argv[2]
+
+async def main():
+    port = free_port()
+    server_cfg = LLMConfig()
+    server_cfg.listen_ip_info = f"127.0.0.1:{port}"
+    server_cfg.transport = transport
+    client_cfg = LLMConfig()
+    client_cfg.transport = transport
+    server = LLMDataDist(LLMRole.PROMPT, 1)
+    await server.init(dict(server_cfg.generate_options()))
+    client = LLMDataDist(LLMRole.DECODER, 2)
+    await client.init(dict(client_cfg.generate_options()))
+    code, _ = await client.link_clusters([cluster_info(1, port)], timeout=5000)
+    assert code == LLMStatusCode.LLM_SUCCESS, code
+    return {"server": server, "client": client}
+
+instances = asyncio.run(main())  # the loop is gone; neither instance was finalized
+kept = instances.pop("server" if dropped == "client" else "client")
+del instances
+gc.collect()  # the dropped instance goes here
+print("collected", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize("dropped", ["client", "server"])
+def test_a_linked_instance_dropped_without_finalize_does_not_hang_the_process(dropped: str, transport: str) -> None:
+    """Issue 12: garbage-collecting a linked instance that was never finalized hung for ever in the ZeroMQ
+    context's ``term()`` (the collector had cleared pyzmq's weak references to the still open sockets).  Now its
+    sockets are closed with linger 0, the context is terminated off the finalizer, a warning says so, and the
+    process exits."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", DROPPED_WITHOUT_FINALIZE, dropped, transport],
+                              check=False, capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the process hung after dropping the {dropped} ({transport}): {exc.stdout!r} {exc.stderr!r}")
+    assert proc.returncode == 0, proc.stderr
+    assert "collected" in proc.stdout
+    assert "was not finalized" in proc.stderr, proc.stderr

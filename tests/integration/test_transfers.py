@@ -103,11 +103,12 @@ def all_tensors(n: int) -> list[tuple[int, int]]:
 async def test_pull_cache_by_req_id_releases_only_that_key(w: World, requester: str,
                                                            mems: tuple[str, str]) -> None:
     req, own = ends(w, requester)
-    # Owner: 3 slots of 256 bytes as fp16 [3, 16, 8]; requester: 4 slots of 256 bytes as uint8 [4, 256].
+    # Owner: 3 slots of 256 bytes as fp16 [3, 16, 8]; requester: 4 slots of 256 bytes as fp16 [4, 128] (the data
+    # types must match since issue 12, the shapes need not).
     oc = own.cluster_id
     src = await own.new_cache(4, (3, 16, 8), dtype="DT_FLOAT16", mem=mems[0], seed=11,
                               keys=[[oc, 100, 5], [oc, 101, 5], [oc, 102, 5]])
-    dst = await req.new_cache(4, (4, 256), mem=mems[1], seed=12)
+    dst = await req.new_cache(4, (4, 128), dtype="DT_FLOAT16", mem=mems[1], seed=12)
     src_bytes, before = await own.snapshot(src), await req.snapshot(dst)
 
     # A key with another model_id is a different key.
@@ -207,8 +208,8 @@ async def test_pull_cache_size_smaller_than_slot(w: World, requester: str, size:
 async def test_pull_blocks_b2b_scattered(w: World, requester: str, mems: tuple[str, str]) -> None:
     req, own = ends(w, requester)
     oc = own.cluster_id
-    # 64-byte blocks on both ends, with different shapes and dtypes.
-    src = await own.new_cache(4, (8, 64), mem=mems[0], blocks=True, model_id=7, seed=51)
+    # 64-byte blocks on both ends, with different shapes (the same data type: issue 12).
+    src = await own.new_cache(4, (8, 32), dtype="DT_FLOAT16", mem=mems[0], blocks=True, model_id=7, seed=51)
     dst = await req.new_cache(4, (10, 2, 16), dtype="DT_FLOAT16", mem=mems[1], blocks=True, seed=52)
     src_bytes, before = await own.snapshot(src), await req.snapshot(dst)
 
@@ -291,7 +292,7 @@ async def test_push_cache_by_id_and_index(w: World, requester: str, mems: tuple[
     req, own = ends(w, requester)
     oc = own.cluster_id
     dst = await own.new_cache(4, (3, 8, 8), dtype="DT_INT32", mem=mems[0], seed=91, keys=[[oc, 900]])
-    src = await req.new_cache(4, (2, 256), mem=mems[1], seed=92)
+    src = await req.new_cache(4, (2, 64), dtype="DT_INT32", mem=mems[1], seed=92)
     before, src_bytes = await own.snapshot(dst), await req.snapshot(src)
 
     await req.transfer("push_cache", src, id_key(oc, dst.cache_id, 2), batch_index=1)
@@ -303,7 +304,7 @@ async def test_push_cache_by_id_and_index(w: World, requester: str, mems: tuple[
     assert_bytes(await own.snapshot(dst), exp)
     assert_bytes(await req.snapshot(src), src_bytes, "source")
     # Pushing by id does not touch the owner's keys.
-    probe = await req.new_cache(4, (1, 256), seed=93)
+    probe = await req.new_cache(4, (1, 64), dtype="DT_INT32", seed=93)
     await req.transfer("pull_cache", probe, req_key(oc, 900), batch_index=0)
     assert_bytes(await req.snapshot(probe), [t[:256] for t in exp], "slot 0 pulled back by its key")
     await w.settled()
@@ -313,7 +314,7 @@ async def test_push_cache_by_id_and_index(w: World, requester: str, mems: tuple[
 async def test_push_blocks(w: World, requester: str, mems: tuple[str, str]) -> None:
     req, own = ends(w, requester)
     oc = own.cluster_id
-    dst = await own.new_cache(2, (8, 48), mem=mems[0], blocks=True, model_id=11, seed=101)
+    dst = await own.new_cache(2, (8, 24), dtype="DT_INT16", mem=mems[0], blocks=True, model_id=11, seed=101)
     src = await req.new_cache(2, (6, 24), dtype="DT_INT16", mem=mems[1], blocks=True, seed=102)
     before, src_bytes = await own.snapshot(dst), await req.snapshot(src)
 
@@ -611,3 +612,57 @@ async def test_64_concurrent_pull_blocks(w: World, requester: str) -> None:
     assert_bytes(await req.snapshot(dst), exp)
     assert_bytes(await own.snapshot(src), src_bytes, "source")
     await w.settled()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+async def test_caches_of_different_data_types_are_refused(transport: str) -> None:
+    """Issue 12: bf16 into float16 (equal bytes per block) was accepted.  Every pull and push between caches whose
+    data types differ fails with LLM_PARAM_INVALID, on both planes, before a byte moves, whichever side checks
+    (the owner from BEGIN's geometry, the requester from a published descriptor); the link keeps working."""
+    from aiodatadist import (
+        BlocksCacheKey,
+        CacheDesc,
+        CacheKeyByIdAndIndex,
+        DataType,
+        LLMConfig,
+        LLMException,
+        Placement,
+    )
+    from aiodatadist.testing import fill_pattern, linked_pair
+
+    cfg = LLMConfig()
+    cfg.transport = transport
+    bf16_blocks = CacheDesc(2, (4, 512), DataType.DT_BF16, Placement.HOST)
+    fp16_blocks = CacheDesc(2, (4, 512), DataType.DT_FLOAT16, Placement.HOST)
+    bf16_cache = CacheDesc(2, (2, 512), DataType.DT_BF16, Placement.HOST)
+    fp16_cache = CacheDesc(2, (2, 512), DataType.DT_FLOAT16, Placement.HOST)
+    async with linked_pair(1, 2, config=cfg) as (prompt, decoder):
+        owner, requester = prompt.cache_manager, decoder.cache_manager
+        remote_blocks = owner.allocate_blocks_cache(bf16_blocks, BlocksCacheKey(1, 0))
+        remote_cache = owner.allocate_cache(bf16_cache)
+        fill_pattern(remote_blocks, 1)
+        fill_pattern(remote_cache, 2)
+        local_blocks = requester.allocate_blocks_cache(fp16_blocks)
+        local_cache = requester.allocate_cache(fp16_cache)
+        fill_pattern(local_blocks, 3)
+        fill_pattern(local_cache, 4)
+        before = [[t.tobytes() for t in c.tensors] for c in (remote_blocks, remote_cache, local_blocks, local_cache)]
+        cache_key = CacheKeyByIdAndIndex(1, remote_cache.cache_id, 0)
+        attempts = {
+            "pull_blocks": lambda: requester.pull_blocks(BlocksCacheKey(1, 0), local_blocks, [0, 1], [2, 3]),
+            "push_blocks": lambda: requester.push_blocks(BlocksCacheKey(1, 0), local_blocks, [0, 1], [2, 3]),
+            "pull_cache": lambda: requester.pull_cache(cache_key, local_cache, 1),
+            "push_cache": lambda: requester.push_cache(cache_key, local_cache, 1),
+            "pull c2b": lambda: requester.pull_blocks(cache_key, local_blocks, [], [0, 1]),
+        }
+        for _ in range(2):  # the second time the requester may know the owner's descriptor (published caches)
+            for name, attempt in attempts.items():
+                with pytest.raises(LLMException) as info:
+                    await attempt()
+                assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, name
+                assert "data type" in str(info.value), (name, str(info.value))
+        after = [[t.tobytes() for t in c.tensors] for c in (remote_blocks, remote_cache, local_blocks, local_cache)]
+        assert before == after
+        same = requester.allocate_blocks_cache(bf16_blocks)  # the same data type still goes through
+        await requester.pull_blocks(BlocksCacheKey(1, 0), same, [0, 1], [2, 3])
+        assert (same.tensors[0][2:] == remote_blocks.tensors[0][:2]).all()

@@ -66,18 +66,19 @@ def first_hello(cn: bytes | None = None) -> Hello:
 def test_constants() -> None:
     from aiodatadist.control import links
 
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3  # 3: cache geometries carry the data type (issue 12)
     assert MAX_LINKS == 512 == links.MAX_LINKS
     assert ADMITTED == (0, "")
 
 
 def test_admit() -> None:
-    def run(version: int = 2, cluster: int = CLIENT, target: int = SERVER, links: Any = (), linking: Any = ()) -> Any:
+    def run(version: int = PROTOCOL_VERSION, cluster: int = CLIENT, target: int = SERVER, links: Any = (), linking: Any = ()) -> Any:
         return admit(version, cluster, target, own_id=SERVER, links=links, linking=linking)
 
     assert run() == ADMITTED
-    assert run(version=1) == (int(S.LLM_LINK_FAILED), "protocol version 1 is not supported (2)")
-    assert run(version=3)[0] == int(S.LLM_LINK_FAILED)
+    assert run(version=1) == (int(S.LLM_LINK_FAILED), "protocol version 1 is not supported (3)")
+    assert run(version=2) == (int(S.LLM_LINK_FAILED), "protocol version 2 is not supported (3)")  # no data types
+    assert run(version=4)[0] == int(S.LLM_LINK_FAILED)
     assert run(target=3) == (int(S.LLM_LINK_FAILED), "this is cluster 1, not 3")
     assert run(cluster=SERVER) == (int(S.LLM_PARAM_INVALID), "a cluster cannot link to itself")
     assert run(links={CLIENT: object()}) == (int(S.LLM_ALREADY_LINK), "cluster 2 is already linked")
@@ -89,19 +90,19 @@ def test_admission_rules_apply_in_order() -> None:
     """Version first, then the target, the self-link, an existing link, the link limit."""
     everything_wrong = admit(1, SERVER, 3, own_id=SERVER, links={SERVER: 0}, linking=set(range(MAX_LINKS)))
     assert everything_wrong[1].startswith("protocol version")
-    assert admit(2, SERVER, 3, own_id=SERVER, links=(), linking=())[1].startswith("this is cluster")
-    assert admit(2, SERVER, SERVER, own_id=SERVER, links={SERVER: 0}, linking=())[1] == "a cluster cannot link to " \
+    assert admit(PROTOCOL_VERSION, SERVER, 3, own_id=SERVER, links=(), linking=())[1].startswith("this is cluster")
+    assert admit(PROTOCOL_VERSION, SERVER, SERVER, own_id=SERVER, links={SERVER: 0}, linking=())[1] == "a cluster cannot link to " \
         "itself"
     full = set(range(100, 100 + MAX_LINKS))
-    assert admit(2, 100, SERVER, own_id=SERVER, links=full, linking=())[0] == int(S.LLM_ALREADY_LINK)
+    assert admit(PROTOCOL_VERSION, 100, SERVER, own_id=SERVER, links=full, linking=())[0] == int(S.LLM_ALREADY_LINK)
 
 
 def test_the_link_limit_counts_links_and_linkings() -> None:
     links = dict.fromkeys(range(100, 100 + MAX_LINKS - 10))
-    assert admit(2, CLIENT, SERVER, own_id=SERVER, links=links, linking=set(range(10, 19))) == ADMITTED  # 511
+    assert admit(PROTOCOL_VERSION, CLIENT, SERVER, own_id=SERVER, links=links, linking=set(range(10, 19))) == ADMITTED  # 511
     limit = (int(S.LLM_CLUSTER_NUM_EXCEED_LIMIT), f"at most {MAX_LINKS} links")
-    assert admit(2, CLIENT, SERVER, own_id=SERVER, links=links, linking=set(range(10, 20))) == limit  # 512
-    assert admit(2, CLIENT, SERVER, own_id=SERVER, links=dict.fromkeys(range(100, 100 + MAX_LINKS)),
+    assert admit(PROTOCOL_VERSION, CLIENT, SERVER, own_id=SERVER, links=links, linking=set(range(10, 20))) == limit  # 512
+    assert admit(PROTOCOL_VERSION, CLIENT, SERVER, own_id=SERVER, links=dict.fromkeys(range(100, 100 + MAX_LINKS)),
                  linking=()) == limit
 
 

@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"transfer"},  # the transfer conversation: requester, owner, copy engine
     {"cache_manager"},  # public facade: caches, local copies, pull/push
     {"datadist"},  # public facade and composition root
-    {"metrics", "testing"},  # public helpers built on the facade
+    {"metrics", "testing", "sync"},  # public helpers built on the facade; the blocking API
     {"tools", "__main__", "__init__"},  # CLI and the package's public namespace
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
@@ -146,6 +146,7 @@ def test_layers_import_only_layers_below() -> None:
 @pytest.mark.parametrize("protected", ["aiodatadist.tools", "aiodatadist.datadist", "aiodatadist.cache_manager"])
 def test_only_the_top_reaches_the_facade_and_the_tools(protected: str) -> None:
     allowed = {"aiodatadist", "aiodatadist.__main__", "aiodatadist.testing", "aiodatadist.metrics",
+               "aiodatadist.sync",
                "aiodatadist.tools", "aiodatadist.datadist"}
     offenders = sorted(
         module for module, targets in _graph().items()

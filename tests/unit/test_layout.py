@@ -1003,3 +1003,19 @@ def test_split_spans_of_real_plan(inputs, chunk_piece, data):
     assert all(0 < x <= (piece or chunk) for x in pieces.length.tolist())
     b = bounds.tolist()
     assert b[0] == 0 and b[-1] == len(pieces) and all(x < y for x, y in itertools.pairwise(b))
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("api", ["cache", "blocks"])
+def test_caches_of_different_data_types_have_no_plan(op: str, api: str) -> None:
+    """Issue 12: equal bytes per block were enough, so bf16 (27) went into float16 (1).  The data type must match."""
+    from aiodatadist.layout import TransferParams, transfer_plan
+
+    def geometry(data_type: int) -> CacheGeometry:
+        return CacheGeometry(2, 4 * 512, 4, api == "blocks", data_type)
+
+    params = TransferParams(op, api, src_blocks=(0,) if api == "blocks" else (), dst_blocks=(1,))
+    with pytest.raises(LLMException, match="data type mismatch.*DT_FLOAT16.*DT_BF16") as info:
+        transfer_plan(params, geometry(1), geometry(27), 0)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert transfer_plan(params, geometry(27), geometry(27), 0).total_bytes > 0

@@ -2,7 +2,10 @@
 
 The golden dicts are written exactly as the control plane built them inline before the typed messages existed
 (``links.py``'s HELLO body and reply, ``transfer.py``'s BEGIN/END/ABORT/FREED bodies and BEGIN reply, the
-channel's reply envelope): the wire format of protocol version 2 must not change, down to the key order.
+channel's reply envelope): the wire format must not change, down to the key order, except deliberately with a new
+protocol version.  Version 3 (issue 12) changed one thing, on purpose: a cache geometry (BEGIN's ``peer``, a
+descriptor's ``geometry``) carries the cache's data type as a fifth element, so that caches of different data types
+with equal block sizes are refused (``[2, 8 * 4096, 8, True, 1]`` below: 1 = ``DT_FLOAT16``).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ HOST_WIRE = {"boot": "6c3f-boot", "pid": 4242, "probe": [4242, 9, 5551, 66, 4096
 SEG = SegmentIdentity(pid=4242, fd=11, inode=777, device=66, size=1 << 20)
 SEG_BASE = 0x7F10_0000_0000
 DIRECTORY = SegmentIdentity(pid=4242, fd=12, inode=778, device=66, size=1 << 16)
-GEOMETRY = CacheGeometry(num_tensors=2, tensor_size=8 * 4096, slots=8, is_blocks=True)
+GEOMETRY = CacheGeometry(num_tensors=2, tensor_size=8 * 4096, slots=8, is_blocks=True, data_type=1)  # DT_FLOAT16
 PARAMS = TransferParams(op="pull", api="blocks", src_blocks=(3, 5), dst_blocks=(0, 1), src_layer_range=range(1),
                         dst_layer_range=None, tensor_num_per_layer=2, size=-1, local_slot=0)
 CN, SN, SP, CP = b"c" * 32, b"s" * 32, b"p" * 32, b"q" * 32
@@ -107,7 +110,7 @@ def test_hello_golden() -> None:
     assert answered.to_wire() == second and list(answered.to_wire()) == list(second)
     # Channel.request: {**body, "k": kind, "i": req_id}
     assert encode(request_to_wire(answered, 1)) == pack({**second, "k": "hello", "i": 1})
-    assert PROTOCOL_VERSION == 2
+    assert PROTOCOL_VERSION == 3  # 3: geometries carry the data type (issue 12)
 
 
 def test_hello_reply_golden() -> None:
@@ -153,7 +156,7 @@ def test_begin_golden() -> None:
     begin = Begin(tid=77, key=WireKey("blocks", 5, 0), peer=GEOMETRY, params=PARAMS, known=(3, 4))
     # transfer.py _run: {"tid", "key": wkey.to_wire(), "peer": geometry_to_wire(...), "known": [...],
     # **params_to_wire(params)}
-    expected = {"tid": 77, "key": ["blocks", 5, 0], "peer": [2, 8 * 4096, 8, True], "known": [3, 4],
+    expected = {"tid": 77, "key": ["blocks", 5, 0], "peer": [2, 8 * 4096, 8, True, 1], "known": [3, 4],
                 "op": "pull", "api": "blocks", "sb": [3, 5], "db": [0, 1], "sr": [0, 1], "dr": None, "n": 2,
                 "size": -1, "slot": 0}
     assert begin.to_wire() == expected and list(begin.to_wire()) == list(expected)
@@ -165,7 +168,7 @@ def test_begin_reply_golden() -> None:
     reply = BeginReply(cid=3, slot=1, pub=(5, 99), desc=Descriptor(GEOMETRY, addrs, (SEG, SEG_BASE)))
     # transfer.py _begin: {"cid", "slot"}, reply["pub"] = list(entry.published), reply["desc"] = {...}
     expected = {"cid": 3, "slot": 1, "pub": [5, 99],
-                "desc": {"geometry": [2, 8 * 4096, 8, True], "addrs": [SEG_BASE, SEG_BASE + 8 * 4096],
+                "desc": {"geometry": [2, 8 * 4096, 8, True, 1], "addrs": [SEG_BASE, SEG_BASE + 8 * 4096],
                          "segment": [4242, 11, 777, 66, 1 << 20, SEG_BASE]}}
     assert reply.to_wire() == expected and list(reply.to_wire()) == list(expected)
     assert list(reply.to_wire()["desc"]) == ["geometry", "addrs", "segment"]
@@ -173,7 +176,7 @@ def test_begin_reply_golden() -> None:
     # a device cache: reply["desc"]["ipc"] = ipc_export(...) ([handle, base, size] lists)
     device = BeginReply(3, 0, None, Descriptor(GEOMETRY, addrs, None, ((HANDLE_A, 4096, 1 << 20),)))
     assert device.to_wire() == {"cid": 3, "slot": 0, "desc": {
-        "geometry": [2, 8 * 4096, 8, True], "addrs": [SEG_BASE, SEG_BASE + 8 * 4096], "segment": None,
+        "geometry": [2, 8 * 4096, 8, True, 1], "addrs": [SEG_BASE, SEG_BASE + 8 * 4096], "segment": None,
         "ipc": [[HANDLE_A, 4096, 1 << 20]]}}
     # known descriptor, unpublished cache
     assert BeginReply(3, 0).to_wire() == {"cid": 3, "slot": 0}
@@ -206,7 +209,7 @@ def test_small_requests_golden() -> None:
 
 def test_shared_wire_forms_golden() -> None:
     assert WireKey("req", -1, 2**64 - 1).to_wire() == ["req", -1, 2**64 - 1]
-    assert geometry_to_wire(GEOMETRY) == [2, 8 * 4096, 8, True]
+    assert geometry_to_wire(GEOMETRY) == [2, 8 * 4096, 8, True, 1]
     assert segment_to_wire(SEG, SEG_BASE) == [4242, 11, 777, 66, 1 << 20, SEG_BASE]
     assert segment_to_wire(None, 0) is None
     assert range_to_wire(range(2, 5)) == [2, 5] and range_to_wire(None) is None
@@ -385,7 +388,7 @@ def test_reply_codes_and_messages() -> None:
 
 # -- malformed fields ----------------------------------------------------------------------------------------------
 VALID_HELLO = {"v": 2, "cluster": 1, "to": 2, "role": 0, "transport": "auto"}
-VALID_BEGIN = {"tid": 5, "key": ["blocks", 0, 0], "peer": [2, 8 * 4096, 8, True], "known": [], "op": "pull",
+VALID_BEGIN = {"tid": 5, "key": ["blocks", 0, 0], "peer": [2, 8 * 4096, 8, True, 1], "known": [], "op": "pull",
                "api": "blocks", "sb": [1], "db": [2], "sr": None, "dr": None, "n": 2, "size": -1, "slot": 0}
 VALID_BEGIN_REPLY = {"cid": 3, "slot": 0}
 BAD_INTS = [None, True, 1.0, "1", b"1", [1]]
@@ -399,8 +402,8 @@ MALFORMED: list[tuple[type[Any], dict[str, Any], str, list[Any]]] = [
     (Begin, VALID_BEGIN, "tid", [*BAD_INTS, -1]),
     (Begin, VALID_BEGIN, "key", [None, [], ["blocks", 0], ["blocks", 0, 0, 0], ["other", 0, 0], ["id", True, 0],
                                  ["id", 0, 1.0], ["id", -(2**63) - 1, 0], ("id", 0, 0), "id"]),
-    (Begin, VALID_BEGIN, "peer", [None, [2, 8, 8], [2, 8, 8, 1], [0, 8, 8, True], [2, 0, 8, True], [2, 8, 0, True],
-                                  [2, 9, 8, True], [-2, 8, 8, True], [2, 2**63, 1, True], [True, 8, 8, True]]),
+    (Begin, VALID_BEGIN, "peer", [None, [2, 8, 8], [2, 8, 8, 1], [0, 8, 8, True, 4], [2, 0, 8, True, 4], [2, 8, 0, True, 4],
+                                  [2, 9, 8, True, 4], [-2, 8, 8, True, 4], [2, 2**63, 1, True, 4], [True, 8, 8, True, 4]]),
     (Begin, VALID_BEGIN, "known", [[0], [2**63], [True], [1.0], [-1], 5, "x"]),
     (Begin, VALID_BEGIN, "op", [None, "get", 1, b"pull"]),
     (Begin, VALID_BEGIN, "api", [None, "block", 1]),
@@ -418,12 +421,12 @@ MALFORMED: list[tuple[type[Any], dict[str, Any], str, list[Any]]] = [
     (BeginReply, VALID_BEGIN_REPLY, "cid", [*BAD_INTS, 0, 2**63]),
     (BeginReply, VALID_BEGIN_REPLY, "slot", [*BAD_INTS, -1, 2**32]),
     (BeginReply, VALID_BEGIN_REPLY, "pub", [[1], [1, 2, 3], [-1, 2], [1, True], [1.0, 2], "x", 5]),
-    (BeginReply, VALID_BEGIN_REPLY, "desc", [5, [], "x", {}, {"geometry": [2, 8, 8, True]},
-                                             {"geometry": [2, 8, 8, True], "addrs": [1]},
-                                             {"geometry": [2, 8, 8, True], "addrs": [1, -1]},
-                                             {"geometry": [2, 8, 8, True], "addrs": [1, True]},
-                                             {"geometry": [2, 8, 8, True], "addrs": [1, 2], "segment": [1, 2]},
-                                             {"geometry": [2, 8, 8, True], "addrs": [1, 2], "ipc": []}]),
+    (BeginReply, VALID_BEGIN_REPLY, "desc", [5, [], "x", {}, {"geometry": [2, 8, 8, True, 4]},
+                                             {"geometry": [2, 8, 8, True, 4], "addrs": [1]},
+                                             {"geometry": [2, 8, 8, True, 4], "addrs": [1, -1]},
+                                             {"geometry": [2, 8, 8, True, 4], "addrs": [1, True]},
+                                             {"geometry": [2, 8, 8, True, 4], "addrs": [1, 2], "segment": [1, 2]},
+                                             {"geometry": [2, 8, 8, True, 4], "addrs": [1, 2], "ipc": []}]),
     (HelloReply, {"cluster": 1}, "cluster", [*BAD_INTS, -1]),
     (HelloChallenge, {"challenge": SN, "sp": SP}, "challenge", [b"s" * 31, b"s" * 33, "s" * 32, 5, [SN]]),
     (HelloChallenge, {"challenge": SN, "sp": SP}, "sp", [None, "p", 5, [SP]]),
@@ -448,7 +451,7 @@ def test_a_malformed_field_is_a_protocol_error(cls: type[Any], valid: dict[str, 
 
 
 def test_descriptor_checks() -> None:
-    geometry = [2, 4096, 4, False]
+    geometry = [2, 4096, 4, False, 4]  # 4 = DT_UINT8 (since protocol version 3)
     base = 1 << 30
     segment = [1, 2, 3, 4, 3 * 4096, base]
     ok = {"geometry": geometry, "addrs": [base, base + 2 * 4096], "segment": segment}
@@ -478,7 +481,11 @@ def test_ipc_allocations() -> None:
 
 def test_shared_forms_bounds() -> None:
     assert WireKey.from_wire(["id", -(2**63), U64_MAX]) == WireKey("id", -(2**63), U64_MAX)
-    assert geometry_from_wire([1, I64_MAX, 1, False]) == CacheGeometry(1, I64_MAX, 1, False)
+    assert geometry_from_wire([1, I64_MAX, 1, False, 27]) == CacheGeometry(1, I64_MAX, 1, False, 27)
+    for bad in ([1, 64, 1, False], [1, 64, 1, False, None], [1, 64, 1, False, True], [1, 64, 1, False, 2**63],
+                [1, 64, 1, False, 4, 0]):  # version 2's four elements are refused: the data type is required
+        with pytest.raises(ProtocolError):
+            geometry_from_wire(bad)
     assert segment_from_wire(None) is None
     assert segment_from_wire([0, 0, 0, 0, 0, U64_MAX]) == (SegmentIdentity(0, 0, 0, 0, 0), U64_MAX)
     assert range_from_wire(None) is None and range_from_wire([5, 2]) == range(5, 2)  # empty ranges are the plan's

@@ -19,7 +19,7 @@ from aiodatadist.config import MAX_TCP_CONNECTIONS, OptionKey
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
 LOGGER = "aiodatadist.settings"
-CPUS = os.cpu_count() or 2
+CPUS = len(os.sched_getaffinity(0))
 NAMES = [k.env for k in KNOBS]
 
 
@@ -340,3 +340,38 @@ def test_no_other_module_reads_an_aiodatadist_variable() -> None:
                 readers.add(rel)
     assert not readers, readers
     assert settings_module.ENV_LIBCUDA == "AIODATADIST_LIBCUDA"
+
+
+PINNED_TO_ONE_CPU = """
+import os, sys
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # a serving engine's worker pinned to one core
+os.cpu_count = lambda: 16  # on a large host
+from aiodatadist._settings import env_knobs
+from aiodatadist.tools import info
+knobs = env_knobs()
+print("knobs", knobs.copy_threads, knobs.tcp_connections, flush=True)
+sys.exit(info.main([]))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_default_copy_threads_and_connections_follow_the_allowed_cpus() -> None:
+    """Issue 12: the defaults were sized by ``os.cpu_count()``, the machine's CPUs, not the ones the process may
+    run on: a worker pinned to one core of a 16-CPU host got 8 copy threads and 4 connections per TCP link."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", PINNED_TO_ONE_CPU], check=False, capture_output=True, text=True,
+                          timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("AIODATADIST_")})
+    assert proc.returncode == 0, proc.stderr
+    assert "knobs 2 2\n" in proc.stdout
+    assert "with 2 threads" in proc.stdout
+    assert "cpus: 1 usable (affinity) of 16" in proc.stdout
+    import shutil
+
+    if shutil.which("taskset") is not None:  # the CLI, pinned from outside
+        cli = subprocess.run(["taskset", "-c", str(min(os.sched_getaffinity(0))), sys.executable, "-m",
+                              "aiodatadist", "info"], check=False, capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        assert "cpus: 1 usable (affinity)" in cli.stdout
