@@ -93,7 +93,7 @@ class LLMDataDist:
             registry.on_freed = transfers.announce_freed  # peers let go of what they mapped
             manager = CacheManager(self._cluster_id, settings, registry, engine, transfers)
             if settings.listen is not None:
-                links.listen(*settings.listen)
+                await links.listen(*settings.listen)
         except BaseException:
             try:
                 if links is not None:
@@ -208,9 +208,9 @@ class LLMDataDist:
             raise LLMException(f"cluster {self._cluster_id} still has {len(links.links)} link(s); unlink them "
                                "before switch_role", status_code=LLMStatusCode.LLM_EXIST_LINK)
         if address is not None:
-            links.listen(*address)
+            await links.listen(*address)
         else:
-            links.stop_listening()
+            await links.stop_listening()
         self._role = role
         links.role = role
 

@@ -177,6 +177,7 @@ class LinkManager:
         self._server: Server | None = None
         self._server_task: asyncio.Task[Any] | None = None
         self._server_watch: asyncio.Task[Any] | None = None
+        self._accept_task: asyncio.Task[Any] | None = None
         self._data_listener: socket.socket | None = None
         self._data_tokens: dict[bytes, Link] = {}
         key = settings.auth_key
@@ -199,14 +200,14 @@ class LinkManager:
         """``(ip, port)`` of the bound server socket (the real port when asked for port 0), or None."""
         return _split_endpoint(self._server.endpoint) if self._server is not None else None
 
-    def listen(self, ip: str, port: int) -> None:
+    async def listen(self, ip: str, port: int) -> None:
         """Listen on ``ip:port`` (replacing the current address; the same address is kept as it is)."""
         endpoint = f"tcp://{ip}:{port}"
         if self._server is not None and self._server.requested == endpoint:
             return
         old = self._server.endpoint if self._server is not None else None
         if old is not None and _split_endpoint(old)[1] == port:
-            self.stop_listening()  # the same port in another address form: it must be free to bind it again
+            await self.stop_listening()  # the same port in another address form: it must be free to bind again
         try:
             server = Server(self._ctx, endpoint, self._on_hello)
         except zmq.ZMQError as exc:
@@ -218,27 +219,29 @@ class LinkManager:
             server.close()
             raise LLMException(f"cannot listen for data connections on {ip}: {exc}",
                                status_code=S.LLM_PARAM_INVALID) from None
-        self.stop_listening()
+        await self.stop_listening()
         self._server = server
         self._server_task = self._tasks.spawn(server.serve(self._tasks), name=f"server-{endpoint}")
         self._server_watch = self._tasks.spawn(self._watch_server(server), name=f"watch-{endpoint}")
         self._data_listener = data_listener
-        self._tasks.spawn(self._accept_data(data_listener), name=f"data-{endpoint}")
+        self._accept_task = self._tasks.spawn(self._accept_data(data_listener), name=f"data-{endpoint}")
         log.info("cluster %d listening on %s", self._cluster_id, server.endpoint)
 
-    def stop_listening(self) -> None:
-        if self._data_listener is not None:
-            self._data_listener.close()  # its accept task ends with an error, which it expects
-            self._data_listener = None
-        if self._server is not None:
-            if self._server_watch is not None:
-                self._server_watch.cancel()
-                self._server_watch = None
-            if self._server_task is not None:
-                self._server_task.cancel()
-            self._server.close()
-            self._server = None
-            self._server_task = None
+    async def stop_listening(self) -> None:
+        """Stop serving: the server's tasks end before its sockets close.  A socket's descriptor number names what
+        the event loop and ZeroMQ registered for it (the loop's reader, the monitor's inproc address), and a
+        server listening again at once may get the same numbers: nothing of the old one may be left then."""
+        server, listener = self._server, self._data_listener
+        tasks = [task for task in (self._server_watch, self._server_task, self._accept_task) if task is not None]
+        self._server = self._server_task = self._server_watch = self._accept_task = None
+        self._data_listener = None
+        for task in tasks:
+            task.cancel()
+        await wait_through_cancellation(asyncio.gather(*tasks, return_exceptions=True))
+        if listener is not None:
+            listener.close()
+        if server is not None:
+            server.close()
 
     def _hello(self, remote_cluster_id: int, client_nonce: bytes) -> Hello:
         """The first HELLO of a link to ``remote_cluster_id``."""
@@ -653,7 +656,7 @@ class LinkManager:
             except LLMException:
                 pass
             await self.drop(link, LLMLinkError(f"cluster {self._cluster_id} was finalized"))
-        self.stop_listening()
+        await self.stop_listening()
         try:
             await self._tasks.close()  # raises the background failures nobody handled, once every task ended
         finally:

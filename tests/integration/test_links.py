@@ -923,15 +923,10 @@ async def test_a_server_on_port_0_tells_its_port(transport: str) -> None:
         assert server.listen_address == address
         await server.switch_role(LLMRole.DECODER)
         assert server.listen_address is None
-        # Let the old server's monitor close first (listening again at once can reuse its socket's descriptor
-        # number, and with it its monitor's inproc address: a separate, pre-existing race).
-        await asyncio.sleep(0.1)
         await server.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": "127.0.0.1:0"})
         again = server.listen_address
         assert again is not None and again[1] != 0
         assert await client.link_clusters([cluster_info(1, again[1])], timeout=5000) == OK
         assert [link["endpoint"] for link in server.links()] == [f"tcp://127.0.0.1:{again[1]}"]
-        if transport != "tcp":  # a TCP pull after switch_role listened again times out, whatever the port: a
-            # separate, pre-existing problem (reported with issue 12), not this one's
-            await client.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [0])
-            assert (dst.tensors[0][0] == data[0][1024:2048]).all()
+        await client.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [0])
+        assert (dst.tensors[0][0] == data[0][1024:2048]).all()
