@@ -5,7 +5,8 @@ from .cache_manager import CacheManager
 from .config import LLMConfig, LlmConfig
 from .datadist import LLMDataDist
 from .errors import LLMException, LLMLinkError, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
-from .stats import LinkStats, StatsSnapshot
+from .notifications import Notification
+from .stats import LinkStats, NotificationStats, StatsSnapshot
 from .types import (
     BlocksCacheKey,
     CacheDesc,
@@ -39,6 +40,8 @@ __all__ = [
     "LLMTimeoutError",
     "LinkStats",
     "LlmConfig",
+    "Notification",
+    "NotificationStats",
     "Placement",
     "StatsSnapshot",
     "Transport",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, TypeAlias
 
 import numpy as np
 
@@ -68,6 +68,77 @@ def check_int_list(name: str, values: Any, kind: str, *, container: tuple[type, 
         if not isinstance(v, int):
             raise TypeError(f"{name} inner type only support ['int'], but got {type(v)}.")
         out.append(check_int(name, v, kind))
+    return out
+
+
+class SupportsToList(Protocol):
+    """A 1-D integer array-like: a numpy array, a torch tensor (anything with ``tolist``)."""
+
+    def tolist(self) -> Any: ...
+
+
+IndexSequence: TypeAlias = "Sequence[int] | range | SupportsToList"
+"""The static type of a block list (see :func:`check_index_list`)."""
+
+INDEX_SEQUENCE_TYPES = ["list", "tuple", "range", "ndarray", "Tensor"]
+"""What :func:`check_index_list` accepts (``ndarray``/``Tensor``: any 1-D integer array, duck-typed)."""
+
+
+def _as_array(values: Any) -> np.ndarray[Any, Any] | None:
+    """``values`` as a numpy array when it is array-like (numpy, or duck-typed through ``__array__`` or
+    ``tolist`` such as a torch tensor, on any device), else ``None``.  Never imports torch."""
+    if isinstance(values, np.ndarray):
+        return values
+    if isinstance(values, (str, bytes, bytearray)):
+        return None
+    if hasattr(values, "__array__"):
+        try:
+            return np.asarray(values)  # zero-copy for CPU tensors
+        except (TypeError, ValueError, RuntimeError):  # a CUDA tensor, or a dtype numpy lacks (bf16)
+            pass
+    tolist = getattr(values, "tolist", None)
+    if callable(tolist):
+        items = tolist()
+        if isinstance(items, list) and not items:
+            return np.empty(0, dtype=np.int64)
+        try:
+            return np.asarray(items)
+        except ValueError:  # ragged nesting: not one-dimensional
+            return np.empty((0, 0), dtype=np.int64)
+    return None
+
+
+def check_index_list(name: str, values: Any, kind: str) -> list[int]:
+    """Check a one-dimensional integer sequence of C type ``kind`` (block lists); returns a plain list.
+
+    Accepted: a list or tuple (checked as :func:`check_int_list`), a ``range``, and a 1-D integer array: numpy,
+    or anything with ``__array__`` or ``tolist`` (a torch tensor, on any device), checked vectorised.  Other
+    containers, strings, arrays of another rank and bool or float arrays raise ``TypeError``; values outside
+    ``kind`` raise ``ValueError``.
+    """
+    if isinstance(values, (list, tuple)):
+        return check_int_list(name, values, kind)
+    if isinstance(values, range):
+        if len(values):  # the extremes of a range are its ends
+            check_int(name, values[0], kind)
+            check_int(name, values[-1], kind)
+        return list(values)
+    arr = _as_array(values)
+    if arr is None:
+        raise TypeError(f"{name} only support {INDEX_SEQUENCE_TYPES}, but got {type(values)}.")
+    if arr.ndim != 1:
+        raise TypeError(f"{name} must be one-dimensional, but got an array of shape {tuple(arr.shape)}.")
+    if arr.dtype.kind == "O":  # Python ints beyond 64 bits, or mixed objects: checked one by one
+        return check_int_list(name, arr.tolist(), kind, container=(list,))
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} inner type only support ['int'], but got an array of {arr.dtype}.")
+    if arr.size:
+        low, high = _RANGES[kind]
+        smallest, largest = int(arr.min()), int(arr.max())
+        for value in (smallest, largest):
+            if not low <= value <= high:
+                raise ValueError(f"{name}'s value is out of range,{value} is not a {kind} value.")
+    out: list[int] = arr.tolist()
     return out
 
 

@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 
 from ._checks import (
+    IndexSequence,
     check_bool,
     check_event_loop,
+    check_index_list,
     check_int,
     check_int_list,
     check_isinstance,
@@ -31,6 +33,7 @@ from .layout import (
     swap_blocks_runs,
 )
 from .memory import SharedSegment
+from .notifications import check_notification
 from .registry import CacheEntry, CacheRegistry, geometry_of
 from .transfer import validate
 from .transfer.engine import CopyEngine
@@ -103,6 +106,11 @@ class CacheManager:
     @property
     def registry(self) -> CacheRegistry:
         return self._registry
+
+    @property
+    def device_id(self) -> int:
+        """The CUDA ordinal of ``Placement.DEVICE`` caches (``LLMConfig.device_id``); CUDA is not touched."""
+        return self._settings.device_id
 
     @property
     def engine(self) -> CopyEngine:
@@ -280,7 +288,7 @@ class CacheManager:
         await self.run_copy(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
                             src_entry, dst_entry)
 
-    async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, list[int]]) -> None:
+    async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, IndexSequence]) -> None:
         """Within one blocks cache, copy each source block to each of its destination blocks."""
         self._check_open_on_loop()
         entry = self._entry("cache", cache)
@@ -288,7 +296,7 @@ class CacheManager:
         info: dict[int, list[int]] = {}
         for src_block, dst_blocks in copy_block_info.items():
             key = check_int("copy_block_info key", src_block, "uint64")
-            info[key] = check_int_list("copy_block_info value", dst_blocks, "uint64")
+            info[key] = check_index_list("copy_block_info value", dst_blocks, "uint64")
         require(entry.is_blocks, "copy_blocks needs a blocks cache.")
         geometry: CacheGeometry = entry.geometry
         runs = copy_blocks_runs(info, geometry)
@@ -327,61 +335,69 @@ class CacheManager:
 
     # -- pulls and pushes (requester side: checks here, the conversation in aiodatadist.transfer) ------------
     async def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache, batch_index: int = 0,
-                         size: int = -1, **kwargs: Any) -> None:
+                         size: int = -1, *, notify: bytes | None = None, **kwargs: Any) -> None:
         """Pull one batch slot of a remote contiguous cache into slot ``batch_index`` of ``cache``.
 
         Bounded by ``sync_kv_timeout`` (``LLMTimeoutError``); cancelling behaves the same.  After a timeout or
         cancellation the destination slot holds an unspecified mix of old and new bytes, and nothing is
         written into it after the call has returned.  A successful pull by ``CacheKey`` releases that key on
-        the owner.
+        the owner.  ``notify``: a notification (``bytes``, at most 4 KiB) the owner receives once the pull
+        succeeded (never for a failed, cancelled or timed-out one; see ``LLMDataDist.notifications``).
         """
         self._check_open_on_loop()
         local, params = validate.pull_cache(self._entry, self._remote_accessible(), cache_key, cache, batch_index,
                                             size, kwargs)
-        await self._transfers.run(cache_key, local, params)
+        note = check_notification("notify", notify)
+        await self._transfers.run(cache_key, local, params, note)
 
     async def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, dst_cache: Cache,
-                          src_blocks: tuple[int, ...] | list[int] | None = (),
-                          dst_blocks: tuple[int, ...] | list[int] = (), **kwargs: Any) -> None:
+                          src_blocks: IndexSequence | None = (),
+                          dst_blocks: IndexSequence = (), *, notify: bytes | None = None,
+                          **kwargs: Any) -> None:
         """Pull remote blocks (``BlocksCacheKey``: B2B) or a remote contiguous slot cut into blocks (C2B) into
         ``dst_blocks`` of ``dst_cache``; block ``src_blocks[i]`` lands in ``dst_blocks[i]``.
 
         Timeouts and cancellation as :meth:`pull_cache`: the listed destination blocks are unspecified
-        afterwards and never written once the call has returned.
+        afterwards and never written once the call has returned.  ``notify`` as :meth:`pull_cache`.
         """
         self._check_open_on_loop()
         local, params = validate.pull_blocks(self._entry, src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
-        await self._transfers.run(src_cache_key, local, params)
+        note = check_notification("notify", notify)
+        await self._transfers.run(src_cache_key, local, params, note)
 
     async def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
                          src_layer_range: range | None = None, dst_layer_range: range | None = None,
-                         size: int = -1, tensor_num_per_layer: int = 2) -> None:
+                         size: int = -1, tensor_num_per_layer: int = 2, *, notify: bytes | None = None) -> None:
         """Push slot ``src_batch_index`` of a local contiguous cache into a remote cache's slot.
 
         Every layer is validated before any byte moves.  Timeouts and cancellation as :meth:`pull_cache`
         (here the remote slot is left unspecified, and never written after the call has returned).
+        ``notify``: a notification the owner receives once the pushed bytes are in place (as :meth:`pull_cache`).
         """
         self._check_open_on_loop()
         layers = {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
                   "tensor_num_per_layer": tensor_num_per_layer}
         local, params = validate.push_cache(self._entry, self._remote_accessible(), dst_cache_key, src_cache,
                                             src_batch_index, layers, size)
-        await self._transfers.run(dst_cache_key, local, params)
+        note = check_notification("notify", notify)
+        await self._transfers.run(dst_cache_key, local, params, note)
 
     async def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
-                          src_blocks: tuple[int, ...] | list[int] | None = (),
-                          dst_blocks: tuple[int, ...] | list[int] = (), src_layer_range: range | None = None,
-                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
+                          src_blocks: IndexSequence | None = (),
+                          dst_blocks: IndexSequence = (), src_layer_range: range | None = None,
+                          dst_layer_range: range | None = None, tensor_num_per_layer: int = 2, *,
+                          notify: bytes | None = None) -> None:
         """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]`` (B2B).
 
-        Timeouts and cancellation as :meth:`push_cache`.
+        Timeouts and cancellation as :meth:`push_cache`; ``notify`` as :meth:`push_cache`.
         """
         self._check_open_on_loop()
         layers = {"src_layer_range": src_layer_range, "dst_layer_range": dst_layer_range,
                   "tensor_num_per_layer": tensor_num_per_layer}
         local, params = validate.push_blocks(self._entry, self._remote_accessible(), dst_cache_key, src_cache,
                                              src_blocks, dst_blocks, layers)
-        await self._transfers.run(dst_cache_key, local, params)
+        note = check_notification("notify", notify)
+        await self._transfers.run(dst_cache_key, local, params, note)
 
     def _remote_accessible(self) -> bool | None:
         """``llm.EnableRemoteCacheAccessible``: None when unset (pull by CacheKey allowed, push allowed)."""

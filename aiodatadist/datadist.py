@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from types import TracebackType
 
 from ._checks import check_bool, check_event_loop, check_int, check_isinstance, require
@@ -13,6 +14,7 @@ from .config import OptionKey
 from .control.links import LinkManager
 from .copy import release_shared_executor, shared_executor
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .notifications import Notification, NotificationInbox, check_notification
 from .registry import CacheRegistry
 from .stats import StatsRecorder, StatsSnapshot
 from .transfer.engine import CopyEngine
@@ -40,6 +42,7 @@ class LLMDataDist:
         self._cache_manager: CacheManager | None = None
         self._links: LinkManager | None = None
         self._transfers: TransferService | None = None
+        self._inbox: NotificationInbox | None = None  # notifications received, from init to finalize
         self._stats = StatsRecorder()  # outlives links and finalize
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of init: every coroutine runs on it
 
@@ -89,7 +92,8 @@ class LLMDataDist:
             registry = CacheRegistry(directory)
             engine = CopyEngine(executor, settings.device_id)
             links = LinkManager(self._cluster_id, self._role, settings, registry)
-            transfers = TransferService(self._cluster_id, settings, links, registry, engine, self._stats)
+            inbox = NotificationInbox(self._stats)
+            transfers = TransferService(self._cluster_id, settings, links, registry, engine, self._stats, inbox)
             registry.on_freed = transfers.announce_freed  # peers let go of what they mapped
             manager = CacheManager(self._cluster_id, settings, registry, engine, transfers)
             if settings.listen is not None:
@@ -107,6 +111,7 @@ class LLMDataDist:
         self._loop = loop
         self._cache_manager = manager
         self._transfers = transfers
+        self._inbox = inbox
         self._links = links
         log.debug("cluster %d initialized as %s", self._cluster_id, self._role)
 
@@ -121,6 +126,9 @@ class LLMDataDist:
             if links is not None:
                 await links.close()
         finally:
+            inbox, self._inbox = self._inbox, None
+            if inbox is not None:  # consumers get what was queued, then their iterators end
+                inbox.close()
             manager, self._cache_manager = self._cache_manager, None
             self._settings = None
             self._loop = None
@@ -224,6 +232,53 @@ class LLMDataDist:
         picks a free one; read it here and give it to the clients), also after :meth:`switch_role` listens
         again; None when it is not a server.  Requires ``init``."""
         return self._links_or_raise().listen_address
+
+    # -- notifications ---------------------------------------------------------------------------------------
+    async def notify(self, cluster_id: int, message: bytes) -> None:
+        """Send a notification to linked cluster ``cluster_id``; returns once the peer queued it (or dropped it:
+        its queue was full).  ``message``: ``bytes``, at most 4 KiB (``TypeError``/``ValueError`` otherwise, before
+        anything is sent).  Raises ``LLM_NOT_YET_LINK`` when not linked, ``LLMTimeoutError`` after
+        ``sync_kv_timeout``, ``LLMLinkError`` when the link breaks meanwhile."""
+        transfers = self._transfers
+        if transfers is None:
+            raise LLMNotInitializedError()
+        check_event_loop(self._loop)
+        remote = check_int("cluster_id", cluster_id, "uint64")
+        note = check_notification("message", message, allow_none=False)
+        assert note is not None
+        await transfers.notify(remote, note)
+
+    def notifications(self) -> AsyncIterator[Notification]:
+        """The notifications linked peers send this instance (with their successful transfers, or by
+        :meth:`notify`), as ``Notification(cluster_id, message)``, in arrival order (per link, the order the peer
+        sent them); ``finalize`` ends the iterator after what was queued.  Several consumers share one queue of
+        at most 1024 notifications: what arrives while it is full is dropped (see :meth:`stats`).  Requires
+        ``init``."""
+        inbox = self._inbox
+        if inbox is None:
+            raise LLMNotInitializedError()
+        return self._iterate(inbox)
+
+    async def _iterate(self, inbox: NotificationInbox) -> AsyncIterator[Notification]:
+        check_event_loop(self._loop)
+        async for notification in inbox.iterate():
+            yield notification
+
+    async def get_notification(self, timeout: float | None = None) -> Notification | None:
+        """The next notification (as :meth:`notifications` gives them), waiting at most ``timeout`` seconds (None:
+        for ever); None if none arrived in time or the instance was finalized meanwhile.  Requires ``init``."""
+        inbox = self._inbox
+        if inbox is None:
+            raise LLMNotInitializedError()
+        check_event_loop(self._loop)
+        if timeout is not None:
+            check_isinstance("timeout", timeout, (int, float))
+            require(timeout >= 0, f"timeout must be >= 0, but got {timeout}.")
+        try:
+            async with asyncio.timeout(timeout):
+                return await inbox.get()
+        except TimeoutError:
+            return None
 
     def stats(self) -> StatsSnapshot:
         """Transfer statistics per remote cluster and direction, as an immutable snapshot (see

@@ -21,7 +21,9 @@ def register_prometheus(dd: LLMDataDist, registry: Any = None, prefix: str = "ai
     Metrics, labelled by local and remote cluster id, direction (``pull``/``push``) and data plane:
     ``<prefix>_transfers_total``, ``<prefix>_transfers_succeeded_total``, ``<prefix>_transfer_bytes_total``,
     ``<prefix>_transfer_failures_total`` (also by status ``code``) and ``<prefix>_transfer_latency_ms`` (by
-    ``quantile``: 0.5, 0.9, 0.99, 1 = max of the recent window).  Returns the collector, for
+    ``quantile``: 0.5, 0.9, 0.99, 1 = max of the recent window); ``<prefix>_notifications_sent_total``,
+    ``<prefix>_notifications_received_total`` and ``<prefix>_notifications_dropped_total``, labelled by local and
+    remote cluster id.  Returns the collector, for
     ``registry.unregister``.  Raises ``ImportError`` when ``prometheus_client`` is not installed.
     """
     from prometheus_client import REGISTRY
@@ -38,7 +40,15 @@ def register_prometheus(dd: LLMDataDist, registry: Any = None, prefix: str = "ai
                                          labels=[*labels, "code"])
             latency = GaugeMetricFamily(f"{prefix}_transfer_latency_ms", "Transfer latency of the recent window",
                                         labels=[*labels, "quantile"])
-            for entry in dd.stats().links:
+            note_labels = ["cluster", "remote_cluster"]
+            notes = [CounterMetricFamily(f"{prefix}_notifications_{what}", f"Notifications {what}", labels=note_labels)
+                     for what in ("sent", "received", "dropped")]
+            snapshot = dd.stats()
+            for note in snapshot.notifications:
+                values = [str(dd.cluster_id), str(note.remote_cluster_id)]
+                for family, count in zip(notes, (note.sent, note.received, note.dropped), strict=True):
+                    family.add_metric(values, count)
+            for entry in snapshot.links:
                 values = [str(dd.cluster_id), str(entry.remote_cluster_id), entry.direction, entry.plane]
                 ops.add_metric(values, entry.operations)
                 done.add_metric(values, entry.succeeded)
@@ -48,7 +58,7 @@ def register_prometheus(dd: LLMDataDist, registry: Any = None, prefix: str = "ai
                 for quantile, value in (("0.5", entry.latency_p50_ms), ("0.9", entry.latency_p90_ms),
                                         ("0.99", entry.latency_p99_ms), ("1", entry.latency_max_ms)):
                     latency.add_metric([*values, quantile], value)
-            yield from (ops, done, moved, failed, latency)
+            yield from (ops, done, moved, failed, latency, *notes)
 
     collector = StatsCollector()
     (registry if registry is not None else REGISTRY).register(collector)

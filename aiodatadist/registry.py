@@ -29,7 +29,10 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_REGISTERED_ADDRS", "CacheEntry", "CacheRegistry", "geometry_of"]
 
-MAX_REGISTERED_ADDRS = 240
+MAX_REGISTERED_ADDRS = 4096
+"""Registered (caller-owned) tensor addresses per instance; allocated caches do not count.  The reference caps
+them at 240, which stops models with separate K and V tensors beyond 120 layers; nothing here grows with the
+count but a Python list per cache, so the cap is only a bound against runaway registration."""
 IndexKey = tuple[str, int, int]
 
 

@@ -3,7 +3,9 @@
 ``LLMDataDist.stats()`` returns a :class:`StatsSnapshot`: frozen values that later transfers do not change.
 Latency percentiles come from the most recent :data:`LATENCY_WINDOW` transfers of each entry.  Only the side
 that calls ``pull_*``/``push_*`` records a transfer (a same-host transfer by an already-resolved key does not
-involve the owner at all).
+involve the owner at all).  Notifications (see :mod:`aiodatadist.notifications`) are counted per remote cluster
+on both sides: sent by the sender, received or dropped (queue full, or arriving during ``finalize``) by the
+receiver.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-__all__ = ["LATENCY_WINDOW", "LinkStats", "StatsRecorder", "StatsSnapshot"]
+__all__ = ["LATENCY_WINDOW", "LinkStats", "NotificationStats", "StatsRecorder", "StatsSnapshot"]
 
 LATENCY_WINDOW = 4096
 
@@ -37,10 +39,23 @@ class LinkStats:
 
 
 @dataclass(frozen=True, slots=True)
+class NotificationStats:
+    """Notifications exchanged with one remote cluster: ``sent`` to it (handed to the link: with a successful
+    transfer, or by ``notify``), ``received`` from it (queued for ``notifications()``) and ``dropped`` (arrived
+    while the queue was full, or during ``finalize``)."""
+
+    remote_cluster_id: int
+    sent: int = 0
+    received: int = 0
+    dropped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StatsSnapshot:
     """Statistics of one ``LLMDataDist`` at one moment."""
 
     links: tuple[LinkStats, ...] = ()
+    notifications: tuple[NotificationStats, ...] = ()
 
     def get(self, remote_cluster_id: int, direction: str) -> LinkStats | None:
         """The entry of one remote cluster and direction, if it moved anything yet."""
@@ -48,6 +63,13 @@ class StatsSnapshot:
             if entry.remote_cluster_id == remote_cluster_id and entry.direction == direction:
                 return entry
         return None
+
+    def notifications_of(self, remote_cluster_id: int) -> NotificationStats:
+        """The notifications exchanged with one remote cluster (all zero if none yet)."""
+        for entry in self.notifications:
+            if entry.remote_cluster_id == remote_cluster_id:
+                return entry
+        return NotificationStats(remote_cluster_id)
 
     @property
     def total_bytes(self) -> int:
@@ -70,6 +92,22 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, str], _Entry] = {}
+        self._notes: dict[int, list[int]] = {}  # remote cluster -> [sent, received, dropped]
+
+    def _note(self, remote_cluster_id: int, which: int) -> None:
+        counts = self._notes.get(remote_cluster_id)
+        if counts is None:
+            counts = self._notes[remote_cluster_id] = [0, 0, 0]
+        counts[which] += 1
+
+    def notification_sent(self, remote_cluster_id: int) -> None:
+        self._note(remote_cluster_id, 0)
+
+    def notification_received(self, remote_cluster_id: int) -> None:
+        self._note(remote_cluster_id, 1)
+
+    def notification_dropped(self, remote_cluster_id: int) -> None:
+        self._note(remote_cluster_id, 2)
 
     def record(self, remote_cluster_id: int, direction: str, plane: str, seconds: float, nbytes: int,
                failure: str | None) -> None:
@@ -95,4 +133,5 @@ class StatsRecorder:
             worst = float(window.max())
             out.append(LinkStats(cluster, direction, entry.plane, entry.operations, entry.succeeded, entry.bytes,
                                  MappingProxyType(dict(entry.failures)), p50, p90, p99, worst))
-        return StatsSnapshot(tuple(out))
+        notes = tuple(NotificationStats(cluster, *counts) for cluster, counts in sorted(self._notes.items()))
+        return StatsSnapshot(tuple(out), notes)

@@ -35,11 +35,13 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+from ._checks import IndexSequence
 from ._settings import Settings
 from .cache import Cache
 from .cache_manager import CacheManager as AsyncCacheManager
 from .datadist import LLMDataDist as AsyncLLMDataDist
-from .errors import LLMException, LLMStatusCode
+from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .notifications import Notification
 from .stats import StatsSnapshot
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
 
@@ -432,6 +434,36 @@ class LLMDataDist:
         """As :meth:`aiodatadist.LLMDataDist.stats`."""
         return _RUNNER.call(lambda: _plain(self._dd.stats))
 
+    # -- notifications ---------------------------------------------------------------------------------------
+    def notify(self, cluster_id: int, message: bytes) -> None:
+        """As :meth:`aiodatadist.LLMDataDist.notify`."""
+        dd = self._dd
+        _RUNNER.call(lambda: dd.notify(cluster_id, message))
+
+    def get_notification(self, timeout: float | None = None) -> Notification | None:
+        """As :meth:`aiodatadist.LLMDataDist.get_notification`: the next notification, waiting at most ``timeout``
+        seconds (None: until one arrives or the instance is finalized); None if none came."""
+        dd = self._dd
+        return _RUNNER.call(lambda: dd.get_notification(timeout))
+
+    def notifications(self, timeout: float | None = None) -> Iterator[Notification]:
+        """A blocking iterator over the notifications of :meth:`aiodatadist.LLMDataDist.notifications`: it ends
+        when the instance is finalized, or when none arrived within ``timeout`` seconds (None: it waits until
+        one does).  Requires ``init``; several threads may iterate at once (each notification goes to one)."""
+        if not self._dd.is_initialized:
+            raise LLMNotInitializedError()
+        return self._iterate(timeout)
+
+    def _iterate(self, timeout: float | None) -> Iterator[Notification]:
+        while True:
+            try:
+                notification = self.get_notification(timeout)
+            except LLMNotInitializedError:  # finalized between two notifications
+                return
+            if notification is None:
+                return
+            yield notification
+
     def __enter__(self) -> Self:
         return self
 
@@ -453,6 +485,11 @@ class CacheManager:
     def __init__(self, manager: AsyncCacheManager) -> None:
         self._cm = manager
         self.submit = CacheManagerSubmit(manager)
+
+    @property
+    def device_id(self) -> int:
+        """The CUDA ordinal of ``Placement.DEVICE`` caches (a setting: read on the caller's thread)."""
+        return self._cm.device_id
 
     # -- allocation and registration -------------------------------------------------------------------------
     def allocate_cache(self, cache_desc: CacheDesc,
@@ -493,7 +530,7 @@ class CacheManager:
         cm = self._cm
         _RUNNER.call(lambda: cm.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size, req_id))
 
-    def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, list[int]]) -> None:
+    def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, IndexSequence]) -> None:
         cm = self._cm
         _RUNNER.call(lambda: cm.copy_blocks(cache, copy_block_info))
 
@@ -503,30 +540,33 @@ class CacheManager:
 
     # -- pulls and pushes ------------------------------------------------------------------------------------
     def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache, batch_index: int = 0,
-                   size: int = -1, **kwargs: Any) -> None:
+                   size: int = -1, *, notify: bytes | None = None, **kwargs: Any) -> None:
         cm = self._cm
-        _RUNNER.call(lambda: cm.pull_cache(cache_key, cache, batch_index, size, **kwargs))
+        _RUNNER.call(lambda: cm.pull_cache(cache_key, cache, batch_index, size, notify=notify, **kwargs))
 
     def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, dst_cache: Cache,
-                    src_blocks: tuple[int, ...] | list[int] | None = (),
-                    dst_blocks: tuple[int, ...] | list[int] = (), **kwargs: Any) -> None:
+                    src_blocks: IndexSequence | None = (),
+                    dst_blocks: IndexSequence = (), *, notify: bytes | None = None,
+                    **kwargs: Any) -> None:
         cm = self._cm
-        _RUNNER.call(lambda: cm.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, **kwargs))
+        _RUNNER.call(lambda: cm.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, notify=notify,
+                                               **kwargs))
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
                    src_layer_range: range | None = None, dst_layer_range: range | None = None,
-                   size: int = -1, tensor_num_per_layer: int = 2) -> None:
+                   size: int = -1, tensor_num_per_layer: int = 2, *, notify: bytes | None = None) -> None:
         cm = self._cm
         _RUNNER.call(lambda: cm.push_cache(dst_cache_key, src_cache, src_batch_index, src_layer_range,
-                                           dst_layer_range, size, tensor_num_per_layer))
+                                           dst_layer_range, size, tensor_num_per_layer, notify=notify))
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
-                    src_blocks: tuple[int, ...] | list[int] | None = (),
-                    dst_blocks: tuple[int, ...] | list[int] = (), src_layer_range: range | None = None,
-                    dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> None:
+                    src_blocks: IndexSequence | None = (),
+                    dst_blocks: IndexSequence = (), src_layer_range: range | None = None,
+                    dst_layer_range: range | None = None, tensor_num_per_layer: int = 2, *,
+                    notify: bytes | None = None) -> None:
         cm = self._cm
         _RUNNER.call(lambda: cm.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range,
-                                            dst_layer_range, tensor_num_per_layer))
+                                            dst_layer_range, tensor_num_per_layer, notify=notify))
 
     def __repr__(self) -> str:
         return "sync." + repr(self._cm)
@@ -549,7 +589,7 @@ class CacheManagerSubmit:
         cm = self._cm
         return self._run(lambda: cm.copy_cache(dst, src, dst_batch_index, src_batch_index, offset, size, req_id))
 
-    def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, list[int]]) -> TransferFuture[None]:
+    def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, IndexSequence]) -> TransferFuture[None]:
         cm = self._cm
         return self._run(lambda: cm.copy_blocks(cache, copy_block_info))
 
@@ -558,27 +598,31 @@ class CacheManagerSubmit:
         return self._run(lambda: cm.swap_blocks(src_cache, dst_cache, src_to_dst))
 
     def pull_cache(self, cache_key: CacheKey | CacheKeyByIdAndIndex, cache: Cache, batch_index: int = 0,
-                   size: int = -1, **kwargs: Any) -> TransferFuture[None]:
+                   size: int = -1, *, notify: bytes | None = None, **kwargs: Any) -> TransferFuture[None]:
         cm = self._cm
-        return self._run(lambda: cm.pull_cache(cache_key, cache, batch_index, size, **kwargs))
+        return self._run(lambda: cm.pull_cache(cache_key, cache, batch_index, size, notify=notify, **kwargs))
 
     def pull_blocks(self, src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, dst_cache: Cache,
-                    src_blocks: tuple[int, ...] | list[int] | None = (),
-                    dst_blocks: tuple[int, ...] | list[int] = (), **kwargs: Any) -> TransferFuture[None]:
+                    src_blocks: IndexSequence | None = (),
+                    dst_blocks: IndexSequence = (), *, notify: bytes | None = None,
+                    **kwargs: Any) -> TransferFuture[None]:
         cm = self._cm
-        return self._run(lambda: cm.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, **kwargs))
+        return self._run(lambda: cm.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, notify=notify,
+                                               **kwargs))
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache, src_batch_index: int = 0,
                    src_layer_range: range | None = None, dst_layer_range: range | None = None,
-                   size: int = -1, tensor_num_per_layer: int = 2) -> TransferFuture[None]:
+                   size: int = -1, tensor_num_per_layer: int = 2, *,
+                   notify: bytes | None = None) -> TransferFuture[None]:
         cm = self._cm
         return self._run(lambda: cm.push_cache(dst_cache_key, src_cache, src_batch_index, src_layer_range,
-                                               dst_layer_range, size, tensor_num_per_layer))
+                                               dst_layer_range, size, tensor_num_per_layer, notify=notify))
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
-                    src_blocks: tuple[int, ...] | list[int] | None = (),
-                    dst_blocks: tuple[int, ...] | list[int] = (), src_layer_range: range | None = None,
-                    dst_layer_range: range | None = None, tensor_num_per_layer: int = 2) -> TransferFuture[None]:
+                    src_blocks: IndexSequence | None = (),
+                    dst_blocks: IndexSequence = (), src_layer_range: range | None = None,
+                    dst_layer_range: range | None = None, tensor_num_per_layer: int = 2, *,
+                    notify: bytes | None = None) -> TransferFuture[None]:
         cm = self._cm
         return self._run(lambda: cm.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range,
-                                                dst_layer_range, tensor_num_per_layer))
+                                                dst_layer_range, tensor_num_per_layer, notify=notify))

@@ -54,11 +54,13 @@ class Kind(StrEnum):
     ABORT = "abort"          # owner -> requester: the cache of a running transfer was released, stop
     FREED = "freed"          # owner -> same-host peers: a cache's memory is gone, unmap / close what maps it
     PING = "ping"            # either side: liveness check
+    NOTIFY = "notify"        # either side: a notification (direct, or of a transfer that had no END)
     REPLY = "reply"          # response to any request
 
-    REQUESTS = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING}))
-    INLINE = nonmember(frozenset({BEGIN, END, ABORT, FREED, PING, REPLY}))  # handled in the reader task: never wait
-    ALL = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, REPLY}))
+    REQUESTS = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, NOTIFY}))
+    # handled in the reader task, in order (never wait)
+    INLINE = nonmember(frozenset({BEGIN, END, ABORT, FREED, PING, NOTIFY, REPLY}))
+    ALL = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, NOTIFY, REPLY}))
 
 
 class ProtocolError(ValueError):

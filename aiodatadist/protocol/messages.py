@@ -12,7 +12,8 @@ empty tuple, ``False``) instead of raising, exactly as the readers did: a wrong 
 optimisation.  Absent optional fields decode to their defaults.
 
 The wire format is that of protocol version 3 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`): that of
-version 2 (same keys, same value shapes, same key order) except that a cache geometry carries its data type.
+version 2 (same keys, same value shapes, same key order) except that a cache geometry carries its data type, END
+may carry a notification (``note``) and NOTIFY (a notification on its own) is new.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_ANNOUNCED_SEGMENTS",
     "MAX_DATA_CONNECTIONS",
     "MAX_IPC_ALLOCATIONS",
+    "MAX_NOTE_BYTES",
     "Abort",
     "Begin",
     "BeginReply",
@@ -51,6 +53,7 @@ __all__ = [
     "HelloReply",
     "HostInfo",
     "IpcAllocation",
+    "Notify",
     "Ping",
     "Plane",
     "Reply",
@@ -61,6 +64,7 @@ __all__ = [
     "hello_reply_from_wire",
     "ipc_from_wire",
     "is_challenge",
+    "note_from_wire",
     "params_from_wire",
     "params_to_wire",
     "published_from_wire",
@@ -89,6 +93,8 @@ MAX_ANNOUNCED_SEGMENTS = 4096
 MAX_DATA_CONNECTIONS = 16
 """TCP data connections per link (``MAX_CONNS`` in ``_net.c``; the TCP plane's bound)."""
 HOST_NONCE_BYTES = 32
+MAX_NOTE_BYTES = 4096
+"""Size limit of a notification (END's ``note``, NOTIFY's ``note``)."""
 """Size of the nonce in a host probe."""
 DATA_TOKEN_BYTES = 16
 _U32_MAX = 2**32 - 1
@@ -162,6 +168,13 @@ def _directory_from_wire(value: Any) -> SegmentIdentity | None:
 
 def _directory_to_wire(value: SegmentIdentity | None) -> list[int] | None:
     return None if value is None else [value.pid, value.fd, value.inode, value.device, value.size]
+
+
+def note_from_wire(value: Any) -> bytes:
+    """A notification: bytes, at most :data:`MAX_NOTE_BYTES`."""
+    if not (isinstance(value, bytes) and len(value) <= MAX_NOTE_BYTES):
+        raise ProtocolError("invalid notification")
+    return value
 
 
 def range_to_wire(r: range | None) -> list[int] | None:
@@ -423,23 +436,45 @@ class Begin:
 @dataclass(frozen=True, slots=True)
 class End:
     """Requester -> owner: the transfer is over (``ok`` or not); ``confirm``: answer only once every byte of a
-    TCP push has landed."""
+    TCP push has landed; ``note``: a notification the owner delivers if the transfer succeeded (at most
+    :data:`MAX_NOTE_BYTES`; a malformed one makes the END malformed)."""
 
     KIND: ClassVar[Kind] = Kind.END
     tid: int
     ok: bool
     confirm: bool = False
+    note: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tid": self.tid, "ok": self.ok}
         if self.confirm:
             out["confirm"] = True
+        if self.note is not None:
+            out["note"] = self.note
         return out
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Self:
         tid = int_field(m, "tid", 0)
-        return cls(tid, field(m, "ok", bool), m.get("confirm") is True)
+        note = m.get("note")
+        return cls(tid, field(m, "ok", bool), m.get("confirm") is True,
+                   None if note is None else note_from_wire(note))
+
+
+@dataclass(frozen=True, slots=True)
+class Notify:
+    """Either side: a notification (``LLMDataDist.notify``, or the one of a transfer that had no END: a cache read
+    through the owner's directory or by one-sided TCP reads); answered with an empty reply once queued."""
+
+    KIND: ClassVar[Kind] = Kind.NOTIFY
+    note: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"note": self.note}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Self:
+        return cls(note_from_wire(m.get("note")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -516,8 +551,8 @@ class Bye:
         return cls()
 
 
-Request = Hello | Bye | Begin | End | Abort | Freed | Ping
-_REQUESTS: dict[str, type[Request]] = {cls.KIND: cls for cls in (Hello, Bye, Begin, End, Abort, Freed, Ping)}
+Request = Hello | Bye | Begin | End | Abort | Freed | Ping | Notify
+_REQUESTS: dict[str, type[Request]] = {cls.KIND: cls for cls in (Hello, Bye, Begin, End, Abort, Freed, Ping, Notify)}
 
 
 def request_from_wire(m: dict[str, Any]) -> Request:

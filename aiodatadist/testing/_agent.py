@@ -151,6 +151,8 @@ class Agent:
                 kw[name] = _range(a[name])
         if "tensor_num_per_layer" in a:
             kw["tensor_num_per_layer"] = a["tensor_num_per_layer"]
+        if a.get("notify") is not None:  # hex
+            kw["notify"] = bytes.fromhex(a["notify"])
         op = a["op"]
         if op == "pull_cache":
             await self.cm.pull_cache(key, cache, a.get("batch_index", 0), a.get("size", -1), **kw)
@@ -163,6 +165,22 @@ class Agent:
         else:
             raise ValueError(f"unknown op {op}")
         return None
+
+    async def cmd_notify(self, a: dict[str, Any]) -> Any:
+        assert self.dd is not None
+        await self.dd.notify(a["cluster_id"], bytes.fromhex(a["message"]))
+        return None
+
+    async def cmd_notification(self, a: dict[str, Any]) -> Any:
+        """The next notification as ``[cluster_id, message hex]`` (None: none within ``timeout`` seconds)."""
+        assert self.dd is not None
+        got = await self.dd.get_notification(a.get("timeout"))
+        return None if got is None else [got.cluster_id, got.message.hex()]
+
+    async def cmd_notification_stats(self, a: dict[str, Any]) -> Any:
+        assert self.dd is not None
+        n = self.dd.stats().notifications_of(a["cluster_id"])
+        return [n.sent, n.received, n.dropped]
 
     async def cmd_sleep(self, a: dict[str, Any]) -> Any:
         await asyncio.sleep(a["seconds"])

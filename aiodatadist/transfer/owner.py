@@ -3,13 +3,14 @@
 The owner never copies anything on the same-host plane: it resolves the requester's key against its registry
 at that moment, validates the whole transfer against both caches' geometry, takes a lease on its cache and
 answers with the cache's description; ``END`` drops the lease and, for a successful pull by ``CacheKey``,
-releases that key.  On the TCP plane its data plane sends (pull) or receives (push) the bytes.
+releases that key; a successful transfer's notification (END's ``note``) is delivered then.  On the TCP plane its data plane sends (pull) or receives (push) the bytes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .._checks import require
@@ -32,8 +33,9 @@ class Owner:
     """The owner side of every link of one instance."""
 
     def __init__(self, links: LinkManager, registry: CacheRegistry, engine: CopyEngine,
-                 states: TransferStates) -> None:
+                 states: TransferStates, deliver: Callable[[int, bytes], object]) -> None:
         self._links = links
+        self._deliver = deliver  # a notification from a linked cluster
         self._registry = registry
         self._engine = engine
         self._states = states
@@ -94,39 +96,44 @@ class Owner:
         if lease is not None and lease.job is not None and not lease.job.done:
             self._links.spawn(self._end_streamed(link, state, message, req_id), name="end-streamed")
             return None
-        self._end(state, message.tid, message.ok)
+        failed = lease is not None and lease.job is not None and lease.job.error is not None
+        self._end(link, state, message.tid, message.ok, None if failed else message.note)
         return EndReply().to_wire()
 
-    def _end(self, state: LinkTransfers, tid: int, ok: bool) -> None:
+    def _end(self, link: Link, state: LinkTransfers, tid: int, ok: bool, note: bytes | None) -> None:
         lease = state.leases.pop(tid, None)
         if lease is None:
-            return
+            return  # a second END, or one for a transfer this side never began: no notification either
         if lease.release_key is not None:
             self._pulling_keys.discard(lease.release_key)
         if ok and lease.release_key is not None:
             self._registry.release_key_after_pull(lease.release_key, lease.entry)
         self._registry.release_lease(lease.entry)
+        if ok and note is not None:
+            self._deliver(link.remote_cluster_id, note)
 
     async def _end_streamed(self, link: Link, state: LinkTransfers, message: End, req_id: int) -> None:
         """END of a TCP transfer whose owner-side job is still running: a confirmed push waits until every byte
         landed; anything else stops the job.  The lease is released only once no thread touches the cache."""
-        tid, ok, confirm = message.tid, message.ok, message.confirm
+        tid, ok, confirm, note = message.tid, message.ok, message.confirm, message.note
         lease, plane = state.leases.get(tid), link.data
         if lease is None or lease.job is None or plane is None:  # a second END for this transfer: already settled
             await link.channel.reply(req_id, EndReply().to_wire())
             return
         code, text = 0, ""
         started = time.perf_counter()
+        settled = False  # every byte moved: the notification may be delivered
         try:
             if ok and (confirm or lease.job.kind == "send"):
                 await plane.wait(lease.job)
+                settled = True
             else:
                 plane.cancel(lease.job)
                 await plane.wait_stopped(lease.job)
         except LLMException as exc:
             code, text, ok = int(exc.status_code), str(exc), False
         finally:
-            self._end(state, tid, ok)
+            self._end(link, state, tid, ok, note if settled else None)
         waited = EndReply((time.perf_counter() - started) * 1e3)
         await link.channel.reply(req_id, waited.to_wire(), code=code, msg=text)
 

@@ -5,6 +5,10 @@ whole transfer, takes a lease on its cache and answers with the cache's addresse
 same plan, copies the bytes itself (mapping the owner's shared-memory segment, or with
 ``process_vm_readv``/``writev``; on the TCP plane its data plane receives or sends them) and ends with ``END``.
 A cache the owner published in its directory (same host) or one-sided TCP reads skip the round trip.
+
+A transfer's notification (``notify=``) goes to the owner only once the transfer succeeded: in ``END`` (for a TCP
+push, the confirmed one: the owner delivers it once every byte landed), or, on the paths without a round trip, as a
+NOTIFY sent right after the data is complete.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ..protocol.messages import (
     EndReply,
     Freed,
     IpcAllocation,
+    Notify,
     WireKey,
 )
 from ..registry import CacheEntry, CacheRegistry
@@ -81,8 +86,9 @@ class Requester:
         self.stats = stats
 
     async def run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
-                  params: TransferParams) -> None:
-        """One pull or push, bounded by ``sync_kv_timeout``; raises ``LLMTimeoutError`` on expiry."""
+                  params: TransferParams, note: bytes | None = None) -> None:
+        """One pull or push, bounded by ``sync_kv_timeout``; raises ``LLMTimeoutError`` on expiry.  ``note``: a
+        notification for the owner, sent only if the transfer succeeds."""
         timeout_ms = self._settings.sync_kv_timeout_ms
         started = time.perf_counter()
         failure: str | None = "LLM_FAILED"
@@ -90,7 +96,7 @@ class Requester:
         try:
             try:
                 async with asyncio.timeout(timeout_ms / 1000):
-                    release, nbytes = await self._run(key, local, params)
+                    release, nbytes = await self._run(key, local, params, note)
             except TimeoutError as exc:
                 if isinstance(exc, LLMException):
                     raise
@@ -117,8 +123,20 @@ class Requester:
             except (LLMException, TimeoutError) as exc:
                 log.warning("cluster %d did not confirm the end of a pull: %s", key.cluster_id, exc or "timeout")
 
+    def _noted(self, link: Link, note: bytes | None) -> bytes | None:
+        """``note``, counted as sent to the link's peer (called when it goes out with a successful transfer)."""
+        if note is not None:
+            self.stats.notification_sent(link.remote_cluster_id)
+        return note
+
+    def _send_note(self, link: Link, note: bytes | None) -> None:
+        """A successful transfer without END: its notification goes out on its own (NOTIFY, answer not awaited)."""
+        if note is not None:
+            self._links.notify(link, Notify(note))
+            self._noted(link, note)
+
     async def _run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
-                   params: TransferParams) -> tuple[Awaitable[Any] | None, int]:
+                   params: TransferParams, note: bytes | None) -> tuple[Awaitable[Any] | None, int]:
         """Do the transfer; returns the owner's pending key-release acknowledgement (if any) and the bytes."""
         links = self._links
         require(key.cluster_id != self._cluster_id, "data can not be pulled from own cluster.")
@@ -136,11 +154,14 @@ class Requester:
             if remembered is not None:
                 moved = await self._read_published(link, wkey, remembered, local, params)
                 if moved is not None:
+                    self._send_note(link, note)
                     return None, moved
         else:
             resolved = self._published(link, wkey)
             if resolved is not None:
-                return None, await self._run_published(link, wkey, resolved, local, params)
+                moved = await self._run_published(link, wkey, resolved, local, params)
+                self._send_note(link, note)
+                return None, moved
         if tcp and link.data is None:
             raise LLMLinkError(f"the link to cluster {key.cluster_id} has no data connections")
         tid = transfer_id(st.running)
@@ -161,8 +182,9 @@ class Requester:
                     streaming = True
                     await self._stream(link, tid, plan, local, pull, receiving)
                     if not pull:  # the bytes are sent; the owner confirms once they have all landed
-                        await link.channel.request(End(tid, True, confirm=True))
+                        await link.channel.request(End(tid, True, confirm=True, note=note))
                         ended = True
+                        self._noted(link, note)
                 else:
                     await self._copy(link, tid, plan, descriptor, local, params)
                 ok = True
@@ -179,9 +201,9 @@ class Requester:
                     # confirmed that its receiving end stopped writing.
                     await wait_through_cancellation(self._stop_remote_receive(links, link, tid))
                 elif not ended and not (ok and consumes_key):
-                    links.notify(link, End(tid, ok))
+                    links.notify(link, End(tid, ok, note=self._noted(link, note) if ok else None))
         if ok and consumes_key:
-            return link.channel.request(End(tid, True)), plan.total_bytes
+            return link.channel.request(End(tid, True, note=self._noted(link, note))), plan.total_bytes
         return None, plan.total_bytes
 
     @staticmethod

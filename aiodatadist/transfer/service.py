@@ -7,14 +7,16 @@ cleans up a closed link's transfers (copies stopped before leases are dropped).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from .._settings import Settings
 from ..control.links import Link, LinkManager
-from ..errors import LLMException
+from ..errors import LLMException, LLMStatusCode, LLMTimeoutError
 from ..layout import TransferParams
+from ..notifications import NotificationInbox
 from ..protocol.codec import ProtocolError
-from ..protocol.messages import Abort, Begin, End, Freed, request_from_wire
+from ..protocol.messages import Abort, Begin, End, Freed, Notify, request_from_wire
 from ..registry import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
@@ -30,10 +32,14 @@ class TransferService:
     """Pulls and pushes of one :class:`~aiodatadist.LLMDataDist`, both sides."""
 
     def __init__(self, cluster_id: int, settings: Settings, links: LinkManager, registry: CacheRegistry,
-                 engine: CopyEngine, stats: StatsRecorder) -> None:
+                 engine: CopyEngine, stats: StatsRecorder, inbox: NotificationInbox) -> None:
         self._states = TransferStates()
+        self._settings = settings
+        self._links = links
+        self._stats = stats
+        self._inbox = inbox
         self._requester = Requester(cluster_id, settings, links, registry, engine, self._states, stats)
-        self._owner = Owner(links, registry, engine, self._states)
+        self._owner = Owner(links, registry, engine, self._states, inbox.deliver)
         links.on_request = self.handle
         links.on_link_closed = self.on_link_closed
 
@@ -42,9 +48,27 @@ class TransferService:
         return self._states.of(link)
 
     async def run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
-                  params: TransferParams) -> None:
-        """One pull or push, bounded by ``sync_kv_timeout``; raises ``LLMTimeoutError`` on expiry."""
-        await self._requester.run(key, local, params)
+                  params: TransferParams, note: bytes | None = None) -> None:
+        """One pull or push, bounded by ``sync_kv_timeout``; raises ``LLMTimeoutError`` on expiry.  ``note``
+        (checked): a notification the owner receives if the transfer succeeds."""
+        await self._requester.run(key, local, params, note)
+
+    async def notify(self, cluster_id: int, note: bytes) -> None:
+        """Send a notification (checked) over the link to ``cluster_id`` and wait until the peer queued it (or
+        dropped it: its queue was full), bounded by ``sync_kv_timeout``."""
+        link = self._links.links.get(cluster_id)
+        if link is None:
+            raise LLMException(f"cluster {cluster_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+        self._stats.notification_sent(cluster_id)
+        timeout_ms = self._settings.sync_kv_timeout_ms
+        try:
+            async with asyncio.timeout(timeout_ms / 1000):
+                await link.channel.request(Notify(note))
+        except TimeoutError as exc:
+            if isinstance(exc, LLMException):
+                raise
+            raise LLMTimeoutError(f"notify of cluster {cluster_id} was not acknowledged within "
+                                  f"sync_kv_timeout={timeout_ms} ms") from None
 
     async def handle(self, link: Link, message: dict[str, Any]) -> dict[str, Any] | None:
         """A transfer request from a peer; returns the reply body (None: answered later, or never)."""
@@ -59,6 +83,9 @@ class TransferService:
             case Freed() as freed:
                 self._requester.freed(link, freed)
                 return None
+            case Notify() as notify:
+                self._inbox.deliver(link.remote_cluster_id, notify.note)
+                return {}
             case _:
                 raise ProtocolError(f"unexpected request {message['k']!r}")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from .._checks import (
     U64_MAX,
+    check_index_list,
     check_int,
-    check_int_list,
     check_isinstance,
     check_layer_range,
     param_invalid,
@@ -45,7 +45,7 @@ def _layer_kwargs(kwargs: dict[str, Any], *, allow_empty: bool) -> tuple[range |
 def _blocks_arg(name: str, value: Any, *, allow_none: bool) -> tuple[int, ...]:
     if value is None and allow_none:
         return ()
-    return tuple(check_int_list(name, value, "uint64"))
+    return tuple(check_index_list(name, value, "uint64"))
 
 
 def _check_cache_key_for_pull(key: CacheKey) -> None:

@@ -39,6 +39,7 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.copy.python_pool import CopyExecutor
+from aiodatadist.registry import MAX_REGISTERED_ADDRS
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
 NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
@@ -238,26 +239,30 @@ async def test_register_addrs_validation(cache_manager: CacheManager, blocks: bo
 
 
 async def test_register_address_limit(cache_manager: CacheManager) -> None:
-    memory = np.zeros((241, 16), np.uint8)
-    addrs = [int(memory[i].ctypes.data) for i in range(241)]
-    first = cache_manager.register_cache(host_desc(200, [2, 8]), addrs[:200])
+    # the reference's 240 is raised (docs/api.md, "Differences"): 120 layers of separate K and V tensors fit
+    # many times over
+    cap = MAX_REGISTERED_ADDRS
+    assert cap >= 4096
+    memory = np.zeros((cap + 1, 16), np.uint8)
+    addrs = [int(memory[i].ctypes.data) for i in range(cap + 1)]
+    first = cache_manager.register_cache(host_desc(cap - 40, [2, 8]), addrs[:cap - 40])
     # allocated caches do not count against the limit of registered addresses
     cache_manager.allocate_cache(host_desc(64, [2, 8]))
-    cache_manager.register_blocks_cache(host_desc(39, [2, 8]), addrs[200:239])
-    last = cache_manager.register_cache(host_desc(1, [2, 8]), addrs[239:240])  # exactly 240
+    cache_manager.register_blocks_cache(host_desc(39, [2, 8]), addrs[cap - 40:cap - 1])
+    last = cache_manager.register_cache(host_desc(1, [2, 8]), addrs[cap - 1:cap])  # exactly the cap
     count = len(cache_manager.registry.entries())
     with raises_status(PARAM_INVALID):
-        cache_manager.register_cache(host_desc(1, [2, 8]), addrs[240:241])
+        cache_manager.register_cache(host_desc(1, [2, 8]), addrs[cap:cap + 1])
     with raises_status(PARAM_INVALID):
-        cache_manager.register_blocks_cache(host_desc(1, [2, 8]), addrs[240:241])
+        cache_manager.register_blocks_cache(host_desc(1, [2, 8]), addrs[cap:cap + 1])
     assert len(cache_manager.registry.entries()) == count
     # unregistering gives the addresses back
     cache_manager.unregister_cache(last.cache_id)
-    cache_manager.register_cache(host_desc(1, [2, 8]), addrs[240:241])
+    cache_manager.register_cache(host_desc(1, [2, 8]), addrs[cap:cap + 1])
     with raises_status(PARAM_INVALID):
-        cache_manager.register_cache(host_desc(1, [2, 8]), addrs[239:240])
+        cache_manager.register_cache(host_desc(1, [2, 8]), addrs[cap - 1:cap])
     cache_manager.unregister_cache(first.cache_id)
-    cache_manager.register_blocks_cache(host_desc(200, [2, 8]), addrs[:200])
+    cache_manager.register_blocks_cache(host_desc(cap - 40, [2, 8]), addrs[:cap - 40])
 
 
 async def test_cache_keys_bind_slots(cache_manager: CacheManager) -> None:

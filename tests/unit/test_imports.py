@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,14 +25,14 @@ LAYERS: list[set[str]] = [
     {"memory", "_settings"},  # shared memory segments; parsed options and environment knobs
     {"copy"},  # copy executors (native and Python pools)
     {"cuda"},  # CUDA driver, kernels and the GPU executor
-    {"protocol"},  # sans-IO wire protocol: codec, messages, handshake rules, auth
+    {"protocol", "notifications"},  # sans-IO wire protocol: codec, messages, handshake rules, auth; the notification inbox
     {"transport"},  # data planes: same host, directory, device, TCP
     {"registry", "cache"},  # caches of an instance; the user's handle
     {"control"},  # ZeroMQ channels, sockets and links
     {"transfer"},  # the transfer conversation: requester, owner, copy engine
     {"cache_manager"},  # public facade: caches, local copies, pull/push
     {"datadist"},  # public facade and composition root
-    {"metrics", "testing", "sync"},  # public helpers built on the facade; the blocking API
+    {"metrics", "testing", "sync", "torch"},  # public helpers built on the facade; the blocking API; torch interop
     {"tools", "__main__", "__init__"},  # CLI and the package's public namespace
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
@@ -181,3 +183,19 @@ def test_the_design_diagram_names_every_layer() -> None:
         modules = {p.stem for p in (PACKAGE / package).glob("*.py")} - {"__init__"}
         unnamed = sorted(m for m in modules if m not in diagram)
         assert not unnamed, f"docs/design.md's diagram does not name {package}/ modules {unnamed}"
+
+
+def test_nothing_imports_the_torch_module() -> None:
+    """``aiodatadist.torch`` is imported only by its users: no module of the package names it."""
+    importers = sorted(module for module, targets in _graph().items() if "aiodatadist.torch" in targets)
+    assert not importers, f"aiodatadist.torch is imported by {importers}"
+
+
+def test_import_does_not_import_torch() -> None:
+    """In a fresh interpreter, the package and its public modules load without importing torch."""
+    code = ("import sys, aiodatadist, aiodatadist.sync, aiodatadist.testing, aiodatadist.metrics\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr

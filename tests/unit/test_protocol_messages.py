@@ -5,7 +5,9 @@ The golden dicts are written exactly as the control plane built them inline befo
 channel's reply envelope): the wire format must not change, down to the key order, except deliberately with a new
 protocol version.  Version 3 (issue 12) changed one thing, on purpose: a cache geometry (BEGIN's ``peer``, a
 descriptor's ``geometry``) carries the cache's data type as a fifth element, so that caches of different data types
-with equal block sizes are refused (``[2, 8 * 4096, 8, True, 1]`` below: 1 = ``DT_FLOAT16``).
+with equal block sizes are refused (``[2, 8 * 4096, 8, True, 1]`` below: 1 = ``DT_FLOAT16``).  Notifications
+(issue 12, same release, still version 3) added two forms, deliberately: END's optional ``note`` (absent when
+there is none, so every END above is unchanged) and the NOTIFY request ``{"note": bytes}``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from aiodatadist.protocol.messages import (
     MAX_ANNOUNCED_SEGMENTS,
     MAX_DATA_CONNECTIONS,
     MAX_IPC_ALLOCATIONS,
+    MAX_NOTE_BYTES,
     Abort,
     Begin,
     BeginReply,
@@ -44,6 +47,7 @@ from aiodatadist.protocol.messages import (
     HelloChallenge,
     HelloReply,
     HostInfo,
+    Notify,
     Ping,
     Reply,
     Request,
@@ -193,6 +197,35 @@ def test_end_golden() -> None:
     assert EndReply().to_wire() == {}
 
 
+def test_notification_forms_golden() -> None:
+    assert End(5, True, note=b"req 7 done").to_wire() == {"tid": 5, "ok": True, "note": b"req 7 done"}
+    assert End(5, True, confirm=True, note=b"").to_wire() == {"tid": 5, "ok": True, "confirm": True, "note": b""}
+    assert encode(request_to_wire(End(5, True, note=b"x"), 2)) == pack(
+        {"tid": 5, "ok": True, "note": b"x", "k": "end", "i": 2})
+    assert Notify(b"hi").to_wire() == {"note": b"hi"}
+    assert encode(request_to_wire(Notify(b"hi"), 7)) == pack({"note": b"hi", "k": "notify", "i": 7})
+    assert request_from_wire({"k": "notify", "i": 7, "note": b"hi"}) == Notify(b"hi")
+    assert End.from_wire({"tid": 1, "ok": True}).note is None  # absent: no notification
+    # the NOTIFY answer is an empty reply
+    assert reply_to_wire(7, {}) == {"k": "reply", "r": 7, "code": 0, "msg": ""}
+
+
+def test_notifications_are_bounded() -> None:
+    assert MAX_NOTE_BYTES == 4096
+    biggest = b"n" * MAX_NOTE_BYTES
+    assert Notify.from_wire({"note": biggest}).note == biggest
+    assert End.from_wire({"tid": 1, "ok": True, "note": biggest}).note == biggest
+    for bad in (biggest + b"n", "text", 5, True, [b"x"], bytearray(b"x")):
+        with pytest.raises(ProtocolError):
+            Notify.from_wire({"note": bad})
+        with pytest.raises(ProtocolError):
+            End.from_wire({"tid": 1, "ok": True, "note": bad})
+    with pytest.raises(ProtocolError):
+        Notify.from_wire({})  # a NOTIFY without a note is malformed
+    through = decode_batch(encode(request_to_wire(Notify(biggest), 1)))[0]
+    assert request_from_wire(through) == Notify(biggest)
+
+
 def test_small_requests_golden() -> None:
     assert Abort(9).to_wire() == {"tid": 9}
     assert encode(request_to_wire(Abort(9), 4)) == pack({"tid": 9, "k": "abort", "i": 4})
@@ -277,12 +310,14 @@ hello_replies = st.builds(
 challenges = st.builds(HelloChallenge, nonces, st.binary(max_size=40))
 begins = st.builds(Begin, tid=u64, key=wire_keys, peer=geometries, params=params,
                    known=st.lists(st.integers(1, I64_MAX), max_size=6).map(tuple))
-ends = st.builds(End, tid=u64, ok=st.booleans(), confirm=st.booleans())
+notes = st.binary(max_size=MAX_NOTE_BYTES)
+ends = st.builds(End, tid=u64, ok=st.booleans(), confirm=st.booleans(), note=st.none() | notes)
+notifies = st.builds(Notify, notes)
 aborts = st.builds(Abort, u64)
 freeds = st.builds(Freed, st.integers(1, I64_MAX), st.none() | st.tuples(any_int, any_int),
                    st.lists(handles, max_size=4).map(tuple))
 requests: st.SearchStrategy[Request] = st.one_of(
-    hellos, begins, ends, aborts, freeds, st.just(Ping()), st.just(Bye()))
+    hellos, begins, ends, aborts, freeds, st.just(Ping()), st.just(Bye()), notifies)
 
 
 @st.composite
@@ -417,6 +452,7 @@ MALFORMED: list[tuple[type[Any], dict[str, Any], str, list[Any]]] = [
     (End, {"tid": 1, "ok": True}, "tid", [*BAD_INTS, -1]),
     (End, {"tid": 1, "ok": True}, "ok", [None, 1, 0, "true", [True]]),
     (Abort, {"tid": 1}, "tid", [*BAD_INTS, -1]),
+    (Notify, {"note": b"x"}, "note", [None, "x", 1, True, [b"x"], b"x" * (MAX_NOTE_BYTES + 1)]),
     (Freed, {"cid": 1}, "cid", [*BAD_INTS, 0, 2**63]),
     (BeginReply, VALID_BEGIN_REPLY, "cid", [*BAD_INTS, 0, 2**63]),
     (BeginReply, VALID_BEGIN_REPLY, "slot", [*BAD_INTS, -1, 2**32]),
@@ -603,8 +639,9 @@ hostile = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size
                        max_leaves=16)
 FIELD_NAMES = sorted({*VALID_BEGIN, *VALID_HELLO, "ok", "confirm", "cid", "seg", "ipc", "pub", "desc", "host",
                       "segs", "dir", "reads", "cn", "sn", "cp", "plane", "data", "dconns", "waited", "challenge",
-                      "sp", "r", "code", "msg"})
-DECODERS: list[Any] = [Hello, Begin, End, Abort, Freed, Ping, Bye, HelloReply, HelloChallenge, BeginReply, EndReply, Reply]
+                      "sp", "r", "code", "msg", "note"})
+DECODERS: list[Any] = [Hello, Begin, End, Abort, Freed, Ping, Bye, Notify, HelloReply, HelloChallenge, BeginReply,
+                       EndReply, Reply]
 
 
 @settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,7 +16,8 @@ CACHE_METHODS = ["allocate_cache", "allocate_blocks_cache", "register_cache", "r
                  "unregister_cache", "deallocate_cache", "deallocate_blocks_cache", "remove_cache_key",
                  "copy_cache", "copy_blocks", "swap_blocks", "pull_cache", "pull_blocks", "push_cache", "push_blocks"]
 COROUTINES = [m for m in CACHE_METHODS if inspect.iscoroutinefunction(getattr(AsyncCacheManager, m))]
-DATADIST_METHODS = ["init", "finalize", "link_clusters", "unlink_clusters", "switch_role", "links", "stats"]
+DATADIST_METHODS = ["init", "finalize", "link_clusters", "unlink_clusters", "switch_role", "links", "stats", "notify",
+                    "get_notification"]
 PROPERTIES = ["cluster_id", "role", "is_initialized", "settings", "cache_manager", "listen_address"]
 
 
