@@ -5,6 +5,7 @@ from .cache_manager import CacheManager
 from .config import LLMConfig, LlmConfig
 from .datadist import LLMDataDist
 from .errors import LLMException, LLMLinkError, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
+from .memory import HostMemory
 from .notifications import Notification
 from .stats import LinkStats, NotificationStats, StatsSnapshot
 from .types import (
@@ -29,6 +30,7 @@ __all__ = [
     "CacheKeyByIdAndIndex",
     "CacheManager",
     "DataType",
+    "HostMemory",
     "LLMClusterInfo",
     "LLMConfig",
     "LLMDataDist",

@@ -32,7 +32,7 @@ from .layout import (
     make_plan,
     swap_blocks_runs,
 )
-from .memory import SharedSegment
+from .memory import HostMemory, SharedSegment
 from .notifications import check_notification
 from .registry import CacheEntry, CacheRegistry, geometry_of
 from .transfer import validate
@@ -86,6 +86,7 @@ class CacheManager:
         self._engine = engine
         self._transfers = transfers
         self._closed = False
+        self._host_memories: list[HostMemory] = []  # from allocate_host_memory, closed by finalize
         self._loop = _running_loop()  # the loop of LLMDataDist.init: every coroutine method must run on it
 
     # -- helpers ---------------------------------------------------------------------------------------------
@@ -178,6 +179,32 @@ class CacheManager:
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
         return self._allocate(desc, is_blocks=True, keys=[], blocks_key=blocks_cache_key)
 
+    # -- shareable host memory for engines -------------------------------------------------------------------
+    def allocate_host_memory(self, nbytes: int) -> HostMemory:
+        """Shareable host memory (``memfd`` shared memory, huge pages advised, pre-faulted, zero-filled) of at
+        least ``nbytes`` bytes, for an engine's own KV tensors.
+
+        Caches registered (``register_cache``/``register_blocks_cache``) with every tensor inside one such block
+        take the mapped path: same-host peers map it and copy with their own threads, as for allocated caches.
+        ``HostMemory.close()`` raises ``LLM_PARAM_INVALID`` while caches are registered in it; ``finalize``
+        closes it.
+        """
+        self._check_open()
+        size = check_int("nbytes", nbytes, "int64")
+        require(size > 0, f"nbytes must be > 0, got {size}.")
+        memory = HostMemory(size, name=f"aiodatadist-{self._cluster_id}-host")
+        self._host_memories = [m for m in self._host_memories if not m.closed]
+        self._host_memories.append(memory)
+        log.debug("allocated %d bytes of shareable host memory at %#x", memory.size, memory.address)
+        return memory
+
+    def _host_memory_of(self, addrs: list[int], tensor_size: int) -> HostMemory | None:
+        """The open HostMemory of this instance that holds every tensor, if any."""
+        for memory in self._host_memories:
+            if memory.contains(addrs, tensor_size):
+                return memory
+        return None
+
     # -- registration of caller-owned memory -----------------------------------------------------------------
     def _check_addrs(self, desc: CacheDesc, addrs: Any) -> list[int]:
         check_isinstance("addrs", addrs, list)
@@ -197,11 +224,14 @@ class CacheManager:
         geometry = geometry_of(desc, is_blocks)
         bound = self._registry.check_keys(keys, geometry.slots) if keys else []
         self._registry.check_registered_addrs(len(values))
+        host_memory = None
         if desc.placement == Placement.DEVICE:
             self.device().check_registered(values, desc.size)
+        else:
+            host_memory = self._host_memory_of(values, desc.size)
         return self._handle(self._registry.add(desc.copy(), values, is_blocks=is_blocks,
                                                remote_accessible=accessible, segment=None, keys=bound,
-                                               blocks_key=blocks_key))
+                                               blocks_key=blocks_key, host_memory=host_memory))
 
     def register_cache(self, cache_desc: CacheDesc, addrs: list[int],
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = (),
@@ -209,7 +239,7 @@ class CacheManager:
         """Register caller-owned contiguous memory (one address per tensor); key ``i`` binds slot ``i``.
 
         The memory must stay valid until ``unregister_cache``; peers may access it unless
-        ``remote_accessible=False``.
+        ``remote_accessible=False``.  Inside memory from :meth:`allocate_host_memory`, same-host peers map it.
         """
         keys = _check_cache_keys(cache_keys)
         return self._register(cache_desc, addrs, remote_accessible, is_blocks=False, keys=keys, blocks_key=None)
@@ -217,7 +247,8 @@ class CacheManager:
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
                               blocks_cache_key: BlocksCacheKey | None = None,
                               remote_accessible: bool | None = None) -> Cache:
-        """Register caller-owned paged memory (one address per tensor, ``shape[0]`` blocks each)."""
+        """Register caller-owned paged memory (one address per tensor, ``shape[0]`` blocks each); inside memory
+        from :meth:`allocate_host_memory`, same-host peers map it."""
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey, allow_none=True)
         return self._register(cache_desc, addrs, remote_accessible, is_blocks=True, keys=[],
                               blocks_key=blocks_cache_key)
@@ -411,6 +442,9 @@ class CacheManager:
         self._closed = True  # no new copy may start while the running ones are stopped
         await self._engine.close()
         self._registry.close_all()
+        for memory in self._host_memories:
+            memory._force_close()
+        self._host_memories.clear()
         if self._registry.directory is not None:
             self._registry.directory.close()
         self._engine.close_device()

@@ -19,7 +19,7 @@ import numpy.typing as npt
 from ._checks import I64_MAX, require
 from .errors import LLMException, LLMStatusCode
 from .layout import CacheGeometry
-from .memory import SharedSegment
+from .memory import HostMemory, SharedSegment
 from .transport.directory import CacheDirectory
 from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
 
@@ -67,6 +67,15 @@ class CacheEntry:
     on_free: list[Callable[[], None]] = field(default_factory=list)  # run before the memory goes (unpin, ...)
     exported: set[bytes] = field(default_factory=set)  # CUDA IPC handles of its allocations given to peers
     freed: bool = False
+    host_memory: HostMemory | None = None  # registered memory inside a HostMemory: mapped by same-host peers
+
+    @property
+    def shared_segment(self) -> SharedSegment | None:
+        """The segment same-host peers map to reach this cache: its own (allocated) or its HostMemory's."""
+        if self.segment is not None:
+            return self.segment
+        memory = self.host_memory
+        return memory.segment if memory is not None and not memory.closed else None
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -132,11 +141,14 @@ class CacheRegistry:
         device_memory: DeviceMemory | None = None,
         keys: list[tuple[IndexKey, int]] = (),  # type: ignore[assignment]
         blocks_key: BlocksCacheKey | None = None,
+        host_memory: HostMemory | None = None,
     ) -> CacheEntry:
         cache_id = self._next_id
         self._next_id += 1
         entry = CacheEntry(cache_id, desc, np.asarray(addrs, dtype=np.uint64), is_blocks, remote_accessible, segment,
-                           device_memory=device_memory)
+                           device_memory=device_memory, host_memory=host_memory)
+        if host_memory is not None:
+            host_memory._registered.add(entry)
         self._by_id[cache_id] = entry
         for index, slot in keys:
             self._by_key[index] = (entry, slot)
@@ -153,6 +165,10 @@ class CacheRegistry:
                 entry.published = self.directory.publish(cache_id, model, segment.address, segment.size)
             elif device_memory is not None:  # same-host peers only: no byte of it is served over TCP (size 0)
                 entry.published = self.directory.publish(cache_id, model, 0, 0)
+            elif host_memory is not None:  # registered inside shareable memory: the tensors' span, no more
+                low = int(entry.addrs.min())
+                entry.published = self.directory.publish(cache_id, model, low,
+                                                         int(entry.addrs.max()) + desc.size - low)
         if segment is None and device_memory is None:
             self._registered_addrs += len(addrs)
         return entry
@@ -243,6 +259,8 @@ class CacheRegistry:
         hooks, entry.on_free = entry.on_free, []
         for hook in hooks:
             hook()
+        if entry.host_memory is not None:
+            entry.host_memory._registered.discard(entry)
         if self.on_freed is not None and entry.cache_id > 0:
             self.on_freed(entry)
         if entry.segment is not None:

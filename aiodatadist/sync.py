@@ -41,6 +41,7 @@ from .cache import Cache
 from .cache_manager import CacheManager as AsyncCacheManager
 from .datadist import LLMDataDist as AsyncLLMDataDist
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .memory import HostMemory
 from .notifications import Notification
 from .stats import StatsSnapshot
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
@@ -498,6 +499,9 @@ class CacheManager:
 
     def allocate_blocks_cache(self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
         return _RUNNER.call(lambda: _plain(self._cm.allocate_blocks_cache, cache_desc, blocks_cache_key))
+
+    def allocate_host_memory(self, nbytes: int) -> HostMemory:
+        return _RUNNER.call(lambda: _plain(self._cm.allocate_host_memory, nbytes))
 
     def register_cache(self, cache_desc: CacheDesc, addrs: list[int],
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = (),

@@ -29,12 +29,14 @@ except ImportError as exc:  # pragma: no cover - only without torch
 
 from ._checks import check_isinstance, param_invalid, require
 from .cache import Cache
+from .memory import HostMemory
 from .types import BlocksCacheKey, CacheDesc, CacheKey, DataType, Placement
 
 __all__ = [
     "Registrar",
     "cache_desc_from_tensors",
     "from_torch_dtype",
+    "host_memory_tensor",
     "placement_of",
     "register_blocks_cache_from_tensors",
     "register_cache_from_tensors",
@@ -218,3 +220,25 @@ def tensors_of(cache: Cache) -> list[torch.Tensor]:
         raw = np.asarray(array).reshape(-1).view(np.uint8)  # a view: the cache's tensors are contiguous
         views.append(torch.from_numpy(raw).view(dtype).view(shape))
     return views
+
+
+def host_memory_tensor(memory: HostMemory, dtype: torch.dtype | DataType, shape: Sequence[int], *,
+                       offset: int = 0) -> torch.Tensor:
+    """A zero-copy CPU torch tensor of ``shape`` and ``dtype`` (a ``torch.dtype`` or a :class:`DataType`) over
+    ``memory`` (from ``CacheManager.allocate_host_memory``) at byte ``offset``: an engine's KV tensors in
+    shareable memory.  It shares the bytes with ``memory.array()``; register it with
+    :func:`register_blocks_cache_from_tensors` (or ``data_ptr()`` addresses) to take the mapped path.  Raises
+    ``LLM_PARAM_INVALID`` when the tensor does not fit or ``offset`` is not aligned to the dtype.
+    """
+    check_isinstance("memory", memory, HostMemory)
+    torch_dtype = to_torch_dtype(dtype) if isinstance(dtype, DataType) else dtype
+    check_isinstance("dtype", torch_dtype, torch.dtype)
+    dims = tuple(int(d) for d in shape)
+    require(all(d >= 0 for d in dims), f"shape {list(dims)} must be all >= 0.")
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    require(offset >= 0 and offset % itemsize == 0, f"offset {offset} must be >= 0 and a multiple of {itemsize}.")
+    require(offset + count * itemsize <= memory.size,
+            f"{count * itemsize} bytes at offset {offset} exceed the host memory's {memory.size} bytes.")
+    raw = torch.from_numpy(memory.array()[offset: offset + count * itemsize])
+    return raw.view(torch_dtype).view(dims)

@@ -250,8 +250,12 @@ class LinkManager:
 
     def _segments(self) -> tuple[tuple[SegmentIdentity, int], ...]:
         """This instance's shared-memory caches, announced at link time so that the peer maps them early."""
-        return tuple((e.segment.identity, e.segment.address)
-                     for e in self._registry.entries() if e.segment is not None and e.remote_accessible)
+        found: dict[SegmentIdentity, int] = {}
+        for e in self._registry.entries():
+            shared = e.shared_segment
+            if shared is not None and e.remote_accessible:
+                found.setdefault(shared.identity, shared.address)  # a HostMemory may hold several caches
+        return tuple(found.items())
 
     def _directory(self) -> SegmentIdentity | None:
         directory = self._registry.directory

@@ -269,19 +269,22 @@ def _addrs_inside(addrs: UInt64Array, tensor_size: int, segment: tuple[SegmentId
 @dataclass(frozen=True, slots=True, eq=False)
 class Descriptor:
     """An owner's cache as the requester knows it: geometry, tensor addresses (inside its shared-memory segment,
-    if any), that segment and its base address (None: caller-registered memory), device allocations to open by
-    CUDA IPC (None: a host cache)."""
+    if any), that segment and its base address (None: caller-registered memory outside any shareable segment),
+    device allocations to open by CUDA IPC (None: a host cache); ``borrowed``: caller-owned memory (registered,
+    possibly inside a shareable segment), which pushes always reach through the owner (so that unregistering it
+    aborts them)."""
 
     geometry: CacheGeometry
     addrs: UInt64Array
     segment: tuple[SegmentIdentity, int] | None = None
     ipc: tuple[IpcAllocation, ...] | None = None
+    borrowed: bool = False
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Descriptor):
             return NotImplemented
         return (self.geometry == other.geometry and self.segment == other.segment and self.ipc == other.ipc
-                and np.array_equal(self.addrs, other.addrs))
+                and self.borrowed == other.borrowed and np.array_equal(self.addrs, other.addrs))
 
     def to_wire(self) -> dict[str, Any]:
         segment = self.segment
@@ -291,6 +294,8 @@ class Descriptor:
         }
         if self.ipc is not None:
             out["ipc"] = [list(item) for item in self.ipc]
+        if self.borrowed:
+            out["borrowed"] = True
         return out
 
     @classmethod
@@ -302,7 +307,10 @@ class Descriptor:
         segment = segment_from_wire(value.get("segment"))
         if len(addrs) != geometry.num_tensors or not _addrs_inside(addrs, geometry.tensor_size, segment):
             raise ProtocolError("the owner announced addresses outside its cache")
-        return cls(geometry, addrs, segment, ipc_from_wire(value.get("ipc")))
+        borrowed = value.get("borrowed", False)
+        if not isinstance(borrowed, bool):
+            raise ProtocolError("invalid cache descriptor")
+        return cls(geometry, addrs, segment, ipc_from_wire(value.get("ipc")), borrowed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,12 @@ class Agent:
 
     async def cmd_register(self, a: dict[str, Any]) -> Any:
         desc = self._desc(a)
-        arrays = [np.zeros(desc.size, dtype=np.uint8) for _ in range(desc.num_tensors)]
+        if a.get("host_memory"):  # inside shareable memory from allocate_host_memory (one block per cache)
+            memory = self.cm.allocate_host_memory(desc.size * desc.num_tensors)
+            whole = memory.array()
+            arrays = [whole[i * desc.size: (i + 1) * desc.size] for i in range(desc.num_tensors)]
+        else:
+            arrays = [np.zeros(desc.size, dtype=np.uint8) for _ in range(desc.num_tensors)]
         addrs = [int(x.ctypes.data) for x in arrays]
         if a.get("blocks"):
             bk = a.get("blocks_key")

@@ -84,8 +84,9 @@ class Owner:
                 exported = self._engine.device().ipc_export(entry.addrs, entry.desc.size)
                 entry.exported.update(handle for handle, _, _ in exported)
                 ipc = tuple((handle, base, size) for handle, base, size in exported)
-            segment = (entry.segment.identity, entry.segment.address) if entry.segment is not None else None
-            descriptor = Descriptor(entry.geometry, entry.addrs, segment, ipc)
+            shared = entry.shared_segment
+            segment = (shared.identity, shared.address) if shared is not None else None
+            descriptor = Descriptor(entry.geometry, entry.addrs, segment, ipc, borrowed=not entry.owned)
         return BeginReply(entry.cache_id, slot, entry.published, descriptor).to_wire()
 
     def end(self, link: Link, message: End, req_id: int) -> dict[str, Any] | None:
@@ -141,6 +142,9 @@ class Owner:
         """``entry``'s memory is gone; same-host peers that mapped it let go of their mappings (a peer's mapping
         would otherwise keep freed pages alive until the link closes)."""
         segment = entry.segment
+        memory = entry.host_memory
+        if memory is not None and memory.registrations == 0 and not memory.closed:
+            segment = memory.segment  # its last registration went: peers let go of their mappings (until the next)
         if segment is None and not entry.exported:
             return
         freed = Freed(entry.cache_id, (segment.identity.inode, segment.identity.device) if segment is not None

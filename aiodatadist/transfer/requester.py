@@ -158,6 +158,8 @@ class Requester:
                     return None, moved
         else:
             resolved = self._published(link, wkey)
+            if resolved is not None and params.op == "push" and st.descriptors[resolved.cache_id].borrowed:
+                resolved = None  # caller-owned memory: a push goes through the owner, so unregistering aborts it
             if resolved is not None:
                 moved = await self._run_published(link, wkey, resolved, local, params)
                 self._send_note(link, note)

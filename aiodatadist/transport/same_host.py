@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from .._checks import U64_LIMIT
 from .._settings import env_knobs
+from ..errors import LLMException, LLMStatusCode
 from ..memory import SegmentIdentity, SharedSegment, map_peer_segment
 from ..native import CopyMode, CopySpec, populate, process_vm_read, pvm_copier
 from ..protocol.messages import HOST_NONCE_BYTES as NONCE_BYTES
@@ -204,7 +205,7 @@ class PeerMemory:
             return CopySpec(CopyMode.MEMCPY, streaming=streaming, dst_delta=delta)
         if self.caps.can_pvm:
             return pvm_copier(self.caps.pid, remote_is_src=remote_is_src)
-        raise OSError(0, _unreachable_reason(self.caps, segment))
+        raise LLMException(_unreachable_reason(self.caps, segment), status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
     async def close(self) -> None:
         """Unmap the peer's segments (callers first stop every copy that uses them)."""
@@ -223,8 +224,8 @@ def _unreachable_reason(caps: PeerCapabilities, segment: tuple[SegmentIdentity, 
     allowed = allowed_mechanisms()
     missing = []
     if segment is None:
-        missing.append("the peer's cache is caller-registered memory, which only process_vm_readv/writev can "
-                       "reach (allocate it with allocate_cache/allocate_blocks_cache to make it mappable)")
+        missing.append("the peer's cache is caller-registered memory outside any shareable segment, which only "
+                       "process_vm_readv/writev can reach")
     elif not caps.can_map:
         missing.append(f"mapping the peer's shared memory through /proc/{caps.pid}/fd is not permitted")
     if "pvm" not in allowed:
@@ -232,4 +233,7 @@ def _unreachable_reason(caps: PeerCapabilities, segment: tuple[SegmentIdentity, 
     else:
         missing.append("process_vm_readv/writev is refused by the OS (ptrace restrictions: "
                        "/proc/sys/kernel/yama/ptrace_scope, seccomp or a missing CAP_SYS_PTRACE)")
-    return "no same-host mechanism reaches the peer's memory: " + "; ".join(missing)
+    return ("no same-host mechanism reaches the peer's memory: " + "; ".join(missing) + ".  To fix it, on the "
+            "owner register the cache inside memory from CacheManager.allocate_host_memory (or allocate it with "
+            "allocate_cache/allocate_blocks_cache), or allow process_vm_readv/writev (ptrace_scope 0 or "
+            "CAP_SYS_PTRACE), or link with llm.Transport=tcp")

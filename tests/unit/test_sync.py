@@ -12,7 +12,7 @@ from aiodatadist import CacheManager as AsyncCacheManager
 from aiodatadist import LLMConfig, LLMException, LLMNotInitializedError, LLMRole, LLMStatusCode, sync
 from aiodatadist import LLMDataDist as AsyncLLMDataDist
 
-CACHE_METHODS = ["allocate_cache", "allocate_blocks_cache", "register_cache", "register_blocks_cache",
+CACHE_METHODS = ["allocate_cache", "allocate_blocks_cache", "allocate_host_memory", "register_cache", "register_blocks_cache",
                  "unregister_cache", "deallocate_cache", "deallocate_blocks_cache", "remove_cache_key",
                  "copy_cache", "copy_blocks", "swap_blocks", "pull_cache", "pull_blocks", "push_cache", "push_blocks"]
 COROUTINES = [m for m in CACHE_METHODS if inspect.iscoroutinefunction(getattr(AsyncCacheManager, m))]

@@ -1,0 +1,90 @@
+"""``HostMemory``: shareable host memory an engine allocates through aiodatadist for its own KV tensors.
+
+The memory is a :class:`~aiodatadist.memory.SharedSegment` (``memfd``, huge pages advised, pre-faulted), exactly
+like an allocated cache's.  Caches registered with ``register_cache`` / ``register_blocks_cache`` whose tensors
+all lie inside one such block are published like allocated caches: same-host peers map the segment and copy
+with their own threads, never through ``process_vm_readv``/``writev`` nor the owner's event loop on repeat
+transfers.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import LLMException, LLMStatusCode
+from .segment import SharedSegment
+
+__all__ = ["HostMemory"]
+
+
+class HostMemory:
+    """Shareable host memory from :meth:`aiodatadist.CacheManager.allocate_host_memory`.
+
+    ``address``/``size`` (at least the requested bytes, whole pages), :meth:`array` (a numpy view, zero-copy),
+    :meth:`close` (or use it as a context manager).  Closing while caches are registered inside it raises
+    ``LLMException(LLM_PARAM_INVALID)``: unregister them first.  ``finalize`` of the instance closes it.  Views
+    handed out earlier keep the pages alive (never a dangling pointer), but the memory is no longer shared.
+    """
+
+    def __init__(self, nbytes: int, name: str = "aiodatadist-host") -> None:
+        self._segment: SharedSegment | None = SharedSegment(nbytes, name=name)
+        self.address: int = self._segment.address
+        self.size: int = self._segment.size
+        self._registered: set[object] = set()  # the registry's live entries inside it (owner's event loop only)
+
+    @property
+    def closed(self) -> bool:
+        return self._segment is None
+
+    @property
+    def segment(self) -> SharedSegment:
+        if self._segment is None:
+            raise LLMException("the host memory is closed", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        return self._segment
+
+    @property
+    def registrations(self) -> int:
+        """How many live registered caches lie inside this memory."""
+        return len(self._registered)
+
+    def contains(self, addrs: npt.NDArray[np.uint64] | list[int], tensor_size: int) -> bool:
+        """Whether every ``[addr, addr + tensor_size)`` lies inside this (open) memory."""
+        if self._segment is None or len(addrs) == 0:
+            return False
+        values = np.asarray(addrs, dtype=np.uint64)
+        low, high = int(values.min()), int(values.max()) + int(tensor_size)
+        return self.address <= low and high <= self.address + self.size
+
+    def array(self, dtype: Any = np.uint8) -> np.ndarray:
+        """A zero-copy numpy view of the whole memory as ``dtype`` (its size must divide ``size``)."""
+        return self.segment.array().view(dtype)
+
+    def close(self) -> None:
+        """Release the memory (idempotent); raises ``LLM_PARAM_INVALID`` while caches are registered in it."""
+        if self._segment is None:
+            return
+        if self._registered:
+            raise LLMException(f"{len(self._registered)} cache(s) are still registered in this host memory: "
+                               "unregister them before closing it", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        segment, self._segment = self._segment, None
+        segment.close()
+
+    def _force_close(self) -> None:
+        """``finalize``: every registration is gone already."""
+        self._registered.clear()
+        self.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.registrations} registered"
+        return f"HostMemory(address={self.address:#x}, size={self.size}, {state})"
