@@ -106,6 +106,7 @@ class Link:
     data_token: bytes | None = None  # server side: what the client's data connections present
     data_admits: int = 0  # server side: data connections still admitted with that token (then it is retired)
     closed: bool = False
+    unlinking: bool = False  # this side sent BYE: the peer closing the data connections is expected
 
     def __post_init__(self) -> None:
         self.memory = PeerMemory(self.caps)
@@ -436,7 +437,9 @@ class LinkManager:
     # -- TCP data connections -------------------------------------------------------------------------------
     def _new_data_plane(self, link: Link) -> DataPlane:
         def broken(error: LLMException) -> None:
-            if not link.closed:
+            # A peer answering our BYE closes its data connections: that end is expected, the BYE's reply is not
+            # lost because of it (the unlink drops the link itself).
+            if not link.closed and not link.unlinking:
                 self._tasks.spawn(self.drop(link, error), name=f"drop-{link.remote_cluster_id}")
 
         name, loop = f"{self._cluster_id}-{link.remote_cluster_id}", asyncio.get_running_loop()
@@ -543,6 +546,7 @@ class LinkManager:
         if link is None:
             return S.LLM_SUCCESS if force else S.LLM_UNLINK_FAILED
         code = S.LLM_SUCCESS
+        link.unlinking = True
         if force:
             try:  # tell the peer without waiting for it (zmq queues the message at once)
                 link.channel.notify(Bye())

@@ -930,3 +930,32 @@ async def test_a_server_on_port_0_tells_its_port(transport: str) -> None:
         assert [link["endpoint"] for link in server.links()] == [f"tcp://127.0.0.1:{again[1]}"]
         await client.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [0])
         assert (dst.tensors[0][0] == data[0][1024:2048]).all()
+
+
+async def test_unlink_after_a_transfer_on_the_python_tcp_plane_is_acknowledged() -> None:
+    """The peer answering our BYE closes its data connections; on the Python TCP plane that end used to reach this
+    side before the BYE's reply and drop the link, so ``unlink_clusters`` said LLM_NOTIFY_PROMPT_UNLINK_FAILED
+    (4 times in 5 here).  An unlinking link no longer treats the peer's closing as a failure."""
+    from aiodatadist import LLMConfig, LLMDataDist
+    from aiodatadist.testing import fill_pattern
+
+    desc = CacheDesc(2, (4, 1024), DataType.DT_UINT8, Placement.HOST)
+    server_cfg, client_cfg = LLMConfig(), LLMConfig()
+    server_cfg.listen_ip_info = "127.0.0.1:0"
+    for cfg in (server_cfg, client_cfg):
+        cfg.transport = "tcp"
+        cfg.net = "python"
+    async with LLMDataDist(LLMRole.PROMPT, 1) as server, LLMDataDist(LLMRole.DECODER, 2) as client:
+        await server.init(dict(server_cfg.generate_options()))
+        await client.init(dict(client_cfg.generate_options()))
+        assert server.listen_address is not None
+        port = server.listen_address[1]
+        src = server.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+        data = fill_pattern(src, 9)
+        dst = client.cache_manager.allocate_blocks_cache(desc)
+        for _ in range(5):
+            assert await client.link_clusters([cluster_info(1, port)], timeout=5000) == OK
+            await client.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0, 2], [1, 3])
+            assert (dst.tensors[1][3] == data[1][2048:3072]).all()
+            assert await client.unlink_clusters([cluster_info(1, port)]) == OK
+            await eventually(lambda: server.links() == [])

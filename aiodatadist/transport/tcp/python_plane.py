@@ -78,9 +78,11 @@ class PythonDataPlane(WaitingMixin):
                 return
             self._socks.append(sock)
         for role, target in (("send", self._sender), ("recv", self._receiver)):
-            # Not daemons: aclose() (every link's teardown, hence finalize) joins them; one that a bug left
-            # running would hold up the interpreter's exit rather than touch memory while it is torn down.
-            thread = threading.Thread(target=target, args=(sock,), name=f"aiodatadist-{role}-{self.name}")
+            # aclose() (every link's teardown, hence finalize) joins them.  Daemons only for an instance that is
+            # never finalized: blocked in recv on a connection nobody closes, they must not keep the process
+            # from exiting (the native plane's threads do not either).
+            thread = threading.Thread(target=target, args=(sock,), name=f"aiodatadist-{role}-{self.name}",
+                                      daemon=True)
             self._threads.append(thread)
             thread.start()
 
