@@ -170,7 +170,9 @@ async def test_pulls_and_pushes_take_the_mapped_path(same_host: str, monkeypatch
 
 @pytest.mark.parametrize("op", ["pull", "push"])
 async def test_unregister_during_a_transfer_aborts_it(op: str) -> None:
-    big = CacheDesc(16, (16, 256 << 10), DataType.DT_UINT8, Placement.HOST)  # 64 MiB
+    # 256 MiB: the copy must still run when the owner's ABORT arrives, even on a loaded 2-core machine (at 64 MiB
+    # it sometimes finished first, and the push rightly succeeded)
+    big = CacheDesc(16, (64, 256 << 10), DataType.DT_UINT8, Placement.HOST)
     async with linked_pair() as (prompt, decoder):
         pcm, dcm = prompt.cache_manager, decoder.cache_manager
         memory = pcm.allocate_host_memory(big.size * big.num_tensors)
@@ -179,7 +181,7 @@ async def test_unregister_during_a_transfer_aborts_it(op: str) -> None:
         fill_pattern(dst, 5)
         await dcm.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0])  # resolved once through the owner
         link = decoder._transfers.state_of(next(iter(decoder._links.links.values())))
-        every = list(range(16))
+        every = list(range(64))
         call = dcm.pull_blocks if op == "pull" else dcm.push_blocks
         task = asyncio.ensure_future(call(BlocksCacheKey(1, 9), dst, every, every))
         while not link.jobs:
