@@ -66,9 +66,6 @@ class TransferStates:
     def pop(self, link: Link) -> LinkTransfers | None:
         return self._by_link.pop(link, None)
 
-    def items(self) -> list[tuple[Link, LinkTransfers]]:
-        return list(self._by_link.items())
-
 
 def transfer_id(running: set[int]) -> int:
     """A fresh transfer id: random, so that it is also the transfer's token on the data connections.

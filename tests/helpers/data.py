@@ -23,7 +23,7 @@ import numpy as np
 from aiodatadist import Cache
 from aiodatadist.testing import fill_pattern, pattern, tensor_bytes, write_tensor
 
-__all__ = ["fill_pattern", "fill_rows", "pattern", "row_views", "tensor_bytes", "write_tensor"]
+__all__ = ["blocks", "fill_pattern", "fill_rows", "pattern", "row_views", "tensor_bytes", "write_tensor"]
 
 
 def row_views(cache: Cache) -> list[np.ndarray[Any, Any]]:
@@ -43,3 +43,8 @@ def fill_rows(cache: Cache, seed: int) -> list[np.ndarray[Any, Any]]:
     """
     rows = int(cache.cache_desc.shape[0])
     return [data.reshape(rows, -1) for data in fill_pattern(cache, seed)]
+
+
+def blocks(cache: Any, indices: list[int]) -> list[np.ndarray[Any, Any]]:
+    """Copies of blocks ``indices`` of every tensor of a host blocks cache (``uint8``, one row per block)."""
+    return [t.view(np.uint8).reshape(cache.cache_desc.shape[0], -1)[indices].copy() for t in cache.tensors]

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.data import fill_pattern
+from helpers.data import blocks, fill_pattern
+from helpers.requests import count_begins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMException, LLMStatusCode, Placement
-from aiodatadist.protocol.codec import Kind
 from aiodatadist.testing import linked_pair
 from aiodatadist.transport.directory import CacheDirectory, DirectoryView
 
@@ -91,22 +91,8 @@ def test_peers_map_the_directory_read_only() -> None:
 DESC = CacheDesc(4, (8, 256), DataType.DT_UINT8, Placement.HOST)
 
 
-def count_begins(decoder: Any) -> list[int]:
-    """Count the BEGIN requests the decoder sends to its (only) peer."""
-    link = next(iter(decoder._links.links.values()))
-    sent = [0]
-    request = link.channel.request
-
-    async def counting(msg: Any) -> dict[str, Any]:
-        sent[0] += msg.KIND == Kind.BEGIN
-        return await request(msg)
-
-    link.channel.request = counting
-    return sent
 
 
-def blocks(cache: Any, indices: list[int]) -> list[np.ndarray]:
-    return [t.view(np.uint8).reshape(cache.cache_desc.shape[0], -1)[indices].copy() for t in cache.tensors]
 
 
 def config(transport: str) -> LLMConfig:

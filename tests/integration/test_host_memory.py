@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import numpy as np
 import pytest
-from helpers.data import fill_pattern, pattern
+from helpers.data import blocks, fill_pattern, pattern
+from helpers.requests import count_begins
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -25,29 +25,14 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.memory.segment import PAGE
-from aiodatadist.protocol.codec import Kind
 from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
 
 DESC = CacheDesc(4, (8, 4096), DataType.DT_UINT8, Placement.HOST)
 NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
-def count_begins(decoder: Any) -> list[int]:
-    """Count the BEGIN requests the decoder sends to its (only) peer (as test_directory does)."""
-    link = next(iter(decoder._links.links.values()))
-    sent = [0]
-    request = link.channel.request
-
-    async def counting(msg: Any) -> dict[str, Any]:
-        sent[0] += msg.KIND == Kind.BEGIN
-        return await request(msg)
-
-    link.channel.request = counting
-    return sent
 
 
-def blocks(cache: Any, indices: list[int]) -> list[np.ndarray]:
-    return [t.view(np.uint8).reshape(cache.cache_desc.shape[0], -1)[indices].copy() for t in cache.tensors]
 
 
 def register_inside(cm: object, memory: HostMemory, desc: CacheDesc, key: BlocksCacheKey, offset: int = 0) -> object:

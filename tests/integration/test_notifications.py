@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 from helpers.data import fill_pattern
 from helpers.ids import new_cluster_id
+from helpers.requests import count_requests
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -51,24 +52,6 @@ async def nothing_more(dd: Any, wait: float = 0.2) -> None:
     assert await dd.get_notification(wait) is None
 
 
-def count_requests(dd: Any) -> dict[str, int]:
-    """Count the requests ``dd`` sends to its (only) peer, by kind (awaited and not)."""
-    link = next(iter(dd._links.links.values()))
-    sent: dict[str, int] = {}
-    channel = link.channel
-    request, notify = channel.request, channel.notify
-
-    async def counting(msg: Any) -> dict[str, Any]:
-        sent[msg.KIND] = sent.get(msg.KIND, 0) + 1
-        return await request(msg)
-
-    def counting_notify(msg: Any) -> None:
-        sent[msg.KIND] = sent.get(msg.KIND, 0) + 1
-        notify(msg)
-
-    channel.request = counting
-    channel.notify = counting_notify
-    return sent
 
 
 # -- every transfer kind and plane ---------------------------------------------------------------------------
