@@ -78,6 +78,12 @@ class CacheEntry:
         return memory.segment if memory is not None and not memory.closed else None
 
     @property
+    def tcp_readable(self) -> bool:
+        """True when its directory row serves one-sided TCP reads (its memory is aiodatadist's or a
+        HostMemory's; caller memory elsewhere goes through the owner's lease, device memory does not go over TCP)."""
+        return self.shared_segment is not None
+
+    @property
     def geometry(self) -> CacheGeometry:
         return geometry_of(self.desc, self.is_blocks)
 
@@ -163,12 +169,14 @@ class CacheRegistry:
         if remote_accessible and self.directory is not None:
             if segment is not None:
                 entry.published = self.directory.publish(cache_id, model, segment.address, segment.size)
-            elif device_memory is not None:  # same-host peers only: no byte of it is served over TCP (size 0)
-                entry.published = self.directory.publish(cache_id, model, 0, 0)
             elif host_memory is not None:  # registered inside shareable memory: the tensors' span, no more
                 low = int(entry.addrs.min())
                 entry.published = self.directory.publish(cache_id, model, low,
                                                          int(entry.addrs.max()) + desc.size - low)
+            else:
+                # Device memory, or caller memory outside any HostMemory: same-host peers only (CUDA IPC,
+                # process_vm_readv), so no byte of it is served to one-sided TCP reads (size 0).
+                entry.published = self.directory.publish(cache_id, model, 0, 0)
         if segment is None and device_memory is None:
             self._registered_addrs += len(addrs)
         return entry

@@ -87,7 +87,8 @@ class Owner:
             shared = entry.shared_segment
             segment = (shared.identity, shared.address) if shared is not None else None
             descriptor = Descriptor(entry.geometry, entry.addrs, segment, ipc, borrowed=not entry.owned)
-        return BeginReply(entry.cache_id, slot, entry.published, descriptor).to_wire()
+        published = entry.published if link.plane != "tcp" or entry.tcp_readable else None
+        return BeginReply(entry.cache_id, slot, published, descriptor).to_wire()
 
     def end(self, link: Link, message: End, req_id: int) -> dict[str, Any] | None:
         """``END`` (request ``req_id``): answered at once, or (a TCP transfer whose owner-side job still runs)

@@ -354,12 +354,17 @@ class Requester:
         descriptor = st.descriptors[resolved.cache_id]
         plan = transfer_plan(params, local.geometry, descriptor.geometry, resolved.slot)
         local.leases += 1  # (registry.lease, inline on this hot path)
+        failure: LLMLinkError | None = None
         try:
             await self._copy(link, transfer_id(st.running), plan, descriptor, local, params)
+        except LLMLinkError as exc:  # process_vm_readv of caller memory the owner released meanwhile: EFAULT
+            failure = exc
         finally:
             self._registry.release_lease(local)
         assert link.directory is not None
-        if not link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, None):
+        if failure is not None and link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, None):
+            raise failure
+        if failure is not None or not link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, None):
             st.resolved.pop((wkey.kind, wkey.a, wkey.b), None)
             raise LLMException(f"cluster {link.remote_cluster_id} released cache {resolved.cache_id} during the "
                                "transfer", status_code=S.LLM_KV_CACHE_NOT_EXIST)

@@ -11,8 +11,10 @@ transfer with ``LLM_KV_CACHE_NOT_EXIST`` exactly as the round-trip path does.
 
 This is safe because a peer's shared-memory cache stays mapped in the requester for the life of the link: a
 copy that races a release touches pages that nobody else uses, never the owner's other memory.
-Caller-registered memory is never published (only ``process_vm_readv``/``writev`` reach it, and its pages go
-back to the caller on release), so transfers on it always go through the owner.
+Caller-registered memory outside any ``HostMemory`` is published too, with an empty span (size 0): same-host
+peers pull it one-sided with ``process_vm_readv`` (a read that races a release reads pages that went back to the
+caller, or faults; either way the stamp check fails the pull, and the owner's memory is never written).  Pushes
+into it, and every transfer of it over TCP, still go through the owner, whose lease makes unregistering wait.
 """
 
 from __future__ import annotations

@@ -7,11 +7,14 @@ linked over ZeroMQ on 127.0.0.1 (in this process, so that the test can act betwe
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import mmap
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers.data import blocks, fill_pattern
+from helpers.data import blocks, fill_pattern, pattern
 from helpers.requests import count_begins
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -203,3 +206,66 @@ async def test_one_sided_reads_outside_the_cache_are_refused() -> None:
         assert all(np.array_equal(a, b) for a, b in zip(before, dst.tensors))
         await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [2], [2])  # the link still works
         assert np.array_equal(blocks(src, [2])[0], blocks(dst, [2])[0])
+
+
+
+def registered(cm: Any, desc: CacheDesc, key: BlocksCacheKey, seed: int) -> tuple[Any, list[np.ndarray[Any, Any]]]:
+    """A blocks cache in caller memory (numpy arrays, outside any HostMemory), filled with pattern bytes."""
+    arrays = [np.frombuffer(pattern(seed, i, desc.size), dtype=np.uint8).copy() for i in range(desc.num_tensors)]
+    return cm.register_blocks_cache(desc, [int(a.ctypes.data) for a in arrays], key), arrays
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_registered_memory_is_pulled_one_sided_on_one_host(transport: str) -> None:
+    """Caller-registered memory: same-host pulls by BlocksCacheKey ask the owner once, then read it with
+    process_vm_readv on their own (an engine's busy Python thread is not on the path); over TCP every pull asks
+    (its owner streams it under a lease).  Pushes into it always ask.  Every byte is checked."""
+    async with linked_pair(config=config(transport)) as (prompt, decoder):
+        src, arrays = registered(prompt.cache_manager, DESC, BlocksCacheKey(1, 3), 51)
+        dst = decoder.cache_manager.allocate_blocks_cache(DESC)
+        fill_pattern(dst, 52)
+        begins = count_begins(decoder)
+        for i, (s, d) in enumerate([([1, 2], [5, 0]), ([7], [3]), ([0, 4, 6], [1, 2, 4])]):
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, s, d)
+            for want, got in zip(blocks(src, s), blocks(dst, d)):
+                assert np.array_equal(want, got), f"pull {i}"
+        assert begins[0] == (1 if transport == "shm" else 3)
+        for d in ([6], [2, 3]):
+            await decoder.cache_manager.push_blocks(BlocksCacheKey(1, 3), dst, [0] * len(d), d)
+            assert all(np.array_equal(want, got) for want, got in zip(blocks(dst, [0] * len(d)), blocks(src, d)))
+        assert begins[0] == (3 if transport == "shm" else 5)
+        assert arrays[0].ctypes.data == src.tensor_addrs[0]
+
+
+async def test_a_release_during_a_one_sided_pull_of_registered_memory_fails_it() -> None:
+    """The owner unregisters caller memory (and the caller unmaps it) while a one-sided process_vm_readv pull of
+    it runs: the pull fails with LLM_KV_CACHE_NOT_EXIST (whether it read the stale pages or faulted), the
+    owner's process is untouched, and the link stays usable."""
+    big = CacheDesc(4, (16, 1 << 20), DataType.DT_UINT8, Placement.HOST)  # 64 MiB
+    async with linked_pair(config=config("shm")) as (prompt, decoder):
+        pcm, dcm = prompt.cache_manager, decoder.cache_manager
+        regions = [mmap.mmap(-1, big.size) for _ in range(big.num_tensors)]
+        for i, region in enumerate(regions):
+            region.write(pattern(61, i, big.size))
+        addrs = [ctypes.addressof(ctypes.c_char.from_buffer(region)) for region in regions]
+        src = pcm.register_blocks_cache(big, addrs, BlocksCacheKey(1, 9))
+        dst = dcm.allocate_blocks_cache(big)
+        await dcm.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0])  # resolved once through the owner
+        link = decoder._transfers.state_of(next(iter(decoder._links.links.values())))
+        assert link.resolved
+        task = asyncio.ensure_future(dcm.pull_blocks(BlocksCacheKey(1, 9), dst, list(range(16)), list(range(16))))
+        while not link.jobs:
+            await asyncio.sleep(0)
+        pcm.unregister_cache(src.cache_id)
+        for region in regions:  # the caller takes its memory back: the peer's reads now fault
+            with contextlib.suppress(BufferError):
+                region.close()
+        with pytest.raises(LLMException) as info:
+            await task
+        assert info.value.status_code == NOT_EXIST
+        assert not link.jobs and not link.resolved
+
+        again, _ = registered(pcm, DESC, BlocksCacheKey(1, 9), 62)
+        small = dcm.allocate_blocks_cache(DESC)
+        await dcm.pull_blocks(BlocksCacheKey(1, 9), small, [4, 5], [4, 5])
+        assert all(np.array_equal(a, b) for a, b in zip(blocks(again, [4, 5]), blocks(small, [4, 5])))

@@ -1,7 +1,7 @@
 """examples/transformers_pd.py: a prompt and a decoder process move a random Llama's KV cache with aiodatadist,
 and the decoder's 32 greedy tokens equal a single-process ``generate``, in float32 and bfloat16.
 
-Skipped without torch or transformers (``tools/engine_tests.sh`` installs them into a venv of their own)."""
+Skipped without torch or transformers (the README test command installs both)."""
 
 from __future__ import annotations
 
