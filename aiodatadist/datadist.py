@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from types import TracebackType
+from typing import Self
 
 from ._checks import check_bool, check_event_loop, check_int, check_isinstance, require
 from ._settings import Settings, parse_listen_ip_info, parse_options
@@ -285,7 +286,7 @@ class LLMDataDist:
         :class:`~aiodatadist.stats.StatsSnapshot`); they survive unlinking and ``finalize``."""
         return self._stats.snapshot()
 
-    async def __aenter__(self) -> LLMDataDist:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -71,7 +71,7 @@ class LLMException(RuntimeError):
 
     _by_code: ClassVar[dict[LLMStatusCode, type[LLMException]]] = {}
 
-    def __new__(cls, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_SUCCESS) -> LLMException:
+    def __new__(cls, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_SUCCESS) -> LLMException:  # noqa: PYI034 - it picks the subclass of the code
         target = cls
         if cls is LLMException:
             target = LLMException._by_code.get(LLMStatusCode.from_code(int(status_code)), cls)

@@ -46,7 +46,7 @@ from .notifications import Notification
 from .stats import StatsSnapshot
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
 
-__all__ = ["THREAD_NAME", "CacheManager", "CacheManagerSubmit", "LLMDataDist", "TransferFuture", "loop_thread"]
+__all__ = ["THREAD_NAME", "CacheManager", "CacheManagerSubmit", "LLMDataDist", "TransferFuture", "loop_thread", "submit"]
 
 log = logging.getLogger("aiodatadist.sync")
 
@@ -248,6 +248,16 @@ def loop_thread() -> threading.Thread | None:
     return _RUNNER.thread
 
 
+def submit(factory: Callable[[], Coroutine[Any, Any, T]]) -> TransferFuture[T]:
+    """Run the coroutine ``factory()`` on the library's loop thread; returns its future at once.
+
+    For integrations that chain several asyncio calls without a thread waiting between them (link, then pull):
+    the coroutine may use the asyncio instances behind sync ones (:attr:`LLMDataDist.aio`).  ``factory`` is
+    called on the loop thread.  Cancelling the future (:meth:`TransferFuture.cancel_and_wait`) cancels the
+    coroutine; the future holds the loop thread until the coroutine ended."""
+    return _RUNNER.start(factory)
+
+
 class TransferFuture(concurrent.futures.Future[T]):
     """A call started on the loop thread (``CacheManager.submit.<method>(...)``).
 
@@ -354,6 +364,12 @@ class LLMDataDist:
     @property
     def cluster_id(self) -> int:
         return self._dd.cluster_id
+
+    @property
+    def aio(self) -> AsyncLLMDataDist:
+        """The asyncio instance this one wraps.  Use it only in coroutines run on the library's loop thread
+        (:func:`submit`): it belongs to that loop."""
+        return self._dd
 
     @property
     def role(self) -> LLMRole:

@@ -10,6 +10,7 @@ Markers by folder (registered in ``pyproject.toml``)
     ``integration/``   ``integration``.
     ``gpu/``           ``gpu`` and ``integration`` (a real or emulated GPU, linked pairs and peer processes).
     ``smoke/``         ``slow`` and ``integration`` (whole processes: CLI, examples, soak, bench peers).
+    ``vllm_connector/`` ``vllm``: the vLLM connector; skipped without vLLM (``bash tools/vllm_tests.sh``).
 
 Helpers live in ``tests/helpers/`` (``tests/`` is on ``sys.path``): ``from helpers.data import fill_rows``.
 """
@@ -31,6 +32,7 @@ FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
     "integration": ("integration",),
     "gpu": ("gpu", "integration"),
     "smoke": ("slow", "integration"),
+    "vllm_connector": ("vllm",),
 }
 
 

@@ -221,7 +221,7 @@ async def _main() -> None:
         except LLMException as exc:
             send({"id": msg["id"], "error": type(exc).__name__, "message": str(exc),
                   "status_code": int(exc.status_code)})
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every error goes back to the test that asked
             send({"id": msg["id"], "error": type(exc).__name__, "message": str(exc)})
 
     async def read_commands() -> None:

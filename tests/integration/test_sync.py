@@ -316,6 +316,40 @@ def test_futures_result_and_exception_collected_on_another_thread() -> None:
         assert all(isinstance(f, concurrent.futures.Future) and f.done() for f in futures)
 
 
+def test_submit_chains_asyncio_calls_on_the_loop_thread() -> None:
+    """``sync.submit`` runs a coroutine on the library's loop thread, where ``dd.aio`` (the wrapped asyncio
+    instance) may be used: link then pull in one coroutine, no thread waiting in between; errors reach the future."""
+    port = free_port()
+    with sync.LLMDataDist(LLMRole.PROMPT, new_cluster_id()) as prompt, \
+            sync.LLMDataDist(LLMRole.DECODER, new_cluster_id()) as decoder:
+        server = LLMConfig()
+        server.listen_ip_info = f"127.0.0.1:{port}"
+        prompt.init(server.generate_options())
+        decoder.init(LLMConfig().generate_options())
+        key = BlocksCacheKey(prompt.cluster_id, 0)
+        remote = prompt.cache_manager.allocate_blocks_cache(_desc(), key)
+        local = decoder.cache_manager.allocate_blocks_cache(_desc())
+        remote_data = fill_rows(remote, 5)
+        threads: list[str] = []
+
+        async def link_and_pull() -> int:
+            threads.append(threading.current_thread().name)
+            code, _ = await decoder.aio.link_clusters([cluster_info(prompt.cluster_id, port)], 5000)
+            assert code == LLMStatusCode.LLM_SUCCESS
+            await decoder.aio.cache_manager.pull_blocks(key, local, [3, 4], [0, 1])
+            return 7
+
+        assert sync.submit(link_and_pull).result(timeout=30) == 7
+        assert threads == [sync.THREAD_NAME]
+        assert all(np.array_equal(r[[0, 1]], d[[3, 4]]) for r, d in zip(row_views(local), remote_data))
+
+        async def pull_missing() -> None:
+            await decoder.aio.cache_manager.pull_blocks(BlocksCacheKey(prompt.cluster_id, 9), local, [0], [0])
+
+        error = sync.submit(pull_missing).exception(timeout=30)
+        assert isinstance(error, LLMException) and error.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+
+
 def test_future_cancelled_before_it_started_never_runs() -> None:
     with sync_pair() as (prompt, decoder):
         key = BlocksCacheKey(prompt.cluster_id, 0)
