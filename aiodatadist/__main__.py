@@ -9,7 +9,7 @@ __all__ = ["main"]
 USAGE = """usage: python -m aiodatadist {demo,bench,soak,info} [options]
 
   demo   a prompt and a decoder process move a paged KV cache; prints what happened
-  bench  throughput and latency against the machine's own limits (see: bench --help)
+  bench  throughput and latency against the machine's own limits (see: bench --help; bench vllm --help)
   soak   random concurrent transfers with cancellations for N seconds, every byte verified (see: soak --help)
   info   version, data planes, copy executor and threads, GPU
 """

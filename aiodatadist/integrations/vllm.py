@@ -30,6 +30,7 @@ parallelism; the whole request's KV is moved at once (``save_kv_layer`` / ``wait
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -71,6 +72,8 @@ log = logging.getLogger("aiodatadist.integrations.vllm")
 
 MODEL_ID = 0
 """The ``BlocksCacheKey.model_id`` every worker registers its KV cache under."""
+GIL_YIELD_S = 0.0002
+"""D: how long ``get_finished`` lets the library's loop thread run while pulls are in flight (at most)."""
 MAX_EARLY_NOTES = 65536
 """P: notifications kept for requests the scheduler has not handed to the worker yet."""
 
@@ -272,7 +275,7 @@ class _Scheduler:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
-        ids = [int(b) for b in block_ids[0]] if block_ids else []
+        ids = _first_group(block_ids)
         if not ids or not self.peers:
             return False, None
         self._pending.sends.append(request.request_id)
@@ -289,11 +292,16 @@ class _Scheduler:
         return metadata
 
 
-def _remote_blocks(params: Mapping[str, Any]) -> list[int]:
-    blocks = params.get("remote_block_ids") or []
-    if blocks and isinstance(blocks[0], (list, tuple)):  # per KV cache group, as NixlConnector sends them
-        blocks = blocks[0]
+def _first_group(block_ids: Any) -> list[int]:
+    """Block ids as a flat list: vLLM passes one list, or one list per KV cache group (of which there is one)."""
+    blocks = list(block_ids or ())
+    if blocks and isinstance(blocks[0], (list, tuple)):
+        blocks = list(blocks[0])
     return [int(b) for b in blocks]
+
+
+def _remote_blocks(params: Mapping[str, Any]) -> list[int]:
+    return _first_group(params.get("remote_block_ids"))
 
 
 def _load(request_id: str, params: Mapping[str, Any], remote: list[int], local: list[int], *,
@@ -453,6 +461,11 @@ class _Worker:
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose blocks D pulled or whose lease expired, requests whose pull ended)."""
         received: set[str] = set()
+        if self.loads:
+            # The engine's thread holds the GIL between steps; our loop thread needs it to start and to finish a
+            # pull, and without a release would wait for the interpreter's switch interval (5 ms) each time.
+            concurrent.futures.wait([running.future for running in self.loads.values()], timeout=GIL_YIELD_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
         for request_id, running in list(self.loads.items()):
             if not running.future.done():
                 continue

