@@ -73,7 +73,11 @@ log = logging.getLogger("aiodatadist.integrations.vllm")
 MODEL_ID = 0
 """The ``BlocksCacheKey.model_id`` every worker registers its KV cache under."""
 GIL_YIELD_S = 0.0002
-"""D: how long ``get_finished`` lets the library's loop thread run while pulls are in flight (at most)."""
+"""D: how long ``get_finished`` lets the library's loop thread run while pulls are in flight (at most), in a
+step that computed something."""
+IDLE_WAIT_S = 0.005
+"""D: the same in a step that computed nothing (every request waits for its KV): the engine has nothing else to
+do, and a pull that ends meanwhile is reported in this step."""
 MAX_EARLY_NOTES = 65536
 """P: notifications kept for requests the scheduler has not handed to the worker yet."""
 
@@ -149,6 +153,7 @@ class AiodatadistConnectorMetadata(KVConnectorMetadata):
 
     loads: list[_Load] = field(default_factory=list)
     sends: list[str] = field(default_factory=list)  # P: finished requests whose blocks wait for D
+    idle: bool = False  # the step computes nothing: the worker may wait a little for its pulls
 
 
 class AiodatadistConnector(KVConnectorBase_V1):
@@ -193,7 +198,9 @@ class AiodatadistConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return self._worker.finished()
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        idle = isinstance(metadata, AiodatadistConnectorMetadata) and metadata.idle
+        return self._worker.finished(IDLE_WAIT_S if idle else GIL_YIELD_S)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -218,7 +225,7 @@ class AiodatadistConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.metadata()
+        return self._scheduler.metadata(scheduler_output.total_num_scheduled_tokens)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -276,7 +283,11 @@ class _Scheduler:
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None
         ids = _first_group(block_ids)
-        if not ids or not self.peers:
+        if not ids:
+            return False, None
+        if not self.peers:
+            log.warning("aiodatadist: request %s asks for a remote decode, but this engine's workers do not serve "
+                        "KV (kv_role kv_consumer?): its blocks are freed now", request.request_id)
             return False, None
         self._pending.sends.append(request.request_id)
         host, port, _ = self.peers[0]
@@ -287,8 +298,9 @@ class _Scheduler:
             "tp_size": self.tp_size, "aiodatadist": [list(peer) for peer in self.peers],
         }
 
-    def metadata(self) -> AiodatadistConnectorMetadata:
+    def metadata(self, scheduled_tokens: int) -> AiodatadistConnectorMetadata:
         metadata, self._pending = self._pending, AiodatadistConnectorMetadata()
+        metadata.idle = scheduled_tokens == 0
         return metadata
 
 
@@ -413,6 +425,7 @@ class _Worker:
             self.loads[load.request_id] = _Running(submit(functools.partial(self._load, load)),
                                                    load.local_block_ids, load.reported)
 
+
     async def _load(self, load: _Load) -> None:
         dd = self.dd
         assert dd is not None and self.cache is not None
@@ -458,13 +471,14 @@ class _Worker:
             raise LLMException(f"linking to P worker {host}:{port} (cluster {cluster}) failed: {codes[0].name}",
                                status_code=codes[0])
 
-    def finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """(requests whose blocks D pulled or whose lease expired, requests whose pull ended)."""
+    def finished(self, wait_s: float) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose blocks D pulled or whose lease expired, requests whose pull ended); waits up to
+        ``wait_s`` for one of the pulls in flight to end."""
         received: set[str] = set()
         if self.loads:
             # The engine's thread holds the GIL between steps; our loop thread needs it to start and to finish a
             # pull, and without a release would wait for the interpreter's switch interval (5 ms) each time.
-            concurrent.futures.wait([running.future for running in self.loads.values()], timeout=GIL_YIELD_S,
+            concurrent.futures.wait([running.future for running in self.loads.values()], timeout=wait_s,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         for request_id, running in list(self.loads.items()):
             if not running.future.done():

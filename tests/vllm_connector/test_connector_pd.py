@@ -93,7 +93,8 @@ def test_a_prefix_cache_hit_on_d_pulls_only_the_last_blocks(settings: EngineSett
                                                              reference: list[list[int]]) -> None:
     """D computed the prompt's first 8 blocks itself earlier (its prefix cache holds them): D loads only the rest,
     P's last blocks into D's new blocks, and the tokens are still the reference's."""
-    prefill, decode = pair(settings)
+    cached = EngineSettings(settings.model_dir, settings.dtype, settings.quiet, prefix_caching=True)
+    prefill, decode = pair(cached)
     try:
         prompt = prompts[3]
         decode.generate(prompt[:8 * 32 + 5], 1)  # 8 full blocks enter D's prefix cache

@@ -96,6 +96,7 @@ class EngineSettings:
     model_dir: str
     dtype: str
     quiet: bool
+    prefix_caching: bool = False  # off for the benchmark: D would serve a repeated prompt from its own cache
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ def _make_llm(settings: EngineSettings, config: ConnectorConfig | None) -> Any:
     kv_transfer = KVTransferConfig(**config.kv_transfer) if config is not None else None
     return LLM(model=settings.model_dir, tokenizer=settings.model_dir, dtype=cast(Any, settings.dtype),
                block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, enforce_eager=True,
-               enable_prefix_caching=False, seed=0, kv_transfer_config=kv_transfer)
+               enable_prefix_caching=settings.prefix_caching, seed=0, kv_transfer_config=kv_transfer)
 
 
 def _generate(llm: Any, prompt: list[int], max_tokens: int, kv_transfer_params: dict[str, Any] | None
