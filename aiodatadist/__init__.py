@@ -5,9 +5,18 @@ from .cache_manager import CacheManager
 from .config import LLMConfig, LlmConfig
 from .datadist import LLMDataDist
 from .errors import LLMException, LLMLinkError, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
+from .layer_transfer import CacheTask
 from .memory import HostMemory
 from .notifications import Notification
 from .stats import LinkStats, NotificationStats, StatsSnapshot
+from .transfer_configs import (
+    LayerSynchronizer,
+    MemInfo,
+    Memtype,
+    RegisterMemStatus,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
 from .types import (
     BlocksCacheKey,
     CacheDesc,
@@ -29,6 +38,7 @@ __all__ = [
     "CacheKey",
     "CacheKeyByIdAndIndex",
     "CacheManager",
+    "CacheTask",
     "DataType",
     "HostMemory",
     "LLMClusterInfo",
@@ -40,12 +50,18 @@ __all__ = [
     "LLMRole",
     "LLMStatusCode",
     "LLMTimeoutError",
+    "LayerSynchronizer",
     "LinkStats",
     "LlmConfig",
+    "MemInfo",
+    "Memtype",
     "Notification",
     "NotificationStats",
     "Placement",
+    "RegisterMemStatus",
     "StatsSnapshot",
+    "TransferConfig",
+    "TransferWithCacheKeyConfig",
     "Transport",
     "__version__",
 ]

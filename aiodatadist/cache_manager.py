@@ -22,7 +22,8 @@ from ._checks import (
 )
 from ._settings import Settings
 from .cache import Cache
-from .errors import LLMException, LLMNotInitializedError
+from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .layer_transfer import CacheTask, run_layers
 from .layout import (
     CacheGeometry,
     CopyPlan,
@@ -38,6 +39,7 @@ from .registry import CacheEntry, CacheRegistry, geometry_of
 from .transfer import validate
 from .transfer.engine import CopyEngine
 from .transfer.service import TransferService
+from .transfer_configs import LayerSynchronizer, TransferWithCacheKeyConfig
 from .transport.device import DeviceSupport
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
 
@@ -88,6 +90,7 @@ class CacheManager:
         self._closed = False
         self._host_memories: list[HostMemory] = []  # from allocate_host_memory, closed by finalize
         self._loop = _running_loop()  # the loop of LLMDataDist.init: every coroutine method must run on it
+        self._layer_jobs: set[asyncio.Task[None]] = set()  # transfer_cache_async jobs, cancelled by close
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -430,6 +433,60 @@ class CacheManager:
         note = check_notification("notify", notify)
         await self._transfers.run(dst_cache_key, local, params, note)
 
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs: list[Any] | tuple[Any, ...],
+                             src_block_indices: IndexSequence | None = None,
+                             dst_block_indices: IndexSequence | None = None,
+                             dst_block_memory_size: int | None = None) -> CacheTask:
+        """Send ``src_cache`` layer by layer, each as soon as ``layer_synchronizer`` says it is computed, to every
+        destination of ``transfer_configs`` (:class:`TransferWithCacheKeyConfig`); returns the running
+        :class:`CacheTask` at once (await it, or its ``synchronize`` / ``get_results``).
+
+        Call it on the instance's event loop (it starts a task there).  The cache holds 2 tensors per layer (K and
+        V).  ``src_block_indices`` / ``dst_block_indices`` (equal length) pick the blocks of a blocks source and
+        destination; a contiguous source sends slot ``src_batch_index`` of each config.  HOST and DEVICE sources
+        both work (the reference refuses HOST).  Arguments are checked here, before any layer is waited for;
+        each layer's push is checked like :meth:`push_blocks` / :meth:`push_cache`."""
+        self._check_open_on_loop()
+        entry = self._entry("src_cache", src_cache)
+        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
+        configs = validate.layer_transfer_configs(transfer_configs)
+        src_blocks = None if src_block_indices is None else check_index_list("src_block_indices",
+                                                                             src_block_indices, "uint64")
+        dst_blocks = None if dst_block_indices is None else check_index_list("dst_block_indices",
+                                                                             dst_block_indices, "uint64")
+        if dst_block_memory_size is not None:
+            check_int("dst_block_memory_size", dst_block_memory_size, "uint64")
+        num_tensors = entry.desc.num_tensors
+        require(num_tensors % 2 == 0, f"transfer_cache_async sends 2 tensors per layer: src_cache has {num_tensors}.")
+        num_layers = num_tensors // 2
+        for config in configs:
+            require(config.src_layer_range.stop <= num_layers,
+                    f"src_layer_range {config.src_layer_range} exceeds the {num_layers} layers of src_cache.")
+            if isinstance(config.cache_key, BlocksCacheKey):
+                require(dst_blocks is not None, "dst_block_indices is required for a BlocksCacheKey destination.")
+            else:
+                require(dst_blocks is None, "dst_block_indices must be None for a CacheKeyByIdAndIndex destination.")
+        if src_blocks is not None:
+            require(entry.is_blocks, "src_block_indices given, but src_cache is not a blocks cache.")
+            require(dst_blocks is not None and len(dst_blocks) == len(src_blocks),
+                    "src_block_indices and dst_block_indices must have the same length.")
+
+        async def push(config: TransferWithCacheKeyConfig, layer: int) -> None:
+            dst_layer = config.dst_layer_of(layer)
+            if isinstance(config.cache_key, BlocksCacheKey):
+                await self.push_blocks(config.cache_key, src_cache, src_blocks, dst_blocks or (),
+                                       range(layer, layer + 1), range(dst_layer, dst_layer + 1))
+            else:
+                await self.push_cache(config.cache_key, src_cache, config.src_batch_index,
+                                      range(layer, layer + 1), range(dst_layer, dst_layer + 1))
+
+        results: list[LLMStatusCode | None] = [None] * len(configs)
+        task = asyncio.ensure_future(run_layers(num_layers, layer_synchronizer, configs, push, results))
+        self._layer_jobs.add(task)
+        task.add_done_callback(self._layer_jobs.discard)
+        return CacheTask(task, results)
+
     def _remote_accessible(self) -> bool | None:
         """``llm.EnableRemoteCacheAccessible``: None when unset (pull by CacheKey allowed, push allowed)."""
         return self._settings.enable_remote_cache_accessible
@@ -440,6 +497,10 @@ class CacheManager:
         if self._closed:
             return
         self._closed = True  # no new copy may start while the running ones are stopped
+        for job in list(self._layer_jobs):  # layer-wise transfers stop first (each push stops cleanly)
+            job.cancel()
+        if self._layer_jobs:
+            await asyncio.wait(list(self._layer_jobs))
         await self._engine.close()
         self._registry.close_all()
         for memory in self._host_memories:

@@ -41,12 +41,15 @@ from .cache import Cache
 from .cache_manager import CacheManager as AsyncCacheManager
 from .datadist import LLMDataDist as AsyncLLMDataDist
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .layer_transfer import CacheTask as AsyncCacheTask
 from .memory import HostMemory
 from .notifications import Notification
 from .stats import StatsSnapshot
+from .transfer_configs import LayerSynchronizer
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
 
-__all__ = ["THREAD_NAME", "CacheManager", "CacheManagerSubmit", "LLMDataDist", "TransferFuture", "loop_thread", "submit"]
+__all__ = ["THREAD_NAME", "CacheManager", "CacheManagerSubmit", "CacheTask", "LLMDataDist", "TransferFuture", "loop_thread",
+           "submit"]
 
 log = logging.getLogger("aiodatadist.sync")
 
@@ -588,8 +591,52 @@ class CacheManager:
         _RUNNER.call(lambda: cm.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range,
                                             dst_layer_range, tensor_num_per_layer, notify=notify))
 
+    def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
+                             transfer_configs: list[Any] | tuple[Any, ...],
+                             src_block_indices: IndexSequence | None = None,
+                             dst_block_indices: IndexSequence | None = None,
+                             dst_block_memory_size: int | None = None) -> CacheTask:
+        """As :meth:`aiodatadist.CacheManager.transfer_cache_async`; returns a blocking :class:`CacheTask` at once
+        (the synchronizer is called in a worker thread, never on the loop thread)."""
+        cm = self._cm
+
+        async def start() -> AsyncCacheTask:
+            return cm.transfer_cache_async(src_cache, layer_synchronizer, transfer_configs, src_block_indices,
+                                           dst_block_indices, dst_block_memory_size)
+
+        return CacheTask(_RUNNER.call(start))
+
     def __repr__(self) -> str:
         return "sync." + repr(self._cm)
+
+
+class CacheTask:
+    """A running ``transfer_cache_async`` job for threads: the blocking form of :class:`aiodatadist.CacheTask`."""
+
+    def __init__(self, task: AsyncCacheTask) -> None:
+        self._task = task
+
+    def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
+        """Wait (None: for ever) and return the job's first failure code, else ``LLM_SUCCESS``; ``LLM_TIMEOUT``
+        if it still runs after ``timeout_in_millis`` ms (it goes on)."""
+        task = self._task
+        return _RUNNER.call(lambda: task.synchronize(timeout_in_millis))
+
+    def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
+        """Per transfer config: its status, None if never attempted; all ``LLM_TIMEOUT`` on timeout."""
+        task = self._task
+        return _RUNNER.call(lambda: task.get_results(timeout_in_millis))
+
+    def cancel(self) -> bool:
+        """Stop the job; returns once no push of it writes any more (False if it had already ended)."""
+        task = self._task
+        return _RUNNER.call(task.cancel)
+
+    def done(self) -> bool:
+        return self._task.done()
+
+    def __repr__(self) -> str:
+        return "sync." + repr(self._task)
 
 
 class CacheManagerSubmit:

@@ -19,11 +19,13 @@ from .._checks import (
     param_invalid,
     require,
 )
+from ..errors import LLMException, LLMStatusCode
 from ..layout import TransferParams
 from ..registry import CacheEntry
+from ..transfer_configs import TransferConfig, TransferWithCacheKeyConfig
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 
-__all__ = ["EntryOf", "pull_blocks", "pull_cache", "push_blocks", "push_cache"]
+__all__ = ["EntryOf", "layer_transfer_configs", "pull_blocks", "pull_cache", "push_blocks", "push_cache"]
 
 EntryOf = Callable[[str, Any], CacheEntry]
 """The caller's lookup of a user's ``Cache`` argument (by parameter name) to its live entry."""
@@ -141,3 +143,22 @@ def push_blocks(entry_of: EntryOf, remote_accessible: bool | None, dst_cache_key
     require(len(src) == len(dst), f"number of src_blocks ({len(src)}) mismatches number of dst_blocks "
             f"({len(dst)}).")
     return _checked(TransferParams("push", "blocks", src, dst, src_range, dst_range, n, -1, 0), entry)
+
+
+def layer_transfer_configs(configs: Any) -> list[TransferWithCacheKeyConfig]:
+    """``transfer_cache_async``'s ``transfer_configs``: a non-empty list/tuple of one kind of config (TypeError
+    otherwise); raw-address ``TransferConfig`` destinations are refused (``LLM_FEATURE_NOT_ENABLED``)."""
+    check_isinstance("transfer_configs", configs, (list, tuple))
+    require(len(configs) > 0, "transfer_configs must not be empty.")
+    kinds = {type(config) for config in configs}
+    for config in configs:
+        if not isinstance(config, (TransferConfig, TransferWithCacheKeyConfig)):
+            raise TypeError("transfer_configs inner type only support ['TransferConfig', "
+                            f"'TransferWithCacheKeyConfig'], but got {type(config)}.")
+    if len(kinds) > 1:
+        raise TypeError("transfer_configs must all be TransferConfig or all be TransferWithCacheKeyConfig.")
+    if TransferConfig in kinds:
+        raise LLMException("TransferConfig names the destination by raw addresses, which aiodatadist does not "
+                           "resolve on a peer: register the destination cache with a key and use "
+                           "TransferWithCacheKeyConfig", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+    return list(configs)

@@ -20,7 +20,7 @@ PACKAGE = Path(aiodatadist.__file__).parent
 
 # Bottom-up: a module may import its own layer (without cycles) and the layers before it, never a later one.
 LAYERS: list[set[str]] = [
-    {"errors", "_checks", "types", "config", "layout", "stats"},  # pure values and math
+    {"errors", "_checks", "types", "transfer_configs", "config", "layout", "stats"},  # pure values and math
     {"native"},  # the compiled helper and its ctypes bindings
     {"memory", "_settings"},  # shared memory segments; parsed options and environment knobs
     {"copy"},  # copy executors (native and Python pools)
@@ -30,10 +30,10 @@ LAYERS: list[set[str]] = [
     {"registry", "cache"},  # caches of an instance; the user's handle
     {"control"},  # ZeroMQ channels, sockets and links
     {"transfer"},  # the transfer conversation: requester, owner, copy engine
-    {"cache_manager"},  # public facade: caches, local copies, pull/push
+    {"cache_manager", "layer_transfer"},  # public facade: caches, local copies, pull/push, layer-wise push
     {"datadist"},  # public facade and composition root
     {"metrics", "testing", "sync", "torch"},  # public helpers built on the facade; the blocking API; torch interop
-    {"integrations"},  # engine adapters (the vLLM connector), each importing its engine
+    {"integrations", "compat"},  # engine adapters (the vLLM connector); drop-in modules (llm_datadist)
     {"tools", "__main__", "__init__"},  # CLI and the package's public namespace
 ]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}

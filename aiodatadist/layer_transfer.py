@@ -1,0 +1,114 @@
+"""Layer-wise transfer (``CacheManager.transfer_cache_async``, spec §8.6): send each layer of a cache to its
+destinations as soon as the producer says it is computed, overlapping with the computation of the next layers.
+
+One asyncio task per call walks the layers in order.  For each layer it asks the caller's
+:class:`~aiodatadist.transfer_configs.LayerSynchronizer` in a worker thread (it may block), then pushes that layer
+to every destination whose ``src_layer_range`` holds it, concurrently.  A synchronizer answering False gives the
+destinations of that layer ``LLM_PARAM_INVALID`` and ends the job; a failed push records its code for its
+destination and ends the job; a destination gets ``LLM_SUCCESS`` after its last layer.  Cancelling the job stops it
+with the guarantees of every push (nothing is written after it ended); a synchronizer call already running in
+its thread finishes there, and its answer is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from .errors import LLMException, LLMStatusCode
+from .transfer_configs import LayerSynchronizer, TransferWithCacheKeyConfig
+
+__all__ = ["CacheTask", "LayerPush", "run_layers"]
+
+LayerPush = Callable[[TransferWithCacheKeyConfig, int], Awaitable[None]]
+"""Push source layer ``layer`` to one destination (the cache manager binds the cache and the blocks)."""
+
+
+class CacheTask:
+    """The running job of one ``transfer_cache_async``: await it (or :meth:`synchronize`) for its status.
+
+    ``get_results`` has one entry per transfer config, in their order: ``LLMStatusCode.LLM_SUCCESS``, the code
+    that failed it, or None if none of its layers was attempted.  Awaiting a ``CacheTask`` is
+    ``await task.synchronize()``."""
+
+    def __init__(self, task: asyncio.Task[None], results: list[LLMStatusCode | None]) -> None:
+        self._task = task
+        self._results = results
+
+    def done(self) -> bool:
+        """True once the job ended (finished, failed or cancelled)."""
+        return self._task.done()
+
+    async def _wait(self, timeout_in_millis: int | None) -> bool:
+        """Wait for the end of the job (not cancelling it on timeout); False on timeout."""
+        if timeout_in_millis is not None and (type(timeout_in_millis) is not int or timeout_in_millis < 0):
+            raise LLMException(f"timeout_in_millis must be None or an int >= 0, got {timeout_in_millis!r}.",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
+        finished, _ = await asyncio.wait([self._task], timeout=timeout)
+        return bool(finished)
+
+    async def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
+        """The job's status once it ended: its first failure code, else ``LLM_SUCCESS``; ``LLM_TIMEOUT`` if it
+        still runs after ``timeout_in_millis`` ms (None: wait for ever; the job goes on)."""
+        if not await self._wait(timeout_in_millis):
+            return LLMStatusCode.LLM_TIMEOUT
+        for code in self._results:
+            if code is not None and code != LLMStatusCode.LLM_SUCCESS:
+                return code
+        if self._task.cancelled():
+            return LLMStatusCode.LLM_FAILED
+        return LLMStatusCode.LLM_SUCCESS
+
+    async def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
+        """Per transfer config: its status (None: never attempted); every entry ``LLM_TIMEOUT`` on timeout."""
+        if not await self._wait(timeout_in_millis):
+            return [LLMStatusCode.LLM_TIMEOUT] * len(self._results)
+        return list(self._results)
+
+    async def cancel(self) -> bool:
+        """Stop the job and return once it stopped (no push of it writes afterwards); False if it had ended."""
+        if self._task.done():
+            return False
+        self._task.cancel()
+        await asyncio.wait([self._task])
+        return True
+
+    def __await__(self) -> Any:
+        return self.synchronize().__await__()
+
+    def __repr__(self) -> str:
+        state = "done" if self._task.done() else "running"
+        return f"CacheTask({state}, results={[c.name if c is not None else None for c in self._results]})"
+
+
+async def run_layers(num_layers: int, synchronizer: LayerSynchronizer,
+                     configs: Sequence[TransferWithCacheKeyConfig], push: LayerPush,
+                     results: list[LLMStatusCode | None]) -> None:
+    """Walk layers ``0 .. num_layers-1`` as the module says, writing each config's status into ``results``."""
+    last = [config.src_layer_range[-1] for config in configs]
+    for layer in range(num_layers):
+        if all(result is not None for result in results):
+            return
+        active = [i for i, config in enumerate(configs) if layer in config.src_layer_range and results[i] is None]
+        ready = await asyncio.to_thread(synchronizer.synchronize_layer, layer, None)
+        if ready is not True:
+            for i in active:
+                results[i] = LLMStatusCode.LLM_PARAM_INVALID
+            return
+        outcomes = await asyncio.gather(*(push(configs[i], layer) for i in active), return_exceptions=True)
+        failed = False
+        for i, outcome in zip(active, outcomes):
+            if isinstance(outcome, LLMException):
+                results[i] = outcome.status_code
+                failed = True
+            elif isinstance(outcome, BaseException):
+                if isinstance(outcome, asyncio.CancelledError):
+                    raise outcome
+                results[i] = LLMStatusCode.LLM_FAILED
+                failed = True
+            elif layer == last[i]:
+                results[i] = LLMStatusCode.LLM_SUCCESS
+        if failed:
+            return
