@@ -80,8 +80,8 @@ async def test_layers_go_out_in_order_as_they_become_ready() -> None:
         fill_pattern(part, 73)
         before_part = blocks(part, [0, 1, 2, 3, 4, 5, 6, 7])
         gate = Gate(LAYERS)
-        configs = [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 4), range(0, 4)),
-                   TransferWithCacheKeyConfig(BlocksCacheKey(2, 1), range(1, 3), range(0, 2))]
+        configs = [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(4), range(4)),
+                   TransferWithCacheKeyConfig(BlocksCacheKey(2, 1), range(1, 3), range(2))]
         task = prompt.cache_manager.transfer_cache_async(src, gate, configs, [1, 5, 6], [0, 3, 7])
         assert isinstance(task, CacheTask)
         for layer in range(LAYERS):
@@ -117,7 +117,7 @@ async def test_a_contiguous_destination_by_cache_key_by_id_and_index() -> None:
         gate.open_all()
         key = CacheKeyByIdAndIndex(2, dst.cache_id, 1)
         task = prompt.cache_manager.transfer_cache_async(
-            src, gate, [TransferWithCacheKeyConfig(key, range(0, 4), range(0, 4), src_batch_index=0)])
+            src, gate, [TransferWithCacheKeyConfig(key, range(4), range(4), src_batch_index=0)])
         assert await task.synchronize(10_000) == S.LLM_SUCCESS
         slot = SLOTS_DESC.size // 2
         for t in range(2 * LAYERS):
@@ -132,7 +132,7 @@ async def test_cancel_mid_way_writes_nothing_afterwards_and_the_link_stays_usabl
         dst = decoder.cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(2, 0))
         fill_pattern(dst, 92)
         gate = Gate(LAYERS)
-        config = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 4), range(0, 4))
+        config = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(4), range(4))
         task = prompt.cache_manager.transfer_cache_async(src, gate, [config], [0, 1], [2, 3])
         gate.events[0].set()
         gate.events[1].set()
@@ -157,8 +157,8 @@ async def test_cancel_mid_way_writes_nothing_afterwards_and_the_link_stays_usabl
 async def test_a_synchronizer_failure_or_a_failed_push_ends_the_job() -> None:
     async with linked_pair() as (prompt, decoder):
         src = prompt.cache_manager.allocate_blocks_cache(BLOCKS_DESC)
-        dst = decoder.cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(2, 0))
-        early = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 1), range(0, 1))
+        decoder.cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(2, 0))  # the destination
+        early = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(1), range(1))
         late = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(2, 4), range(2, 4))
         never = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(3, 4), range(3, 4))
         gate = Gate(LAYERS, fail_at=2)
@@ -177,12 +177,12 @@ async def test_a_synchronizer_failure_or_a_failed_push_ends_the_job() -> None:
 
 
 async def test_arguments_are_checked_before_any_layer_is_waited_for() -> None:
-    async with linked_pair() as (prompt, decoder):
+    async with linked_pair() as (prompt, _):
         cm = prompt.cache_manager
         src = cm.allocate_blocks_cache(BLOCKS_DESC)
         odd = cm.allocate_blocks_cache(CacheDesc(3, (8, 1024), DataType.DT_UINT8, Placement.HOST))
         gate = Gate(LAYERS)
-        good = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 4), range(0, 4))
+        good = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(4), range(4))
         with pytest.raises(TypeError):
             cm.transfer_cache_async(src, object(), [good], [0], [0])  # type: ignore[arg-type]
         with pytest.raises(TypeError):
@@ -190,10 +190,10 @@ async def test_arguments_are_checked_before_any_layer_is_waited_for() -> None:
         with pytest.raises(TypeError):
             cm.transfer_cache_async(src, gate, [good, TransferConfig(2, [1, 2])], [0], [0])
         with pytest.raises(LLMException) as info:
-            cm.transfer_cache_async(src, gate, [TransferConfig(2, [1, 2], range(0, 1))], [0], [0])
+            cm.transfer_cache_async(src, gate, [TransferConfig(2, [1, 2], range(1))], [0], [0])
         assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
         bad = [(src, [], [0], [0]), (odd, [good], [0], [0]), (src, [good], [0, 1], [0]),
-               (src, [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(3, 5), range(0, 2))], [0], [0]),
+               (src, [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(3, 5), range(2))], [0], [0]),
                (src, [good], [0], None)]
         for cache, configs, s, d in bad:
             with pytest.raises(LLMException) as info:
@@ -201,11 +201,11 @@ async def test_arguments_are_checked_before_any_layer_is_waited_for() -> None:
             assert info.value.status_code == S.LLM_PARAM_INVALID
         assert gate.calls == []
         with pytest.raises(LLMException):
-            TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 2), range(0, 3))
+            TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(2), range(3))
         with pytest.raises(LLMException):
-            TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), None, range(0, 3))
+            TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), None, range(3))
         with pytest.raises(LLMException):
-            TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 2), range(0, 2), src_batch_index=1)
+            TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(2), range(2), src_batch_index=1)
 
 
 def test_blocking_api_with_layers_released_by_another_thread() -> None:
@@ -225,7 +225,7 @@ def test_blocking_api_with_layers_released_by_another_thread() -> None:
         data = fill_pattern(src, 101)
         dst = decoder.cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(12, 0))
         gate = Gate(LAYERS)
-        config = TransferWithCacheKeyConfig(BlocksCacheKey(12, 0), range(0, 4), range(0, 4))
+        config = TransferWithCacheKeyConfig(BlocksCacheKey(12, 0), range(4), range(4))
         task = prompt.cache_manager.transfer_cache_async(src, gate, [config], list(range(8)), list(range(8)))
         assert isinstance(task, sync.CacheTask)
         assert task.synchronize(20) == S.LLM_TIMEOUT

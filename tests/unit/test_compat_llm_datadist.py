@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-import aiodatadist.compat.llm_datadist as llm_datadist
 from aiodatadist import sync
+from aiodatadist.compat import llm_datadist
 
 # Spec §1: the reference's __all__ (TensorDesc, Tensor, KvCache and KvCacheManager belong to the legacy V1 mode).
 REFERENCE_ALL = {
@@ -99,14 +99,14 @@ def test_value_types_and_enums() -> None:
     assert (info.mem_type, info.addr, info.size) == (llm_datadist.Memtype.MEM_TYPE_DEVICE, 0x1000, 4096)
     with pytest.raises(TypeError):
         llm_datadist.MemInfo(0, 0x1000, 4096)  # type: ignore[arg-type]
-    config = llm_datadist.TransferConfig(3, [1, 2], range(0, 1))
+    config = llm_datadist.TransferConfig(3, [1, 2], range(1))
     assert (config.dst_cluster_id, config.dst_addrs, config.src_layer_range, config.src_batch_index,
-            config.dst_layer_range) == (3, [1, 2], range(0, 1), 0, None)
+            config.dst_layer_range) == (3, [1, 2], range(1), 0, None)
     with pytest.raises(llm_datadist.LLMException):
         llm_datadist.TransferConfig(3, [1, 2], range(0, 2, 2))
     with pytest.raises(TypeError):
         llm_datadist.TransferConfig(3, "x")  # type: ignore[arg-type]
-    keyed = llm_datadist.TransferWithCacheKeyConfig(llm_datadist.BlocksCacheKey(5, 1), range(0, 2), range(2, 4))
+    keyed = llm_datadist.TransferWithCacheKeyConfig(llm_datadist.BlocksCacheKey(5, 1), range(2), range(2, 4))
     assert (keyed.dst_cluster_id, keyed.dst_layer_of(1)) == (5, 3)
     status = llm_datadist.Status(llm_datadist.LLMStatusCode.LLM_SUCCESS)
     assert status.is_ok() and not llm_datadist.Status(llm_datadist.LLMStatusCode.LLM_FAILED).is_ok()
