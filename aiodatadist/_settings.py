@@ -308,6 +308,7 @@ class Settings:
     native_net: bool  # TCP links use the native helper's I/O threads where it is built (llm.Net)
     directory: bool  # same-host requesters read the owner's cache directory (llm.Directory)
     tcp_connections: int  # data connections of each TCP link this instance serves (llm.TcpConnections)
+    link_total_time_s: int  # bound of a two-sided link's bring-up (llm.LinkTotalTime; 0: the default)
     raw: dict[str, str]  # the options as given (plus the keys llm.LocalCommRes defaults)
 
 
@@ -382,10 +383,11 @@ def parse_options(options: Any, knobs: EnvKnobs | None = None) -> Settings:
     require(transport_value in {t.value for t in Transport},
             f"option {OptionKey.TRANSPORT} must be one of auto/shm/tcp, but got {transport_value!r}.")
     auth_key = opts.get(OptionKey.AUTH_KEY) or None
-    # Validated as in the reference, otherwise unused: role switches need no flag here, and links are bounded by
-    # link_clusters' timeout with one attempt (docs/api.md, "Differences").
+    # Validated as in the reference, otherwise unused: role switches need no flag here, and one-sided links are
+    # bounded by link_clusters' timeout with one attempt (docs/api.md, "Differences").  LinkTotalTime bounds the
+    # bring-up of a two-sided link.
     _flag(opts, OptionKey.ENABLE_SWITCH_ROLE)
-    _positive_int(opts, OptionKey.LINK_TOTAL_TIME, 0, minimum=0)
+    link_total_time = _positive_int(opts, OptionKey.LINK_TOTAL_TIME, 0, minimum=0)
     _positive_int(opts, OptionKey.LINK_RETRY_COUNT, 1)
     knobs = env_knobs() if knobs is None else knobs
     return Settings(
@@ -401,5 +403,6 @@ def parse_options(options: Any, knobs: EnvKnobs | None = None) -> Settings:
         native_net=_per_link(opts, knobs, ENV_NET),
         directory=_per_link(opts, knobs, ENV_DIRECTORY),
         tcp_connections=_per_link(opts, knobs, ENV_TCP_CONNECTIONS),
+        link_total_time_s=link_total_time,
         raw=opts,
     )

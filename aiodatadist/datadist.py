@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from types import TracebackType
 from typing import Self
 
 from ._checks import check_bool, check_event_loop, check_int, check_isinstance, require
 from ._settings import Settings, parse_listen_ip_info, parse_options
 from .cache_manager import CacheManager
+from .comm_domains import ATTEMPT_MS, CommDomains
 from .config import OptionKey
 from .control.links import LinkManager
 from .copy import release_shared_executor, shared_executor
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
 from .notifications import Notification, NotificationInbox, check_notification
+from .rank_table import Member, check_comm_args, members_of
 from .registry import CacheRegistry
 from .stats import StatsRecorder, StatsSnapshot
 from .transfer.engine import CopyEngine
 from .transfer.service import TransferService
+from .transfer_configs import RegisterMemStatus
 from .transport.directory import CacheDirectory
 from .types import LLMClusterInfo, LLMRole
 
@@ -46,6 +49,7 @@ class LLMDataDist:
         self._inbox: NotificationInbox | None = None  # notifications received, from init to finalize
         self._stats = StatsRecorder()  # outlives links and finalize
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of init: every coroutine runs on it
+        self._domains: CommDomains | None = None  # two-sided links (link/unlink), from init to finalize
 
     # -- properties ------------------------------------------------------------------------------------------
     @property
@@ -114,6 +118,8 @@ class LLMDataDist:
         self._transfers = transfers
         self._inbox = inbox
         self._links = links
+        self._domains = CommDomains(self._cluster_id, self._link_member, lambda c: c in links.links,
+                                    self._unlink_members, settings.link_total_time_s)
         log.debug("cluster %d initialized as %s", self._cluster_id, self._role)
 
     async def finalize(self) -> None:
@@ -123,7 +129,10 @@ class LLMDataDist:
             return
         check_event_loop(self._loop)
         links, self._links = self._links, None
+        domains, self._domains = self._domains, None
         try:
+            if domains is not None:
+                await domains.close()
             if links is not None:
                 await links.close()
         finally:
@@ -222,6 +231,44 @@ class LLMDataDist:
             await links.stop_listening()
         self._role = role
         links.role = role
+
+    # -- two-sided links -------------------------------------------------------------------------------------
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        """Start a two-sided link among the clusters of ``cluster_rank_info`` (this one included), every member
+        calling ``link`` with the same arguments; returns its ``comm_id`` at once.  Poll
+        :meth:`query_register_mem_status` until ``OK`` (``FAILED``: give up).  Each member links to the members
+        of lower rank, which must listen where ``rank_table`` says (see docs/api.md).  Call it on the instance's
+        event loop."""
+        domains = self._domains_or_raise()
+        ranks = check_comm_args(comm_name, cluster_rank_info, rank_table, self._cluster_id)
+        listening = self.listen_address
+        return domains.start(members_of(rank_table, ranks, listening[1] if listening is not None else None))
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """``PREPARING`` while the link of ``comm_id`` comes up, then ``OK`` or ``FAILED``."""
+        return self._domains_or_raise().status(comm_id)
+
+    async def unlink(self, comm_id: int) -> None:
+        """Stop bringing up ``comm_id`` and unlink its members (each is told); the ``comm_id`` is forgotten."""
+        await self._domains_or_raise().unlink(comm_id)
+
+    def _domains_or_raise(self) -> CommDomains:
+        if self._domains is None:
+            raise LLMNotInitializedError()
+        check_event_loop(self._loop)
+        return self._domains
+
+    async def _link_member(self, member: Member) -> LLMStatusCode:
+        info = LLMClusterInfo()
+        info.remote_cluster_id = member.cluster_id
+        info.append_local_ip_info(member.ip, 0)
+        info.append_remote_ip_info(member.ip, member.port or 0)
+        _, codes = await self.link_clusters([info], timeout=ATTEMPT_MS)
+        return codes[0]
+
+    async def _unlink_members(self, clusters: Collection[int]) -> None:
+        links = self._links_or_raise()
+        await asyncio.gather(*(links.unlink_one(c, ATTEMPT_MS, True) for c in clusters if c in links.links))
 
     def links(self) -> list[dict[str, object]]:
         """The current links: remote cluster, side, endpoint, data plane and what this side can do."""

@@ -45,7 +45,7 @@ from .layer_transfer import CacheTask as AsyncCacheTask
 from .memory import HostMemory
 from .notifications import Notification
 from .stats import StatsSnapshot
-from .transfer_configs import LayerSynchronizer
+from .transfer_configs import LayerSynchronizer, RegisterMemStatus
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
 
 __all__ = ["THREAD_NAME", "CacheManager", "CacheManagerSubmit", "CacheTask", "LLMDataDist", "TransferFuture", "loop_thread",
@@ -445,6 +445,21 @@ class LLMDataDist:
         """As :meth:`aiodatadist.LLMDataDist.switch_role`."""
         dd = self._dd
         _RUNNER.call(lambda: dd.switch_role(role, switch_options))
+
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        """As :meth:`aiodatadist.LLMDataDist.link`: starts the two-sided link, returns its ``comm_id`` at once."""
+        dd = self._dd
+        return _RUNNER.call(lambda: _plain(dd.link, comm_name, cluster_rank_info, rank_table))
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """As :meth:`aiodatadist.LLMDataDist.query_register_mem_status`."""
+        dd = self._dd
+        return _RUNNER.call(lambda: _plain(dd.query_register_mem_status, comm_id))
+
+    def unlink(self, comm_id: int) -> None:
+        """As :meth:`aiodatadist.LLMDataDist.unlink`."""
+        dd = self._dd
+        _RUNNER.call(lambda: dd.unlink(comm_id))
 
     def links(self) -> list[dict[str, object]]:
         """As :meth:`aiodatadist.LLMDataDist.links`."""

@@ -20,7 +20,7 @@ PACKAGE = Path(aiodatadist.__file__).parent
 
 # Bottom-up: a module may import its own layer (without cycles) and the layers before it, never a later one.
 LAYERS: list[set[str]] = [
-    {"errors", "_checks", "types", "transfer_configs", "config", "layout", "stats"},  # pure values and math
+    {"errors", "_checks", "types", "transfer_configs", "rank_table", "config", "layout", "stats"},  # pure values
     {"native"},  # the compiled helper and its ctypes bindings
     {"memory", "_settings"},  # shared memory segments; parsed options and environment knobs
     {"copy"},  # copy executors (native and Python pools)
@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"control"},  # ZeroMQ channels, sockets and links
     {"transfer"},  # the transfer conversation: requester, owner, copy engine
     {"cache_manager", "layer_transfer"},  # public facade: caches, local copies, pull/push, layer-wise push
-    {"datadist"},  # public facade and composition root
+    {"datadist", "comm_domains"},  # public facade and composition root; two-sided links
     {"metrics", "testing", "sync", "torch"},  # public helpers built on the facade; the blocking API; torch interop
     {"integrations", "compat"},  # engine adapters (the vLLM connector); drop-in modules (llm_datadist)
     {"tools", "__main__", "__init__"},  # CLI and the package's public namespace
