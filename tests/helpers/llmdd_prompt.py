@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-import aiodatadist.compat.llm_datadist as llm_datadist
+from aiodatadist.compat import llm_datadist
 from aiodatadist.testing import pattern
 
 

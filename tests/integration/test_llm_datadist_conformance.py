@@ -20,7 +20,7 @@ import numpy as np
 from helpers.ids import new_cluster_id
 from helpers.llmdd_prompt import rank_table
 
-import aiodatadist.compat.llm_datadist as llm_datadist
+from aiodatadist.compat import llm_datadist
 from aiodatadist.testing import free_port, pattern
 
 LAYERS, BLOCKS, BLOCK_ELEMS = 6, 16, 2048  # float16: 4 KiB per block and tensor
