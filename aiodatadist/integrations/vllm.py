@@ -23,8 +23,13 @@ Every KV cache tensor of a layer is registered once with aiodatadist (``register
 memory, host or CUDA device); a same-host pull reads P's memory directly after the first (no round trip through P's
 busy Python thread).  The connector uses aiodatadist's blocking API (:mod:`aiodatadist.sync`) and its loop thread.
 
+With ``layerwise`` (``kv_connector_extra_config``), D instead loads the request inside the forward that computes
+its last prompt token, one pull per layer, and each attention layer waits only for its own layer
+(``wait_for_layer_load``): the transfer of the later layers overlaps the computation of the earlier ones.
+
 Limits: models with one KV cache group (no hybrid attention), equal tensor parallelism on P and D, no pipeline
-parallelism; the whole request's KV is moved at once (``save_kv_layer`` / ``wait_for_layer_load`` do nothing).
+parallelism; P does not push layer by layer while it prefills (``save_kv_layer`` does nothing: D's blocks are
+not known before P's request ends).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import itertools
 import logging
 import math
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -92,7 +98,10 @@ class ConnectorOptions:
     ``auto`` (shared memory on one host, TCP across), ``shm`` or ``tcp``.  ``lease_seconds``: how long P keeps
     a request's blocks for a D that never pulls them (480, as vLLM's NIXL abort timeout).  ``pull_timeout_ms``:
     the bound of one pull (``sync_kv_timeout``, 30000).  ``link_timeout_ms``: the bound of linking to a P
-    worker (5000)."""
+    worker (5000).  ``layerwise``: D loads each layer on its own, inside the forward that computes the request's
+    last prompt token, and each attention layer waits only for its own layer (``wait_for_layer_load``), so the
+    transfer of the later layers overlaps the computation of the earlier ones (False: the whole request is
+    loaded between steps, as NixlConnector does)."""
 
     listen_host: str = "127.0.0.1"
     port_base: int = 0
@@ -101,6 +110,7 @@ class ConnectorOptions:
     lease_seconds: float = 480.0
     pull_timeout_ms: int = 30000
     link_timeout_ms: int = 5000
+    layerwise: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -115,7 +125,12 @@ class ConnectorOptions:
         for name, value in extra.items():
             kind = type(getattr(cls, name))
             try:
-                values[name] = kind(value) if kind is not float else float(value)
+                if kind is bool:
+                    if str(value).lower() not in ("true", "false", "1", "0"):
+                        raise ValueError(value)
+                    values[name] = str(value).lower() in ("true", "1")
+                else:
+                    values[name] = kind(value)
             except (TypeError, ValueError):
                 raise ValueError(f"AiodatadistConnector: {name} must be {kind.__name__}, got {value!r}") from None
         options = cls(**values)
@@ -144,7 +159,8 @@ class _Load:
     peers: list[tuple[str, int, int]]  # P's workers by TP rank: (host, port, cluster id)
     remote_block_ids: list[int]
     local_block_ids: list[int]
-    reported: bool  # the request waits for it (False: only tell P to free its blocks)
+    reported: bool  # the request waits for it between steps (False: only tell P, or a layer-wise load)
+    layerwise: bool = False  # loaded layer by layer inside this step's forward
 
 
 @dataclass
@@ -167,7 +183,7 @@ class AiodatadistConnector(KVConnectorBase_V1):
         self._scheduler: _Scheduler | None = None
         self._worker: _Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _Scheduler(vllm_config, kv_cache_config)
+            self._scheduler = _Scheduler(vllm_config, kv_cache_config, options.layerwise)
         else:
             self._worker = _Worker(vllm_config, kv_cache_config, options, self._kv_transfer_config.is_kv_producer)
 
@@ -187,7 +203,8 @@ class AiodatadistConnector(KVConnectorBase_V1):
         self._worker.start(metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        assert self._worker is not None
+        self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -242,7 +259,8 @@ def _peer(meta: KVConnectorHandshakeMetadata) -> tuple[str, int, int]:
 class _Scheduler:
     """Decides what each request loads (D) or keeps for a decoder (P); runs in vLLM's scheduler."""
 
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, layerwise: bool) -> None:
+        self.layerwise = layerwise
         groups = len(kv_cache_config.kv_cache_groups)
         if groups != 1:
             raise ValueError(f"AiodatadistConnector supports models with one KV cache group, this one has {groups}")
@@ -254,9 +272,12 @@ class _Scheduler:
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and _remote_blocks(params):
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            prompt = len(request.prompt_token_ids or ())
+            # Layer-wise loads happen inside the forward that computes the last prompt token, so that one is left
+            # to compute (its KV slot is loaded, then overwritten by the forward after its layer's load ended).
+            count = prompt - num_computed_tokens - (1 if self.layerwise else 0)
             if count > 0:
-                return count, True
+                return count, not self.layerwise
         return 0, False
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -266,7 +287,9 @@ class _Scheduler:
         params["do_remote_prefill"] = False  # one load per request
         remote = _remote_blocks(params)
         local = blocks.get_unhashed_block_ids_all_groups()[0] if num_external_tokens > 0 else []
-        self._pending.loads.append(_load(request.request_id, params, remote, local, reported=bool(local)))
+        layerwise = self.layerwise and bool(local)
+        self._pending.loads.append(_load(request.request_id, params, remote, local,
+                                         reported=bool(local) and not layerwise, layerwise=layerwise))
 
     def finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -317,9 +340,10 @@ def _remote_blocks(params: Mapping[str, Any]) -> list[int]:
 
 
 def _load(request_id: str, params: Mapping[str, Any], remote: list[int], local: list[int], *,
-          reported: bool) -> _Load:
+          reported: bool, layerwise: bool = False) -> _Load:
     peers = [(str(h), int(p), int(c)) for h, p, c in params.get("aiodatadist") or ()]
-    return _Load(request_id, str(params.get("remote_request_id", "")), peers, remote, list(local), reported)
+    return _Load(request_id, str(params.get("remote_request_id", "")), peers, remote, list(local), reported,
+                 layerwise)
 
 
 # -- worker ------------------------------------------------------------------------------------------------------
@@ -328,6 +352,19 @@ class _Running:
     future: TransferFuture[None]
     local_block_ids: list[int]
     reported: bool
+    layers: _LayerProgress | None = None  # a layer-wise load
+
+
+class _LayerProgress:
+    """Which layers of a layer-wise load have landed (set on the loop thread, waited for by the forward)."""
+
+    def __init__(self, layers: int) -> None:
+        self.done = [threading.Event() for _ in range(layers)]
+
+    def finish(self) -> None:
+        """The load ended (or failed): nobody waits any more."""
+        for event in self.done:
+            event.set()
 
 
 class _Worker:
@@ -343,6 +380,8 @@ class _Worker:
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.num_blocks = kv_cache_config.num_blocks
+        self.layer_index: dict[str, int] = {}  # layer name -> its index in the registered cache
+        self.tensors_per_layer = 1
         self.dd: SyncLLMDataDist | None = None
         self.cache: Cache | None = None
         self.loads: dict[str, _Running] = {}
@@ -368,6 +407,8 @@ class _Worker:
             block_elems = elems
             addrs.extend(tensor_addrs)
         assert block_elems is not None
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self.tensors_per_layer = len(addrs) // len(tensors)
         dtype = tensors[0].dtype
         try:
             data_type = from_torch_dtype(dtype)
@@ -422,11 +463,37 @@ class _Worker:
             else:
                 self.sends[request_id] = expiry
         for load in metadata.loads:
-            self.loads[load.request_id] = _Running(submit(functools.partial(self._load, load)),
-                                                   load.local_block_ids, load.reported)
+            if load.layerwise:
+                progress = _LayerProgress(len(self.layer_index))
+                future = submit(functools.partial(self._load, load, progress))
+                self.loads[load.request_id] = _Running(future, load.local_block_ids, False, progress)
+            else:
+                self.loads[load.request_id] = _Running(submit(functools.partial(self._load, load)),
+                                                       load.local_block_ids, load.reported)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block until layer ``layer_name`` of every layer-wise load of this step has landed (or failed)."""
+        index = self.layer_index.get(layer_name)
+        if index is None:
+            return
+        for running in self.loads.values():
+            if running.layers is not None:
+                running.layers.done[index].wait()
 
 
-    async def _load(self, load: _Load) -> None:
+    async def _load(self, load: _Load, progress: _LayerProgress | None = None) -> None:
+        """Link to the P worker of this rank (once), pull the request's blocks (the last remote ones when D holds
+        a prefix), and tell P.  With ``progress``, a layer-wise load: every layer's pull starts at once (the copy
+        threads take them in order), and each marks its layer done as it lands."""
+        try:
+            await self._pull(load, progress)
+        finally:
+            if progress is not None:
+                progress.finish()  # failed or cancelled: no forward waits for it any more
+
+    async def _pull(self, load: _Load, progress: _LayerProgress | None) -> None:
+        import asyncio
+
         dd = self.dd
         assert dd is not None and self.cache is not None
         if len(load.peers) != self.tp_size:
@@ -442,8 +509,22 @@ class _Worker:
         if len(local) > len(load.remote_block_ids):
             raise LLMException(f"request {load.request_id}: {len(local)} blocks to load, P has "
                                f"{len(load.remote_block_ids)}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        await dd.aio.cache_manager.pull_blocks(BlocksCacheKey(cluster, MODEL_ID), self.cache,
-                                               load.remote_block_ids[-len(local):], local, notify=note)
+        remote = load.remote_block_ids[-len(local):]
+        key = BlocksCacheKey(cluster, MODEL_ID)
+        cache = self.cache
+        if progress is None:
+            await dd.aio.cache_manager.pull_blocks(key, cache, remote, local, notify=note)
+            return
+        per_layer = self.tensors_per_layer
+
+        async def layer(index: int) -> None:
+            one = range(index, index + 1)
+            await dd.aio.cache_manager.pull_blocks(key, cache, remote, local, src_layer_range=one,
+                                                   dst_layer_range=one, tensor_num_per_layer=per_layer)
+            progress.done[index].set()
+
+        await asyncio.gather(*(layer(index) for index in range(len(progress.done))))
+        await dd.aio.notify(cluster, note)
 
     async def _link(self, host: str, port: int, cluster: int) -> None:
         """Link to a P worker once; concurrent loads share the attempt, a failed one is retried by the next."""
@@ -475,6 +556,9 @@ class _Worker:
         """(requests whose blocks D pulled or whose lease expired, requests whose pull ended); waits up to
         ``wait_s`` for one of the pulls in flight to end."""
         received: set[str] = set()
+        for running in self.loads.values():
+            if running.layers is not None:  # a load of this step's forward: it ends within the step
+                concurrent.futures.wait([running.future])
         if self.loads:
             # The engine's thread holds the GIL between steps; our loop thread needs it to start and to finish a
             # pull, and without a release would wait for the interpreter's switch interval (5 ms) each time.

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from aiodatadist.tools.bench.vllm_model import ModelSpec, build_model, random_prompts
+from aiodatadist.tools.bench.vllm_model import ModelSpec, build_model, kv_bytes_per_token, random_prompts
 from aiodatadist.tools.bench.vllm_pd import (
     P_PARAMS,
     PROMPT_TOKENS,
@@ -28,6 +28,7 @@ from aiodatadist.tools.bench.vllm_pd import (
 pytestmark = [pytest.mark.slow]
 
 SPEC = ModelSpec(layers=4)
+KV_BYTES_PER_TOKEN = kv_bytes_per_token(SPEC)
 TOKENS = 12
 OURS = {"kv_connector": "AiodatadistConnector", "kv_connector_module_path": "aiodatadist.integrations.vllm",
         "kv_role": "kv_both"}
@@ -72,10 +73,11 @@ def p_then_d(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[dict[s
     return params, decode.generate(prompt, TOKENS, params)["tokens"]
 
 
-@pytest.mark.parametrize("transport", ["auto", "tcp"])
+@pytest.mark.parametrize(("transport", "layerwise"), [("auto", False), ("tcp", False), ("auto", True)])
 def test_decode_continues_the_prefill_exactly(settings: EngineSettings, prompts: list[list[int]],
-                                              reference: list[list[int]], transport: str) -> None:
-    prefill, decode = pair(settings, {"transport": transport})
+                                              reference: list[list[int]], transport: str, layerwise: bool) -> None:
+    """Whole-request loads between steps, over shared memory and TCP, and layer-wise loads inside the forward."""
+    prefill, decode = pair(settings, {"transport": transport, "layerwise": layerwise})
     try:
         decode.transfers()
         for i, prompt in enumerate(prompts[:3]):
@@ -83,7 +85,9 @@ def test_decode_continues_the_prefill_exactly(settings: EngineSettings, prompts:
             assert len(params["remote_block_ids"][0]) == -(-PROMPT_TOKENS // 32)  # every block of the prompt
             assert params["aiodatadist"] and params["tp_size"] == 1
             assert tokens == reference[i], f"prompt {i}"
-        assert len(decode.transfers() or []) == 3  # D loaded each request through the connector
+        # Whole-request loads are reported between steps (the probe times them); layer-wise ones end in the step.
+        assert len(decode.transfers() or []) == (0 if layerwise else 3)
+        assert decode.pulled() == 3 * -(-PROMPT_TOKENS // 32) * 32 * KV_BYTES_PER_TOKEN  # every block, no more
     finally:
         decode.close()
         prefill.close()
@@ -99,9 +103,12 @@ def test_a_prefix_cache_hit_on_d_pulls_only_the_last_blocks(settings: EngineSett
         prompt = prompts[3]
         decode.generate(prompt[:8 * 32 + 5], 1)  # 8 full blocks enter D's prefix cache
         decode.transfers()
-        _, tokens = p_then_d(prefill, decode, prompt)
+        before = decode.pulled() or 0
+        params, tokens = p_then_d(prefill, decode, prompt)
         assert tokens == reference[3]
         assert len(decode.transfers() or []) == 1
+        blocks = len(params["remote_block_ids"][0])
+        assert (decode.pulled() or 0) - before == (blocks - 8) * 32 * KV_BYTES_PER_TOKEN  # only the last blocks
     finally:
         decode.close()
         prefill.close()

@@ -86,6 +86,11 @@ CONFIGS: tuple[ConnectorConfig, ...] = (
                                     "kv_connector_module_path": "aiodatadist.integrations.vllm",
                                     "kv_role": "kv_both"},
                     "aiodatadist's connector", module="aiodatadist.integrations.vllm"),
+    ConnectorConfig("aiodatadist-layerwise", {"kv_connector": "AiodatadistConnector",
+                                              "kv_connector_module_path": "aiodatadist.integrations.vllm",
+                                              "kv_role": "kv_both", "kv_connector_extra_config": {"layerwise": True}},
+                    "aiodatadist's connector, D loading each layer inside its forward (no transfer column: the "
+                    "load is not reported between steps)", module="aiodatadist.integrations.vllm"),
 )
 
 
@@ -274,6 +279,19 @@ def _generate(llm: Any, prompt: list[int], max_tokens: int, kv_transfer_params: 
             "seconds": seconds}
 
 
+def _pulled_bytes() -> int | None:
+    """Bytes this process's AiodatadistConnector pulled so far (None with another connector)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    worker = getattr(get_kv_transfer_group(), "_worker", None)
+    dd = getattr(worker, "dd", None)
+    if dd is None:
+        return None
+    return sum(s.bytes for s in dd.stats().links if s.direction == "pull")
+
+
 def _serve(llm: Any, conn: Connection, probe: TransferProbe | None) -> None:
     """Answer the harness's requests until it says ``stop``."""
     while True:
@@ -289,6 +307,8 @@ def _serve(llm: Any, conn: Connection, probe: TransferProbe | None) -> None:
             conn.send(("ok", result))
         elif command == "transfers":
             conn.send(("ok", probe.take() if probe is not None else None))
+        elif command == "pulled":
+            conn.send(("ok", _pulled_bytes()))
         else:
             conn.send(("error", f"unknown command {command!r}"))
 
@@ -366,6 +386,12 @@ class Engine:
         self._conn.send(("generate", {"prompt": prompt, "max_tokens": max_tokens,
                                       "kv_transfer_params": kv_transfer_params}))
         result: dict[str, Any] = self._reply()
+        return result
+
+    def pulled(self) -> int | None:
+        """Bytes the engine's AiodatadistConnector pulled so far (None with another connector)."""
+        self._conn.send(("pulled", None))
+        result: int | None = self._reply()
         return result
 
     def transfers(self) -> list[float] | None:
