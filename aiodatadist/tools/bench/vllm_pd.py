@@ -289,7 +289,8 @@ def _pulled_bytes() -> int | None:
     dd = getattr(worker, "dd", None)
     if dd is None:
         return None
-    return sum(s.bytes for s in dd.stats().links if s.direction == "pull")
+    pulled: int = sum(s.bytes for s in dd.stats().links if s.direction == "pull")
+    return pulled
 
 
 def _serve(llm: Any, conn: Connection, probe: TransferProbe | None) -> None:
