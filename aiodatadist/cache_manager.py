@@ -39,7 +39,7 @@ from .registry import CacheEntry, CacheRegistry, geometry_of
 from .transfer import validate
 from .transfer.engine import CopyEngine
 from .transfer.service import TransferService
-from .transfer_configs import LayerSynchronizer, TransferWithCacheKeyConfig
+from .transfer_configs import LayerSynchronizer, MemInfo, Memtype, TransferWithCacheKeyConfig
 from .transport.device import DeviceSupport
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
 
@@ -486,6 +486,21 @@ class CacheManager:
         self._layer_jobs.add(task)
         task.add_done_callback(self._layer_jobs.discard)
         return CacheTask(task, results)
+
+    def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
+        """Checked as the reference does (``MemInfo`` or a list of them, DEVICE memory, non-zero address, size > 0),
+        then refused with ``LLM_FEATURE_NOT_ENABLED``: it re-registers device memory with the NICs after a memory
+        error, which has no meaning here (the reference reserves it too)."""
+        self._check_open()
+        infos = mem_infos if isinstance(mem_infos, list) else [mem_infos]
+        for info in infos:
+            check_isinstance("mem_infos", info, MemInfo)
+            require(info.mem_type == Memtype.MEM_TYPE_DEVICE, "remap_registered_memory supports DEVICE memory only.")
+            require(info.addr != 0, "mem_info addr must not be 0.")
+            require(info.size > 0, "mem_info size must be > 0.")
+        raise LLMException("remap_registered_memory repairs NIC registrations after a device memory error; "
+                           "aiodatadist registers no memory with a NIC, so there is nothing to remap",
+                           status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
 
     def _remote_accessible(self) -> bool | None:
         """``llm.EnableRemoteCacheAccessible``: None when unset (pull by CacheKey allowed, push allowed)."""

@@ -232,6 +232,16 @@ class LLMDataDist:
         self._role = role
         links.role = role
 
+    async def check_link_status(self, remote_cluster_id: int) -> None:
+        """Raise unless this instance is linked to ``remote_cluster_id`` (``LLM_NOT_YET_LINK``) and the peer answers
+        a ping within ``sync_kv_timeout`` (``LLM_LINK_FAILED``); the reference's V1 check, available here in both
+        modes."""
+        links = self._links_or_raise()
+        check_event_loop(self._loop)
+        remote = check_int("remote_cluster_id", remote_cluster_id, "uint64")
+        assert self._settings is not None
+        await links.check(remote, self._settings.sync_kv_timeout_ms / 1000)
+
     # -- two-sided links -------------------------------------------------------------------------------------
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
         """Start a two-sided link among the clusters of ``cluster_rank_info`` (this one included), every member

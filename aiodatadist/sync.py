@@ -45,7 +45,7 @@ from .layer_transfer import CacheTask as AsyncCacheTask
 from .memory import HostMemory
 from .notifications import Notification
 from .stats import StatsSnapshot
-from .transfer_configs import LayerSynchronizer, RegisterMemStatus
+from .transfer_configs import LayerSynchronizer, MemInfo, RegisterMemStatus
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
 
 __all__ = ["THREAD_NAME", "CacheManager", "CacheManagerSubmit", "CacheTask", "LLMDataDist", "TransferFuture", "loop_thread",
@@ -446,6 +446,11 @@ class LLMDataDist:
         dd = self._dd
         _RUNNER.call(lambda: dd.switch_role(role, switch_options))
 
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        """As :meth:`aiodatadist.LLMDataDist.check_link_status`."""
+        dd = self._dd
+        _RUNNER.call(lambda: dd.check_link_status(remote_cluster_id))
+
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
         """As :meth:`aiodatadist.LLMDataDist.link`: starts the two-sided link, returns its ``comm_id`` at once."""
         dd = self._dd
@@ -605,6 +610,10 @@ class CacheManager:
         cm = self._cm
         _RUNNER.call(lambda: cm.push_blocks(dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range,
                                             dst_layer_range, tensor_num_per_layer, notify=notify))
+
+    def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
+        """As :meth:`aiodatadist.CacheManager.remap_registered_memory` (checked, then ``LLM_FEATURE_NOT_ENABLED``)."""
+        _RUNNER.call(lambda: _plain(self._cm.remap_registered_memory, mem_infos))
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: list[Any] | tuple[Any, ...],

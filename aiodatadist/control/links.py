@@ -337,6 +337,16 @@ class LinkManager:
             return None
         return outcome
 
+    async def check(self, remote_id: int, timeout: float) -> None:
+        """Raise unless linked to ``remote_id`` (``LLM_NOT_YET_LINK``) and its peer answers a ping within
+        ``timeout`` seconds (``LLM_LINK_FAILED``)."""
+        link = self.links.get(remote_id)
+        if link is None:
+            raise LLMException(f"cluster {remote_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+        if not await self._alive(link, timeout):
+            raise LLMException(f"cluster {remote_id} did not answer within {timeout:g} s",
+                               status_code=LLMStatusCode.LLM_LINK_FAILED)
+
     async def _alive(self, link: Link, timeout: float = 0.5) -> bool:
         try:
             async with asyncio.timeout(timeout):

@@ -159,3 +159,30 @@ async def test_arguments_are_checked() -> None:
         assert dd.links() == []
     finally:
         await dd.finalize()
+
+
+async def test_check_link_status_and_remap_registered_memory() -> None:
+    """check_link_status pings a linked peer (LLM_NOT_YET_LINK when not linked); remap_registered_memory is
+    checked as the reference does, then refused with LLM_FEATURE_NOT_ENABLED."""
+    from aiodatadist import MemInfo, Memtype
+    from aiodatadist.testing import linked_pair
+
+    async with linked_pair(prompt_id=new_cluster_id(), decoder_id=new_cluster_id()) as (prompt, decoder):
+        await decoder.check_link_status(prompt.cluster_id)
+        await prompt.check_link_status(decoder.cluster_id)
+        with pytest.raises(LLMException) as info:
+            await decoder.check_link_status(new_cluster_id())
+        assert info.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+        with pytest.raises(TypeError):
+            await decoder.check_link_status("1")  # type: ignore[arg-type]
+        cm = decoder.cache_manager
+        with pytest.raises(LLMException) as info:
+            cm.remap_registered_memory([MemInfo(Memtype.MEM_TYPE_DEVICE, 0x1000, 4096)])
+        assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+        for bad in (MemInfo(Memtype.MEM_TYPE_HOST, 0x1000, 4096), MemInfo(Memtype.MEM_TYPE_DEVICE, 0, 4096),
+                    MemInfo(Memtype.MEM_TYPE_DEVICE, 0x1000, 0)):
+            with pytest.raises(LLMException) as info:
+                cm.remap_registered_memory(bad)
+            assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        with pytest.raises(TypeError):
+            cm.remap_registered_memory([object()])  # type: ignore[list-item]

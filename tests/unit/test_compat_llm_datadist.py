@@ -28,6 +28,10 @@ LLMDATADIST = {
     "link_clusters": [("clusters", None), ("timeout", 3000)],
     "unlink_clusters": [("clusters", None), ("timeout", 3000), ("force", False)],
     "switch_role": [("role", None), ("switch_options", None)],
+    "link": [("comm_name", None), ("cluster_rank_info", None), ("rank_table", None)],
+    "unlink": [("comm_id", None)],
+    "query_register_mem_status": [("comm_id", None)],
+    "check_link_status": [("remote_cluster_id", None)],
 }
 CACHE_MANAGER = {
     "allocate_cache": [("cache_desc", None), ("cache_keys", ())],
@@ -48,6 +52,7 @@ CACHE_MANAGER = {
                    ("dst_layer_range", None), ("size", -1), ("tensor_num_per_layer", 2)],
     "push_blocks": [("dst_cache_key", None), ("src_cache", None), ("src_blocks", ()), ("dst_blocks", ()),
                     ("src_layer_range", None), ("dst_layer_range", None), ("tensor_num_per_layer", 2)],
+    "remap_registered_memory": [("mem_infos", None)],
     "transfer_cache_async": [("src_cache", None), ("layer_synchronizer", None), ("transfer_configs", None),
                              ("src_block_indices", None), ("dst_block_indices", None),
                              ("dst_block_memory_size", None)],
