@@ -300,9 +300,13 @@ def test_local_comm_res_presence() -> None:
 
 
 def test_unused_settings_are_gone_but_their_options_still_validated() -> None:
+    """EnableSwitchRole and LinkRetryCount are only validated; LinkTotalTime bounds a two-sided link's bring-up."""
     fields = set(Settings.__dataclass_fields__)
-    assert not {"enable_switch_role", "link_total_time_s", "link_retry_count"} & fields
-    parse_options({"llm.EnableSwitchRole": "1", "llm.LinkTotalTime": "0", "llm.LinkRetryCount": "3"}, knobs())
+    assert not {"enable_switch_role", "link_retry_count"} & fields
+    settings = parse_options({"llm.EnableSwitchRole": "1", "llm.LinkTotalTime": "7", "llm.LinkRetryCount": "3"},
+                             knobs())
+    assert settings.link_total_time_s == 7
+    assert parse_options({}, knobs()).link_total_time_s == 0
     for bad in ({"llm.EnableSwitchRole": "yes"}, {"llm.LinkTotalTime": "-1"}, {"llm.LinkRetryCount": "0"}):
         with pytest.raises(LLMException):
             parse_options(bad, knobs())
