@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._settings import env_knobs
 from ...cache import Cache
 from ...config import LLMConfig
 from ...datadist import LLMDataDist
@@ -39,7 +40,7 @@ from ...errors import LLMStatusCode
 from ...native import native_available
 from ...testing import PeerProcess, cluster_info, fill_pattern, free_port
 from ...types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
-from .baselines import copyto_gbps, socket_stream_gbps
+from .baselines import copyto_gbps, socket_stream_gbps, stream_copy_gbps
 from .baselines import gbps as _gbps
 
 __all__ = ["main", "run_bench"]
@@ -242,6 +243,12 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
             assert copy_base is not None
             baseline = ("np.copyto 256 MiB", copy_base)
         rows.extend(await bench_transport(transport, directions, remote, repeat, concurrency, baseline, progress))
+    if any(r.get("transport") in ("shm", "-") and "gbps" in r for r in rows):
+        threads = env_knobs().copy_threads
+        progress(f"baseline: streaming copy 256 MiB, {threads} threads")
+        limit = stream_copy_gbps(BIG, repeat, threads)
+        if limit is not None:
+            _add_limit(rows, f"streaming copy 256 MiB, {threads} threads", limit)
     if peers:
         from .peers import run_nixl
 
@@ -256,6 +263,13 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
     return rows
 
 
+def _add_limit(rows: list[dict[str, Any]], name: str, limit_gbps: float) -> None:
+    """Same-host throughput rows also get their ratio to the machine's copy limit (measured in this run)."""
+    for r in rows:
+        if r.get("transport") in ("shm", "-") and "gbps" in r and r.get("workload") != "concurrent":
+            r.update(limit=name, limit_gbps=limit_gbps, limit_ratio=r["gbps"] / limit_gbps)
+
+
 def _format(r: dict[str, Any]) -> str:
     name = r.get("library", "aiodatadist")
     head = f"{name:<13} {r['workload']:<10} {r.get('transport', '-'):<4} {r.get('direction', 'pull'):<5}"
@@ -263,6 +277,8 @@ def _format(r: dict[str, Any]) -> str:
         text = f"{head} {r['gbps']:7.2f} GB/s"
         if "baseline" in r:
             text += f"   {r['baseline']}: {r['baseline_gbps']:6.2f} GB/s   ratio {r['ratio']:.2f}"
+        if "limit" in r:
+            text += f"   {r['limit']}: {r['limit_gbps']:6.2f} GB/s   ratio {r['limit_ratio']:.2f}"
     else:
         text = f"{head} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms ({r['runs']} runs)"
     if "vs_peer" in r:

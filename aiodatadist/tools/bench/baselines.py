@@ -1,6 +1,10 @@
-"""The machine's own limits, measured in the benchmark's run: a memory copy and a plain TCP stream.
+"""The machine's own limits, measured in the benchmark's run: memory copies and a plain TCP stream.
 
-* ``copyto_gbps``: one ``np.copyto`` of N contiguous, pre-faulted bytes in this process (same host).
+* ``copyto_gbps``: one ``np.copyto`` of N contiguous, pre-faulted bytes in this process (same host): one thread,
+  ordinary stores.
+* ``stream_copy_gbps``: the same N bytes copied by T threads (one contiguous share each) with streaming
+  (non-temporal) stores, in the native helper: the most this machine's memory gives a big copy, and so the
+  honest ceiling for a same-host transfer that may use T threads.
 * ``socket_stream_gbps``: N bytes from one process to another over a plain loopback TCP connection, ``sendall``
   from one contiguous buffer into ``recv_into`` of another (the best a TCP data plane can do between two
   processes on this machine).
@@ -8,6 +12,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import socket
 import statistics
@@ -16,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["copyto_gbps", "gbps", "socket_stream_gbps"]
+__all__ = ["copyto_gbps", "gbps", "socket_stream_gbps", "stream_copy_gbps"]
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -34,6 +39,30 @@ def copyto_gbps(nbytes: int, repeat: int) -> float:
         start = time.perf_counter()
         np.copyto(dst, src)
         times.append(time.perf_counter() - start)
+    return gbps(nbytes, statistics.median(times))
+
+
+def stream_copy_gbps(nbytes: int, repeat: int, threads: int) -> float | None:
+    """Median GB/s of ``nbytes`` contiguous, pre-faulted bytes copied by ``threads`` threads with streaming
+    stores (None without the native helper)."""
+    from ...native import native_pool
+
+    lib = native_pool()
+    copy = getattr(lib, "adt_stream_copy_limit", None) if lib is not None else None
+    if copy is None:
+        return None
+    copy.argtypes, copy.restype = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int], ctypes.c_int
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    times = []
+    for i in range(repeat + 1):  # the first run warms the threads' stacks and the pages up
+        start = time.perf_counter()
+        if copy(dst.ctypes.data, src.ctypes.data, nbytes, threads) != 0:
+            raise RuntimeError("the streaming-copy baseline could not start its threads")
+        if i:
+            times.append(time.perf_counter() - start)
+    if not np.array_equal(dst[:: max(1, nbytes // 4096)], src[:: max(1, nbytes // 4096)]):
+        raise RuntimeError("the streaming-copy baseline copied wrong bytes")
     return gbps(nbytes, statistics.median(times))
 
 

@@ -1,0 +1,36 @@
+"""The benchmark's same-host limit, ``adt_stream_copy_limit``: N threads with streaming stores copy exactly the
+bytes asked for (odd sizes, unaligned ends, more threads than 64-byte lines), and nothing beyond them."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiodatadist.native import native_pool
+from aiodatadist.tools.bench.baselines import stream_copy_gbps
+
+LIB = native_pool()
+pytestmark = pytest.mark.skipif(LIB is None or not hasattr(LIB, "adt_stream_copy_limit"),
+                                reason="native helper not built")
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 300_000), offset=st.integers(0, 63), threads=st.integers(1, 9), seed=st.integers(0, 99))
+def test_copies_exactly_the_bytes_asked_for(size: int, offset: int, threads: int, seed: int) -> None:
+    assert LIB is not None
+    copy = LIB.adt_stream_copy_limit
+    copy.argtypes, copy.restype = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int], ctypes.c_int
+    rng = np.random.default_rng(seed)
+    src = rng.integers(1, 256, size + 128, dtype=np.uint8)
+    dst = np.zeros(size + 128, dtype=np.uint8)
+    assert copy(dst.ctypes.data + offset, src.ctypes.data + offset, size, threads) == 0
+    assert np.array_equal(dst[offset:offset + size], src[offset:offset + size])
+    assert not dst[:offset].any() and not dst[offset + size:].any()
+
+
+def test_the_baseline_measures_a_copy() -> None:
+    assert (stream_copy_gbps(4 << 20, 2, 2) or 0) > 0
