@@ -14,18 +14,39 @@ non-zero bytes).  The decoder READs (pulls) from the prompt, exactly the byte la
 * ``small``: block 7 into block 9 of every tensor: 64 descriptors of 32 KiB, 2 MiB.  p50 / p99 latency in ms
   over ``max(200, 20 * repeat)`` READs after one warm-up.
 
-How it is driven: each transfer handle is created once with ``initialize_xfer`` outside the timed loop and
-re-posted (NIXL allows re-posting a handle once its previous transfer is done), so one timed run is
-``transfer`` (post) + busy-polling ``check_xfer_state`` until ``DONE``.  Both agents run with the progress
-thread OFF (``nixl_agent_config(enable_prog_thread=False)``), so the prompt drives UCX by busy-polling
-``get_new_notifs`` while it serves: without that, even the connection set-up never completes.  On a 2-core
-machine the two busy-polling processes therefore occupy both cores.
+How it is driven (NIXL's tuned path, measured best on a 2-vCPU VM; see docs/performance.md):
 
-Variants, each in a fresh pair of spawned processes (UCX reads its environment when the agent starts):
+* Prepared descriptor lists, as NIXL recommends for descriptors used more than once: per workload the decoder
+  prepares its local list (``prep_xfer_dlist("NIXL_INIT_AGENT", ...)``) and the prompt's list
+  (``prep_xfer_dlist(<prompt>, ...)``) once, makes one READ handle with ``make_prepped_xfer`` outside the timed
+  loop and re-posts it (NIXL allows re-posting a handle once its previous transfer is done): one timed run is
+  ``transfer`` (post) + ``check_xfer_state`` until ``DONE``.
+* Decoder (initiator): progress thread OFF, UCX backend created with ``num_threads=2`` (two dedicated UCX
+  workers, each with its own thread, the ``nixlbench --num_threads`` knob) and ``split_batch_size=16`` (a post is
+  cut into chunks of 16 descriptors spread over those threads: paged 512 chunks, whole and small 4 each; the
+  default 1024 would leave whole and small in one chunk, on one thread).  The Python thread checks
+  ``check_xfer_state`` every 100 us (``time.sleep(1e-4)``) instead of busy-polling, so the two copy threads have
+  both cores.  Measured on 2 vCPUs: busy-polling instead costs paged ~30 %; ``num_threads=0`` (the copy in the
+  posting thread) gives paged ~4.4, whole ~5.5 GB/s against ~6.5 / ~9.5; the decoder's progress thread costs
+  another ~25 %.
+* Prompt (target) in ``nixl-ucx``: progress thread OFF; once it has sent its metadata it calls
+  ``get_new_notifs`` once a millisecond (to answer UCX wire-up) and otherwise sleeps: the ``cma`` reads are
+  ``process_vm_readv`` calls made by the decoder, which need nothing from the owner.  Busy-polling here (or the
+  progress thread, which NIXL's Python API runs with no delay, so it spins too) takes a core from the copy.
+* Prompt in ``nixl-ucx-tcp``: progress thread ON and the Python thread blocked on the control pipe: over TCP,
+  UCX emulates the READ with active messages the owner must answer, so the owner needs steady progress; the
+  progress thread gives the best latency of the options tried (busy-polling ``get_new_notifs``, polling it once
+  a millisecond).
+
+Variants, each in a fresh pair of spawned processes (UCX reads its environment when the agent starts); the
+settings above apply to both:
 
 * ``nixl-ucx``: UCX picks its transports (on one host: ``cma`` for the reads, TCP on ``lo`` for wire-up);
 * ``nixl-ucx-tcp``: ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES=lo`` in both processes; without the device
   restriction UCX stripes the reads over ``lo`` and every other up interface.
+
+No other UCX setting helped here (tried: ``UCX_TLS=cma,tcp``, ``NIXL_UCX_SGL_ENABLE``, ``UCX_TCP_SEG_SIZE``,
+``UCX_TCP_SNDBUF``/``RCVBUF``), so UCX keeps its defaults.
 
 ``python -m aiodatadist.tools.bench.peers`` prints both variants with ``repeat=5``.
 """
@@ -67,6 +88,12 @@ VARIANTS: dict[str, dict[str, str | None]] = {
 }
 """Environment of each variant's processes (``None``: unset, so an inherited value cannot relabel a run)."""
 
+_PROMPT_PROGRESS_THREAD = {"nixl-ucx": False, "nixl-ucx-tcp": True}
+"""Whether the prompt runs NIXL's progress thread (TCP: the owner answers the emulated READs) or polls slowly."""
+_PROMPT_POLL_S = 1e-3  # prompt without progress thread: get_new_notifs this often, for UCX wire-up
+_DECODER_UCX = {"num_threads": "2", "split_batch_size": "16"}  # UCX backend parameters of the decoder
+_DECODER_POLL_S = 1e-4  # decoder: check_xfer_state this often while its UCX threads copy
+
 _Report = Callable[[str], None]
 
 
@@ -100,7 +127,8 @@ def run_nixl(workloads: set[str], repeat: int, variant: str,
     prompt_end, decoder_end = ctx.Pipe()
     reader, writer = ctx.Pipe(duplex=False)
     order = [w for w in WORKLOADS if w in workloads]
-    procs = [ctx.Process(target=_prompt_main, args=(env, prompt_end), name=f"{variant} prompt", daemon=True),
+    procs = [ctx.Process(target=_prompt_main, args=(env, prompt_end, _PROMPT_PROGRESS_THREAD[variant]),
+                         name=f"{variant} prompt", daemon=True),
              ctx.Process(target=_decoder_main, args=(env, decoder_end, writer, order, repeat),
                          name=f"{variant} decoder", daemon=True)]
     try:
@@ -175,10 +203,13 @@ def _apply_env(env: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def _agent(name: str) -> Any:
+def _agent(name: str, progress_thread: bool, ucx_params: dict[str, str]) -> Any:
+    """A NIXL agent with one UCX backend made with ``ucx_params`` (``nixl_agent_config`` cannot pass all)."""
     api: Any = importlib.import_module("nixl._api")
     try:
-        return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+        agent.create_backend("UCX", ucx_params)
+        return agent
     except Exception as exc:
         ucx = ", ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("UCX_")) or "UCX defaults"
         raise RuntimeError(f"NIXL could not start its UCX backend with {ucx} ({type(exc).__name__}: {exc}); "
@@ -201,11 +232,11 @@ def _source_tensor(index: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------- prompt
 
 
-def _prompt_main(env: dict[str, str | None], peer: Connection) -> None:
-    """Prompt process: register a filled source cache, send its metadata, drive UCX until told to stop."""
+def _prompt_main(env: dict[str, str | None], peer: Connection, progress_thread: bool) -> None:
+    """Prompt process: register a filled source cache, send its metadata, serve until told to stop."""
     _apply_env(env)
     try:
-        agent = _agent("prompt")
+        agent = _agent("prompt", progress_thread, {})
         tensors = [_source_tensor(i) for i in range(TENSORS)]
         reg = _register(agent, tensors)
     except Exception as exc:
@@ -214,14 +245,16 @@ def _prompt_main(env: dict[str, str | None], peer: Connection) -> None:
             peer.poll(TIMEOUT_S)
         raise SystemExit(1) from exc
     peer.send(("ready", agent.get_agent_metadata(), [t.ctypes.data for t in tensors]))
-    _serve(agent, peer)
+    _serve(agent, peer, progress_thread)
     agent.deregister_memory(reg)
 
 
-def _serve(agent: Any, peer: Connection) -> None:
-    """Busy-poll NIXL (no progress thread) until the decoder says stop or goes away."""
-    while not peer.poll():  # ~7 us per poll, ~2 us per get_new_notifs: look at the pipe 1 time in 64
-        for _ in range(64):
+def _serve(agent: Any, peer: Connection, progress_thread: bool) -> None:
+    """Serve until the decoder says stop or goes away: wait on the pipe, giving UCX progress when no thread does."""
+    if progress_thread:
+        peer.poll(None)
+    else:
+        while not peer.poll(_PROMPT_POLL_S):
             agent.get_new_notifs()
     with suppress(EOFError):
         peer.recv()
@@ -245,7 +278,7 @@ def _decoder_main(env: dict[str, str | None], peer: Connection, out: Connection,
 
 
 def _decode(peer: Connection, out: Connection, order: list[str], repeat: int) -> None:
-    agent = _agent("decoder")
+    agent = _agent("decoder", False, _DECODER_UCX)
     tensors = [np.zeros(TENSOR_BYTES, dtype=np.uint8) for _ in range(TENSORS)]
     reg = _register(agent, tensors)
     if not peer.poll(TIMEOUT_S):
@@ -280,7 +313,7 @@ def _descs(bases: list[int], blocks: np.ndarray, nbytes: int) -> np.ndarray:
 
 
 class _Workload:
-    """One workload's READ handle (created once, re-posted for every run) and its measurement."""
+    """One workload's prepared descriptor lists and READ handle (made once, re-posted every run), measured."""
 
     def __init__(self, agent: Any, remote: Any, name: str, src_bases: list[int], dst: list[np.ndarray]):
         self.agent = agent
@@ -290,11 +323,13 @@ class _Workload:
         remote_descs = _descs(src_bases, self.src_blocks, desc_bytes)
         local_descs = _descs([t.ctypes.data for t in dst], self.dst_blocks, desc_bytes)
         self.nbytes = len(local_descs) * desc_bytes
-        self.handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local_descs, "DRAM"),
-                                            agent.get_xfer_descs(remote_descs, "DRAM"), remote)
+        self.local_dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_descs, "DRAM")
+        self.remote_dlist = agent.prep_xfer_dlist(remote, remote_descs, "DRAM")
+        indices = np.arange(len(local_descs), dtype=np.int32)
+        self.handle = agent.make_prepped_xfer("READ", self.local_dlist, indices, self.remote_dlist, indices)
 
     def run(self, repeat: int, report: _Report) -> dict[str, Any]:
-        """Measure, verify (``paged``), release the handle and return the result dict (without library)."""
+        """Measure, verify (``paged``), release the handles and return the result dict (without library)."""
         if self.name == "small":
             result = self._latency(max(200, 20 * repeat), report)
         else:
@@ -302,14 +337,17 @@ class _Workload:
         if self.name == "paged":
             self._verify()
         self.agent.release_xfer_handle(self.handle)
+        self.agent.release_dlist_handle(self.local_dlist)
+        self.agent.release_dlist_handle(self.remote_dlist)
         return result
 
     def _read(self) -> float:
-        """Post the READ and busy-poll it to completion; seconds taken."""
+        """Post the READ and check it every ``_DECODER_POLL_S`` until done; seconds taken."""
         start = time.perf_counter()
         deadline = start + TIMEOUT_S
         state = self.agent.transfer(self.handle)
         while state == "PROC":
+            time.sleep(_DECODER_POLL_S)
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"{self.name} READ not done after {TIMEOUT_S:.0f} s")
             state = self.agent.check_xfer_state(self.handle)
