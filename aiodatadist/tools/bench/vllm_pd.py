@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib
 import importlib.util
 import json
 import multiprocessing
@@ -82,6 +83,9 @@ CONFIGS: tuple[ConnectorConfig, ...] = (
     ConnectorConfig("nixl-best", dict(_NIXL), "NixlConnector, NIXL progress thread off in D (its best settings "
                                               "here), forward thread pinned to the last core",
                     tweaks=("decode:nixl_no_progress_thread",), module="nixl"),
+    ConnectorConfig("nixl-threads", dict(_NIXL), "nixl-best, and D's UCX backend cutting each transfer into "
+                                                 "batches of 16 descriptors over 2 UCX threads (bench --peers' tuning)",
+                    tweaks=("decode:nixl_no_progress_thread", "decode:nixl_ucx_threads"), module="nixl"),
     ConnectorConfig("aiodatadist", {"kv_connector": "AiodatadistConnector",
                                     "kv_connector_module_path": "aiodatadist.integrations.vllm",
                                     "kv_role": "kv_both"},
@@ -128,7 +132,28 @@ def _nixl_no_progress_thread() -> None:
     setattr(base_worker, "nixl_agent_config", without_progress_thread)  # noqa: B010 - not exported
 
 
-TWEAKS: dict[str, Callable[[], None]] = {"nixl_no_progress_thread": _nixl_no_progress_thread}
+def _nixl_ucx_threads() -> None:
+    """Make NIXL's UCX backend cut each transfer into batches of 16 descriptors over 2 UCX threads.
+
+    The tuned setting of ``bench --peers`` (see ``peers.py``): vLLM creates the backend with ``num_threads`` 4 and
+    NIXL's default ``split_batch_size`` 1024, so a request's 448 descriptors (32 layers x 14 blocks) go to one
+    thread.  ``create_backend`` is wrapped to pass both parameters (vLLM has no setting for them).
+    """
+    api: Any = importlib.import_module("nixl._api")
+    agent_cls = api.nixl_agent
+    original = agent_cls.create_backend
+
+    def create_backend(self: Any, backend: str, init: dict[str, str] | None = None) -> Any:
+        params = dict(init or {})
+        if backend == "UCX":
+            params.update(num_threads="2", split_batch_size="16")
+        return original(self, backend, params)
+
+    agent_cls.create_backend = create_backend
+
+
+TWEAKS: dict[str, Callable[[], None]] = {"nixl_no_progress_thread": _nixl_no_progress_thread,
+                                         "nixl_ucx_threads": _nixl_ucx_threads}
 
 
 def _apply_tweaks(config: ConnectorConfig | None, role: str) -> None:
