@@ -39,7 +39,7 @@ from .registry import CacheEntry, CacheRegistry, geometry_of
 from .transfer import validate
 from .transfer.engine import CopyEngine
 from .transfer.service import TransferService
-from .transfer_configs import LayerSynchronizer, MemInfo, Memtype, TransferWithCacheKeyConfig
+from .transfer_configs import LayerSynchronizer, MemInfo, Memtype, TransferConfig, TransferWithCacheKeyConfig
 from .transport.device import DeviceSupport
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
 
@@ -439,7 +439,8 @@ class CacheManager:
                              dst_block_indices: IndexSequence | None = None,
                              dst_block_memory_size: int | None = None) -> CacheTask:
         """Send ``src_cache`` layer by layer, each as soon as ``layer_synchronizer`` says it is computed, to every
-        destination of ``transfer_configs`` (:class:`TransferWithCacheKeyConfig`); returns the running
+        destination of ``transfer_configs`` (all :class:`TransferWithCacheKeyConfig`, or all raw-address
+        :class:`TransferConfig`, which the owners resolve to their registered caches first); returns the running
         :class:`CacheTask` at once (await it, or its ``synchronize`` / ``get_results``).
 
         Call it on the instance's event loop (it starts a task there).  The cache holds 2 tensors per layer (K and
@@ -461,9 +462,14 @@ class CacheManager:
         require(num_tensors % 2 == 0, f"transfer_cache_async sends 2 tensors per layer: src_cache has {num_tensors}.")
         num_layers = num_tensors // 2
         for config in configs:
-            require(config.src_layer_range.stop <= num_layers,
-                    f"src_layer_range {config.src_layer_range} exceeds the {num_layers} layers of src_cache.")
-            if isinstance(config.cache_key, BlocksCacheKey):
+            layers = config.src_layer_range
+            require(layers is None or layers.stop <= num_layers,
+                    f"src_layer_range {layers} exceeds the {num_layers} layers of src_cache.")
+            if isinstance(config, TransferConfig):
+                wanted = len(layers) if layers is not None else num_layers
+                require(len(config.dst_addrs) == 2 * wanted,
+                        f"dst_addrs must hold 2 addresses per layer sent ({2 * wanted}), got {len(config.dst_addrs)}.")
+            elif isinstance(config.cache_key, BlocksCacheKey):
                 require(dst_blocks is not None, "dst_block_indices is required for a BlocksCacheKey destination.")
             else:
                 require(dst_blocks is None, "dst_block_indices must be None for a CacheKeyByIdAndIndex destination.")
@@ -482,7 +488,8 @@ class CacheManager:
                                       range(layer, layer + 1), range(dst_layer, dst_layer + 1))
 
         results: list[LLMStatusCode | None] = [None] * len(configs)
-        task = asyncio.ensure_future(run_layers(num_layers, layer_synchronizer, configs, push, results))
+        task = asyncio.ensure_future(run_layers(num_layers, layer_synchronizer, configs, push, results,
+                                                self._transfers.resolve, dst_blocks is not None))
         self._layer_jobs.add(task)
         task.add_done_callback(self._layer_jobs.discard)
         return CacheTask(task, results)

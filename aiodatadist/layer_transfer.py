@@ -1,5 +1,6 @@
 """Layer-wise transfer (``CacheManager.transfer_cache_async``, spec §8.6): send each layer of a cache to its
 destinations as soon as the producer says it is computed, overlapping with the computation of the next layers.
+Raw-address destinations (``TransferConfig``) are first resolved by their owners to registered caches.
 
 One asyncio task per call walks the layers in order.  For each layer it asks the caller's
 :class:`~aiodatadist.transfer_configs.LayerSynchronizer` in a worker thread (it may block), then pushes that layer
@@ -17,12 +18,44 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .errors import LLMException, LLMStatusCode
-from .transfer_configs import LayerSynchronizer, TransferWithCacheKeyConfig
+from .protocol.messages import Located
+from .transfer_configs import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
+from .types import BlocksCacheKey, CacheKeyByIdAndIndex
 
-__all__ = ["CacheTask", "LayerPush", "run_layers"]
+__all__ = ["CacheTask", "LayerPush", "Resolver", "keyed_config", "run_layers"]
 
 LayerPush = Callable[[TransferWithCacheKeyConfig, int], Awaitable[None]]
 """Push source layer ``layer`` to one destination (the cache manager binds the cache and the blocks)."""
+Resolver = Callable[[int, tuple[int, ...]], Awaitable[tuple[Located, ...]]]
+"""Where cluster ``c`` holds addresses ``addrs`` (a RESOLVE round trip to the owner)."""
+
+
+async def keyed_config(config: TransferConfig, num_layers: int, resolve: Resolver,
+                       has_dst_blocks: bool) -> TransferWithCacheKeyConfig:
+    """The cache-key form of a raw-address ``TransferConfig``: its owner says which registered cache, tensors and
+    slot its ``dst_addrs`` (K and V of each destination layer, slot-offset for a contiguous cache) are, and they
+    must be the K,V pairs of consecutive layers of one cache at one slot (``LLM_PARAM_INVALID`` otherwise)."""
+    src = config.src_layer_range if config.src_layer_range is not None else range(num_layers)
+    addrs = tuple(config.dst_addrs)
+    if len(addrs) != 2 * len(src):
+        raise LLMException(f"dst_addrs has {len(addrs)} addresses; 2 per layer of src_layer_range {src} are "
+                           f"needed", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    located = await resolve(config.dst_cluster_id, addrs)
+    first = located[0]
+    for i, at in enumerate(located):
+        if (at.cid, at.slot, at.tensor) != (first.cid, first.slot, first.tensor + i) or first.tensor % 2:
+            raise LLMException("dst_addrs must be the K and V tensors of consecutive layers of one destination "
+                               f"cache at one slot (address {i} is tensor {at.tensor} of cache {at.cid}, slot "
+                               f"{at.slot})", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    dst = range(first.tensor // 2, first.tensor // 2 + len(src))
+    if not first.is_blocks:
+        key = CacheKeyByIdAndIndex(config.dst_cluster_id, first.cid, first.slot)
+        return TransferWithCacheKeyConfig(key, src, dst, config.src_batch_index)
+    if first.slot != 0 or first.model < 0 or not has_dst_blocks:
+        raise LLMException("a blocks destination named by dst_addrs needs its tensors' base addresses, a "
+                           "BlocksCacheKey on the owner and dst_block_indices",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID)
+    return TransferWithCacheKeyConfig(BlocksCacheKey(config.dst_cluster_id, first.model), src, dst)
 
 
 class CacheTask:
@@ -84,9 +117,20 @@ class CacheTask:
 
 
 async def run_layers(num_layers: int, synchronizer: LayerSynchronizer,
-                     configs: Sequence[TransferWithCacheKeyConfig], push: LayerPush,
-                     results: list[LLMStatusCode | None]) -> None:
-    """Walk layers ``0 .. num_layers-1`` as the module says, writing each config's status into ``results``."""
+                     given: Sequence[TransferWithCacheKeyConfig | TransferConfig], push: LayerPush,
+                     results: list[LLMStatusCode | None], resolve: Resolver, has_dst_blocks: bool) -> None:
+    """Walk layers ``0 .. num_layers-1`` as the module says, writing each config's status into ``results``.
+    Raw-address configs are first resolved with their owners (a failure ends the job before any layer)."""
+    configs: list[TransferWithCacheKeyConfig] = []
+    for i, config in enumerate(given):
+        if isinstance(config, TransferWithCacheKeyConfig):
+            configs.append(config)
+            continue
+        try:
+            configs.append(await keyed_config(config, num_layers, resolve, has_dst_blocks))
+        except LLMException as exc:
+            results[i] = exc.status_code
+            return
     last = [config.src_layer_range[-1] for config in configs]
     for layer in range(num_layers):
         if all(result is not None for result in results):

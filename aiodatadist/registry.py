@@ -215,6 +215,21 @@ class CacheRegistry:
     def entries(self) -> list[CacheEntry]:
         return list(self._by_id.values())
 
+    def locate(self, addr: int) -> tuple[CacheEntry, int, int, int]:
+        """The remote-accessible cache whose tensor holds ``addr`` at a whole slot (block) from the tensor's base:
+        ``(entry, tensor, slot, model)`` (model: the ``model_id`` a blocks cache answers to, -1 if none)."""
+        for entry in self._by_id.values():
+            if not entry.remote_accessible or entry.released:
+                continue
+            slot_bytes = entry.desc.size // max(1, entry.desc.shape[0])
+            offsets = addr - entry.addrs.astype(np.int64, copy=False)
+            hits = np.nonzero((offsets >= 0) & (offsets < entry.desc.size))[0]
+            if len(hits) and int(offsets[hits[0]]) % slot_bytes == 0:
+                tensor = int(hits[0])
+                model = next((m for m, e in self._by_model.items() if e is entry), -1)
+                return entry, tensor, int(offsets[tensor]) // slot_bytes, model
+        raise not_exist(f"no remote-accessible cache holds address {addr:#x} at a slot boundary.")
+
     # -- releasing -------------------------------------------------------------------------------------------
     def release(self, entry: CacheEntry) -> list[CopyJob]:
         """Remove the id (and, for registered memory, every key); returns jobs that must be aborted."""

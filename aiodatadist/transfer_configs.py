@@ -80,8 +80,9 @@ class TransferConfig:
     """A destination of ``transfer_cache_async`` named by raw addresses (the reference's non-remote-accessible
     form): ``dst_cluster_id``, ``dst_addrs`` (two per layer sent), ``src_layer_range``, ``src_batch_index``.
 
-    Accepted and checked here; ``transfer_cache_async`` refuses it with ``LLM_FEATURE_NOT_ENABLED`` (a peer's
-    memory is named by cache keys here, never by raw addresses): use :class:`TransferWithCacheKeyConfig`."""
+    ``transfer_cache_async`` asks the destination's owner which of its registered, remote-accessible caches
+    the addresses are (K and V of consecutive layers at one slot) and sends there; an address in no such cache
+    fails the job (a peer never writes raw memory here)."""
 
     def __init__(self, dst_cluster_id: int, dst_addrs: list[int] | tuple[int, ...],
                  src_layer_range: range | None = None, src_batch_index: int = 0) -> None:

@@ -55,12 +55,13 @@ class Kind(StrEnum):
     FREED = "freed"          # owner -> same-host peers: a cache's memory is gone, unmap / close what maps it
     PING = "ping"            # either side: liveness check
     NOTIFY = "notify"        # either side: a notification (direct, or of a transfer that had no END)
+    RESOLVE = "resolve"      # requester -> owner: which registered tensors hold these addresses (TransferConfig)
     REPLY = "reply"          # response to any request
 
-    REQUESTS = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, NOTIFY}))
+    REQUESTS = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, NOTIFY, RESOLVE}))
     # handled in the reader task, in order (never wait)
-    INLINE = nonmember(frozenset({BEGIN, END, ABORT, FREED, PING, NOTIFY, REPLY}))
-    ALL = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, NOTIFY, REPLY}))
+    INLINE = nonmember(frozenset({BEGIN, END, ABORT, FREED, PING, NOTIFY, RESOLVE, REPLY}))
+    ALL = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, NOTIFY, RESOLVE, REPLY}))
 
 
 class ProtocolError(ValueError):

@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 S = LLMStatusCode
-PROTOCOL_VERSION = 3  # 2: batched frames, segments announced at link time; 3: geometries carry the data type
+PROTOCOL_VERSION = 4  # 2: batched frames, segments announced at link time; 3: geometries carry the data type;
+# 4: RESOLVE (registered tensors holding raw destination addresses)
 MAX_LINKS = 512
 ADMITTED: tuple[int, str] = (0, "")
 SHM_ELSEWHERE = "transport shm forced, but the peer is not on this host"

@@ -39,6 +39,7 @@ __all__ = [
     "MAX_DATA_CONNECTIONS",
     "MAX_IPC_ALLOCATIONS",
     "MAX_NOTE_BYTES",
+    "MAX_RESOLVED_ADDRS",
     "Abort",
     "Begin",
     "BeginReply",
@@ -53,11 +54,14 @@ __all__ = [
     "HelloReply",
     "HostInfo",
     "IpcAllocation",
+    "Located",
     "Notify",
     "Ping",
     "Plane",
     "Reply",
     "Request",
+    "Resolve",
+    "ResolveReply",
     "WireKey",
     "geometry_from_wire",
     "geometry_to_wire",
@@ -559,8 +563,65 @@ class Bye:
         return cls()
 
 
-Request = Hello | Bye | Begin | End | Abort | Freed | Ping | Notify
-_REQUESTS: dict[str, type[Request]] = {cls.KIND: cls for cls in (Hello, Bye, Begin, End, Abort, Freed, Ping, Notify)}
+MAX_RESOLVED_ADDRS = 1024
+"""Addresses one RESOLVE may name (2 per layer of a TransferConfig)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Resolve:
+    """Requester -> owner: which of the owner's registered tensors hold ``addrs`` (a ``TransferConfig``'s raw
+    destination addresses); answered with a :class:`ResolveReply`, or ``LLM_KV_CACHE_NOT_EXIST``."""
+
+    KIND: ClassVar[Kind] = Kind.RESOLVE
+    addrs: tuple[int, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"addrs": list(self.addrs)}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Self:
+        addrs = uint64_array(m, "addrs")
+        if not 0 < len(addrs) <= MAX_RESOLVED_ADDRS:
+            raise ProtocolError(f"resolve names {len(addrs)} addresses (1 to {MAX_RESOLVED_ADDRS})")
+        return cls(tuple(int(a) for a in addrs))
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where an address lies on the owner: tensor ``tensor`` of cache ``cid``, at slot (or block) ``slot`` (its
+    offset from the tensor's base is a whole number of them); ``model``: the ``BlocksCacheKey.model_id`` a blocks
+    cache answers to (-1: none)."""
+
+    cid: int
+    tensor: int
+    slot: int
+    is_blocks: bool
+    model: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResolveReply:
+    """Owner -> requester: one :class:`Located` per address of the RESOLVE, in order."""
+
+    at: tuple[Located, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"at": [[a.cid, a.tensor, a.slot, int(a.is_blocks), a.model] for a in self.at]}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Self:
+        rows = field(m, "at", list)
+        located = []
+        for row in rows:
+            if not (isinstance(row, list) and len(row) == 5 and all(type(v) is int for v in row)):
+                raise ProtocolError(f"malformed resolve reply row {row!r}")
+            located.append(Located(row[0], row[1], row[2], bool(row[3]), row[4]))
+        return cls(tuple(located))
+
+
+Request = Hello | Bye | Begin | End | Abort | Freed | Ping | Notify | Resolve
+_REQUESTS: dict[str, type[Request]] = {cls.KIND: cls for cls in (Hello, Bye, Begin, End, Abort, Freed, Ping, Notify,
+                                                                  Resolve)}
 
 
 def request_from_wire(m: dict[str, Any]) -> Request:

@@ -17,7 +17,18 @@ from .._checks import require
 from ..control.links import Link, LinkManager
 from ..errors import LLMException, LLMStatusCode
 from ..layout import plan_side_spans, transfer_plan
-from ..protocol.messages import Abort, Begin, BeginReply, Descriptor, End, EndReply, Freed
+from ..protocol.messages import (
+    Abort,
+    Begin,
+    BeginReply,
+    Descriptor,
+    End,
+    EndReply,
+    Freed,
+    Located,
+    Resolve,
+    ResolveReply,
+)
 from ..registry import CacheEntry, CacheRegistry, IndexKey
 from ..transport.base import PULL, PUSH
 from .engine import CopyEngine
@@ -40,6 +51,14 @@ class Owner:
         self._engine = engine
         self._states = states
         self._pulling_keys: set[IndexKey] = set()  # CacheKeys being pulled, over any link
+
+    def resolve(self, message: Resolve) -> dict[str, Any]:
+        """``RESOLVE``: where the requester's raw destination addresses lie among this owner's caches."""
+        located = []
+        for addr in message.addrs:
+            entry, tensor, slot, model = self._registry.locate(addr)
+            located.append(Located(entry.cache_id, tensor, slot, entry.is_blocks, model))
+        return ResolveReply(tuple(located)).to_wire()
 
     def begin(self, link: Link, message: Begin) -> dict[str, Any]:
         """``BEGIN``: resolve, validate, lease; the reply describes the cache to a requester that lacks it."""

@@ -16,7 +16,17 @@ from ..errors import LLMException, LLMStatusCode, LLMTimeoutError
 from ..layout import TransferParams
 from ..notifications import NotificationInbox
 from ..protocol.codec import ProtocolError
-from ..protocol.messages import Abort, Begin, End, Freed, Notify, request_from_wire
+from ..protocol.messages import (
+    Abort,
+    Begin,
+    End,
+    Freed,
+    Located,
+    Notify,
+    Resolve,
+    ResolveReply,
+    request_from_wire,
+)
 from ..registry import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
@@ -53,6 +63,26 @@ class TransferService:
         (checked): a notification the owner receives if the transfer succeeds."""
         await self._requester.run(key, local, params, note)
 
+    async def resolve(self, cluster_id: int, addrs: tuple[int, ...]) -> tuple[Located, ...]:
+        """Where cluster ``cluster_id`` holds ``addrs`` (its registered tensors): ``LLM_KV_CACHE_NOT_EXIST`` if an
+        address is in none, ``LLM_NOT_YET_LINK`` when not linked."""
+        link = self._links.links.get(cluster_id)
+        if link is None:
+            raise LLMException(f"cluster {cluster_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+        try:
+            async with asyncio.timeout(self._settings.sync_kv_timeout_ms / 1000):
+                reply = await link.channel.request(Resolve(addrs))
+        except TimeoutError:
+            raise LLMTimeoutError(f"cluster {cluster_id} did not resolve destination addresses within "
+                                  f"{self._settings.sync_kv_timeout_ms} ms") from None
+        try:
+            located = ResolveReply.from_wire(reply).at
+        except ProtocolError as exc:
+            raise LLMException(f"malformed resolve reply: {exc}", status_code=LLMStatusCode.LLM_FAILED) from None
+        if len(located) != len(addrs):
+            raise LLMException("resolve reply of the wrong length", status_code=LLMStatusCode.LLM_FAILED)
+        return located
+
     async def notify(self, cluster_id: int, note: bytes) -> None:
         """Send a notification (checked) over the link to ``cluster_id`` and wait until the peer queued it (or
         dropped it: its queue was full), bounded by ``sync_kv_timeout``."""
@@ -86,6 +116,8 @@ class TransferService:
             case Notify() as notify:
                 self._inbox.deliver(link.remote_cluster_id, notify.note)
                 return {}
+            case Resolve() as resolve:
+                return self._owner.resolve(resolve)
             case _:
                 raise ProtocolError(f"unexpected request {message['k']!r}")
 

@@ -19,7 +19,6 @@ from .._checks import (
     param_invalid,
     require,
 )
-from ..errors import LLMException, LLMStatusCode
 from ..layout import TransferParams
 from ..registry import CacheEntry
 from ..transfer_configs import TransferConfig, TransferWithCacheKeyConfig
@@ -145,9 +144,9 @@ def push_blocks(entry_of: EntryOf, remote_accessible: bool | None, dst_cache_key
     return _checked(TransferParams("push", "blocks", src, dst, src_range, dst_range, n, -1, 0), entry)
 
 
-def layer_transfer_configs(configs: Any) -> list[TransferWithCacheKeyConfig]:
+def layer_transfer_configs(configs: Any) -> list[TransferWithCacheKeyConfig | TransferConfig]:
     """``transfer_cache_async``'s ``transfer_configs``: a non-empty list/tuple of one kind of config (TypeError
-    otherwise); raw-address ``TransferConfig`` destinations are refused (``LLM_FEATURE_NOT_ENABLED``)."""
+    otherwise)."""
     check_isinstance("transfer_configs", configs, (list, tuple))
     require(len(configs) > 0, "transfer_configs must not be empty.")
     kinds = {type(config) for config in configs}
@@ -157,8 +156,4 @@ def layer_transfer_configs(configs: Any) -> list[TransferWithCacheKeyConfig]:
                             f"'TransferWithCacheKeyConfig'], but got {type(config)}.")
     if len(kinds) > 1:
         raise TypeError("transfer_configs must all be TransferConfig or all be TransferWithCacheKeyConfig.")
-    if TransferConfig in kinds:
-        raise LLMException("TransferConfig names the destination by raw addresses, which aiodatadist does not "
-                           "resolve on a peer: register the destination cache with a key and use "
-                           "TransferWithCacheKeyConfig", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
     return list(configs)

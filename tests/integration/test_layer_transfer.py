@@ -189,10 +189,9 @@ async def test_arguments_are_checked_before_any_layer_is_waited_for() -> None:
             cm.transfer_cache_async(src, gate, [good, "x"], [0], [0])  # type: ignore[list-item]
         with pytest.raises(TypeError):
             cm.transfer_cache_async(src, gate, [good, TransferConfig(2, [1, 2])], [0], [0])
-        with pytest.raises(LLMException) as info:
-            cm.transfer_cache_async(src, gate, [TransferConfig(2, [1, 2], range(1))], [0], [0])
-        assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
         bad = [(src, [], [0], [0]), (odd, [good], [0], [0]), (src, [good], [0, 1], [0]),
+               (src, [TransferConfig(2, [1, 2, 3], range(2))], [0], [0]),  # 2 addresses per layer
+               (src, [TransferConfig(2, [1, 2])], [0], [0]),  # all 4 layers: 8 addresses
                (src, [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(3, 5), range(2))], [0], [0]),
                (src, [good], [0], None)]
         for cache, configs, s, d in bad:
@@ -235,3 +234,48 @@ def test_blocking_api_with_layers_released_by_another_thread() -> None:
         assert task.synchronize() == S.LLM_SUCCESS and task.get_results() == [S.LLM_SUCCESS]
         assert all(np.array_equal(t.reshape(-1).view(np.uint8), d) for t, d in zip(dst.tensors, data))
         assert task.cancel() is False
+
+
+async def test_raw_address_destinations_are_resolved_by_their_owner() -> None:
+    """``TransferConfig``: the owner says which registered cache, tensors and slot the raw destination addresses
+    are (RESOLVE), and the layers go there: a contiguous cache's slot 1 (slot-offset addresses, layers 1-2 into
+    its layers 2-3) and a keyed blocks cache (its tensors' bases).  Addresses in no cache, or not K,V pairs of
+    consecutive layers, fail the job before any layer."""
+    async with linked_pair() as (prompt, decoder):
+        src = prompt.cache_manager.allocate_cache(SLOTS_DESC)
+        data = fill_pattern(src, 121)
+        dst = decoder.cache_manager.allocate_cache(SLOTS_DESC)
+        before = fill_pattern(dst, 122)
+        slot = SLOTS_DESC.size // 2
+        addrs = [dst.tensor_addrs[t] + slot for t in (4, 5, 6, 7)]  # K, V of layers 2 and 3, slot 1
+        gate = Gate(LAYERS)
+        gate.open_all()
+        task = prompt.cache_manager.transfer_cache_async(src, gate, [TransferConfig(2, addrs, range(1, 3))])
+        assert await task == S.LLM_SUCCESS, await task.get_results()
+        for t in range(2 * LAYERS):
+            got = dst.tensors[t].reshape(-1).view(np.uint8)
+            if t in (4, 5, 6, 7):  # source layer t//2 - 1, slot 0 -> destination slot 1
+                assert np.array_equal(got[slot:], data[t - 2][:slot]) and np.array_equal(got[:slot], before[t][:slot])
+            else:
+                assert np.array_equal(got, before[t])
+
+        blocks_src = prompt.cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        fill_pattern(blocks_src, 123)
+        keyed = decoder.cache_manager.allocate_blocks_cache(BLOCKS_DESC, BlocksCacheKey(2, 4))
+        task = prompt.cache_manager.transfer_cache_async(
+            blocks_src, gate, [TransferConfig(2, list(keyed.tensor_addrs))], [1, 2], [6, 0])
+        assert await task == S.LLM_SUCCESS
+        assert all(np.array_equal(a, b) for a, b in zip(blocks(blocks_src, [1, 2]), blocks(keyed, [6, 0])))
+
+        unkeyed = decoder.cache_manager.allocate_blocks_cache(BLOCKS_DESC)
+        nowhere = [1 << 40, (1 << 40) + 64]
+        crossed = [dst.tensor_addrs[1], dst.tensor_addrs[0]]  # V then K: not a layer's K,V pair
+        for config, code in ((TransferConfig(2, nowhere, range(1)), S.LLM_KV_CACHE_NOT_EXIST),
+                             (TransferConfig(2, crossed, range(1)), S.LLM_PARAM_INVALID),
+                             (TransferConfig(2, list(unkeyed.tensor_addrs)), S.LLM_PARAM_INVALID)):
+            gate = Gate(LAYERS)
+            gate.open_all()
+            cache, s, d = (blocks_src, [0], [0]) if len(config.dst_addrs) == 8 else (src, None, None)
+            task = prompt.cache_manager.transfer_cache_async(cache, gate, [config], s, d)
+            assert await task == code
+            assert gate.calls == []  # resolved before any layer was waited for

@@ -66,7 +66,7 @@ def first_hello(cn: bytes | None = None) -> Hello:
 def test_constants() -> None:
     from aiodatadist.control import links
 
-    assert PROTOCOL_VERSION == 3  # 3: cache geometries carry the data type (issue 12)
+    assert PROTOCOL_VERSION == 4  # 3: cache geometries carry the data type (issue 12); 4: RESOLVE (issue 13)
     assert MAX_LINKS == 512 == links.MAX_LINKS
     assert ADMITTED == (0, "")
 
@@ -76,9 +76,10 @@ def test_admit() -> None:
         return admit(version, cluster, target, own_id=SERVER, links=links, linking=linking)
 
     assert run() == ADMITTED
-    assert run(version=1) == (int(S.LLM_LINK_FAILED), "protocol version 1 is not supported (3)")
-    assert run(version=2) == (int(S.LLM_LINK_FAILED), "protocol version 2 is not supported (3)")  # no data types
-    assert run(version=4)[0] == int(S.LLM_LINK_FAILED)
+    assert run(version=1) == (int(S.LLM_LINK_FAILED), "protocol version 1 is not supported (4)")
+    assert run(version=2) == (int(S.LLM_LINK_FAILED), "protocol version 2 is not supported (4)")  # no data types
+    assert run(version=3) == (int(S.LLM_LINK_FAILED), "protocol version 3 is not supported (4)")  # no RESOLVE
+    assert run(version=5)[0] == int(S.LLM_LINK_FAILED)
     assert run(target=3) == (int(S.LLM_LINK_FAILED), "this is cluster 1, not 3")
     assert run(cluster=SERVER) == (int(S.LLM_PARAM_INVALID), "a cluster cannot link to itself")
     assert run(links={CLIENT: object()}) == (int(S.LLM_ALREADY_LINK), "cluster 2 is already linked")

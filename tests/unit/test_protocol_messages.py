@@ -7,7 +7,9 @@ protocol version.  Version 3 (issue 12) changed one thing, on purpose: a cache g
 descriptor's ``geometry``) carries the cache's data type as a fifth element, so that caches of different data types
 with equal block sizes are refused (``[2, 8 * 4096, 8, True, 1]`` below: 1 = ``DT_FLOAT16``).  Notifications
 (issue 12, same release, still version 3) added two forms, deliberately: END's optional ``note`` (absent when
-there is none, so every END above is unchanged) and the NOTIFY request ``{"note": bytes}``.
+there is none, so every END above is unchanged) and the NOTIFY request ``{"note": bytes}``.  Version 4 (issue 13)
+added one request, RESOLVE ``{"addrs": [u64, ...]}``, answered with ``{"at": [[cid, tensor, slot, blocks,
+model], ...]}``; no earlier form changed.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def test_hello_golden() -> None:
     assert answered.to_wire() == second and list(answered.to_wire()) == list(second)
     # Channel.request: {**body, "k": kind, "i": req_id}
     assert encode(request_to_wire(answered, 1)) == pack({**second, "k": "hello", "i": 1})
-    assert PROTOCOL_VERSION == 3  # 3: geometries carry the data type (issue 12)
+    assert PROTOCOL_VERSION == 4  # 3: geometries carry the data type (issue 12); 4: RESOLVE (issue 13)
 
 
 def test_hello_reply_golden() -> None:
@@ -654,3 +656,22 @@ def test_decoders_raise_only_protocol_errors(base: dict[str, Any], fields: dict[
             cls.from_wire(message)
         except ProtocolError:
             pass
+
+
+def test_resolve_golden_and_malformed() -> None:
+    from aiodatadist.protocol.messages import MAX_RESOLVED_ADDRS, Located, Resolve, ResolveReply
+
+    message = Resolve((0x1000, 0x2000))
+    assert message.to_wire() == {"addrs": [0x1000, 0x2000]}
+    assert encode(request_to_wire(message, 7)) == pack({"addrs": [0x1000, 0x2000], "k": "resolve", "i": 7})
+    assert request_from_wire({"addrs": [0x1000, 0x2000], "k": "resolve", "i": 7}) == message
+    reply = ResolveReply((Located(3, 4, 1, False, -1), Located(3, 5, 1, True, 2)))
+    assert reply.to_wire() == {"at": [[3, 4, 1, 0, -1], [3, 5, 1, 1, 2]]}
+    assert ResolveReply.from_wire(reply.to_wire()) == reply
+    for bad in ({"addrs": []}, {"addrs": [-1]}, {"addrs": [1.5]}, {"addrs": list(range(MAX_RESOLVED_ADDRS + 1))},
+                {}):
+        with pytest.raises(ProtocolError):
+            Resolve.from_wire(bad)
+    for bad_reply in ({"at": [[1, 2, 3]]}, {"at": [[1, 2, 3, 0, "x"]]}, {"at": "no"}, {}):
+        with pytest.raises(ProtocolError):
+            ResolveReply.from_wire(bad_reply)
