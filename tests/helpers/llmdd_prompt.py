@@ -28,17 +28,25 @@ def rank_table(prompt_port: int) -> str:
             {"device_id": "1", "device_ip": "127.0.0.1", "rank_id": "1"}]}]})
 
 
-def main() -> int:
-    cluster_id, port, decoder_id, layers, blocks, block_elems = map(int, sys.argv[1:7])
-    datadist = llm_datadist.LLMDataDist(llm_datadist.LLMRole.PROMPT, cluster_id)
+def worker_init(role: llm_datadist.LLMRole, cluster_id: int, listen_port: int | None = None) -> llm_datadist.LLMDataDist:
+    """An initialized instance, configured as the connector's worker init does it (spec §11.1)."""
+    datadist = llm_datadist.LLMDataDist(role, cluster_id)
     config = llm_datadist.LLMConfig()
     config.device_id = 0
     config.sync_kv_timeout = 20000
     config.enable_switch_role = True
     config.enable_cache_manager = True
     config.enable_remote_cache_accessible = True
-    config.listen_ip_info = f"127.0.0.1:{port}"
+    config.link_total_time = 30
+    if listen_port is not None:
+        config.listen_ip_info = f"127.0.0.1:{listen_port}"
     datadist.init(config.generate_options())
+    return datadist
+
+
+def main() -> int:
+    cluster_id, port, decoder_id, layers, blocks, block_elems = map(int, sys.argv[1:7])
+    datadist = worker_init(llm_datadist.LLMRole.PROMPT, cluster_id, port)
     cache_manager = datadist.cache_manager
     kv = [np.frombuffer(pattern(cluster_id, t, blocks * block_elems * 2), dtype=np.float16).reshape(blocks, -1).copy()
           for t in range(2 * layers)]

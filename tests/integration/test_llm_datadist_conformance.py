@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 from helpers.ids import new_cluster_id
-from helpers.llmdd_prompt import rank_table
+from helpers.llmdd_prompt import rank_table, worker_init
 
 from aiodatadist.compat import llm_datadist
 from aiodatadist.testing import free_port, pattern
@@ -33,16 +33,7 @@ def test_vllm_ascend_flow_through_the_drop_in_module() -> None:
                                str(LAYERS), str(BLOCKS), str(BLOCK_ELEMS)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        # Worker init, as the connector does it.
-        datadist = llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, decoder_id)
-        config = llm_datadist.LLMConfig()
-        config.device_id = 0
-        config.sync_kv_timeout = 20000
-        config.enable_switch_role = True
-        config.enable_cache_manager = True
-        config.enable_remote_cache_accessible = True
-        config.link_total_time = 30
-        datadist.init(config.generate_options())
+        datadist = worker_init(llm_datadist.LLMRole.DECODER, decoder_id)  # as the connector's worker does it
         cache_manager = datadist.cache_manager
         # register_kv_caches: K then V of each layer, one blocks cache.
         kv = [np.zeros((BLOCKS, BLOCK_ELEMS), dtype=np.float16) for _ in range(2 * LAYERS)]
