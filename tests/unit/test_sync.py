@@ -14,10 +14,11 @@ from aiodatadist import LLMDataDist as AsyncLLMDataDist
 
 CACHE_METHODS = ["allocate_cache", "allocate_blocks_cache", "allocate_host_memory", "register_cache", "register_blocks_cache",
                  "unregister_cache", "deallocate_cache", "deallocate_blocks_cache", "remove_cache_key",
-                 "copy_cache", "copy_blocks", "swap_blocks", "pull_cache", "pull_blocks", "push_cache", "push_blocks"]
+                 "copy_cache", "copy_blocks", "swap_blocks", "pull_cache", "pull_blocks", "push_cache", "push_blocks",
+                 "transfer_cache_async", "remap_registered_memory"]
 COROUTINES = [m for m in CACHE_METHODS if inspect.iscoroutinefunction(getattr(AsyncCacheManager, m))]
 DATADIST_METHODS = ["init", "finalize", "link_clusters", "unlink_clusters", "switch_role", "links", "stats", "notify",
-                    "get_notification"]
+                    "get_notification", "link", "unlink", "query_register_mem_status", "check_link_status"]
 PROPERTIES = ["cluster_id", "role", "is_initialized", "settings", "cache_manager", "listen_address"]
 
 
