@@ -381,7 +381,7 @@ def parse_options(options: Any, knobs: EnvKnobs | None = None) -> Settings:
     listen = parse_listen_ip_info(listen_value) if listen_value else None
     transport_value = opts.get(OptionKey.TRANSPORT, Transport.AUTO.value)
     require(transport_value in {t.value for t in Transport},
-            f"option {OptionKey.TRANSPORT} must be one of auto/shm/tcp, but got {transport_value!r}.")
+            f"option {OptionKey.TRANSPORT} must be one of auto/shm/tcp/nixl, but got {transport_value!r}.")
     auth_key = opts.get(OptionKey.AUTH_KEY) or None
     # Validated as in the reference, otherwise unused: role switches need no flag here, and one-sided links are
     # bounded by link_clusters' timeout with one attempt (docs/api.md, "Differences").  LinkTotalTime bounds the

@@ -21,10 +21,11 @@ from .rank_table import Member, check_comm_args, members_of
 from .registry import CacheRegistry
 from .stats import StatsRecorder, StatsSnapshot
 from .transfer.engine import CopyEngine
+from .transfer.nixl_caches import NixlCaches
 from .transfer.service import TransferService
 from .transfer_configs import RegisterMemStatus
 from .transport.directory import CacheDirectory
-from .types import LLMClusterInfo, LLMRole
+from .types import LLMClusterInfo, LLMRole, Transport
 
 __all__ = ["LLMDataDist"]
 
@@ -46,6 +47,7 @@ class LLMDataDist:
         self._cache_manager: CacheManager | None = None
         self._links: LinkManager | None = None
         self._transfers: TransferService | None = None
+        self._nixl: NixlCaches | None = None
         self._inbox: NotificationInbox | None = None  # notifications received, from init to finalize
         self._stats = StatsRecorder()  # outlives links and finalize
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of init: every coroutine runs on it
@@ -91,14 +93,19 @@ class LLMDataDist:
         executor = shared_executor()
         directory: CacheDirectory | None = None
         links: LinkManager | None = None
+        nixl: NixlCaches | None = None
         try:
             # The composition root: every service gets its collaborators here, and none reaches back.
             directory = CacheDirectory()
             registry = CacheRegistry(directory)
             engine = CopyEngine(executor, settings.device_id)
-            links = LinkManager(self._cluster_id, self._role, settings, registry)
+            nixl = NixlCaches(str(self._cluster_id), settings.device_id, registry)
+            if settings.transport == Transport.NIXL:
+                nixl.start()  # LLM_FEATURE_NOT_ENABLED here, not at the first link, when NIXL is missing
+            links = LinkManager(self._cluster_id, self._role, settings, registry, nixl.start)
             inbox = NotificationInbox(self._stats)
-            transfers = TransferService(self._cluster_id, settings, links, registry, engine, self._stats, inbox)
+            transfers = TransferService(self._cluster_id, settings, links, registry, engine, self._stats, inbox,
+                                        nixl)
             registry.on_freed = transfers.announce_freed  # peers let go of what they mapped
             manager = CacheManager(self._cluster_id, settings, registry, engine, transfers)
             if settings.listen is not None:
@@ -110,6 +117,8 @@ class LLMDataDist:
             finally:
                 if directory is not None:
                     directory.close()
+                if nixl is not None:
+                    nixl.close()
                 await release_shared_executor()
             raise
         self._settings = settings
@@ -118,6 +127,7 @@ class LLMDataDist:
         self._transfers = transfers
         self._inbox = inbox
         self._links = links
+        self._nixl = nixl
         self._domains = CommDomains(self._cluster_id, self._link_member, lambda c: c in links.links,
                                     self._unlink_members, settings.link_total_time_s)
         log.debug("cluster %d initialized as %s", self._cluster_id, self._role)
@@ -147,6 +157,9 @@ class LLMDataDist:
                 if manager is not None:
                     await manager.close()
             finally:
+                nixl, self._nixl = self._nixl, None
+                if nixl is not None:  # after the caches: their NIXL registrations went with them
+                    nixl.close()
                 await release_shared_executor()
         log.debug("cluster %d finalized", self._cluster_id)
 

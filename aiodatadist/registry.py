@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -68,6 +68,7 @@ class CacheEntry:
     exported: set[bytes] = field(default_factory=set)  # CUDA IPC handles of its allocations given to peers
     freed: bool = False
     host_memory: HostMemory | None = None  # registered memory inside a HostMemory: mapped by same-host peers
+    nixl: Any = None  # its registration with this instance's NIXL agent (aiodatadist.transport.nixl), if any
 
     @property
     def shared_segment(self) -> SharedSegment | None:
@@ -109,6 +110,7 @@ class CacheRegistry:
     def __init__(self, directory: CacheDirectory | None = None) -> None:
         self.directory = directory
         self.on_freed: Callable[[CacheEntry], None] | None = None  # told once an entry's memory is gone
+        self.on_added: Callable[[CacheEntry], None] | None = None  # told of every new entry (before it is used)
         self._next_id = 1
         self._by_id: dict[int, CacheEntry] = {}
         self._by_key: dict[IndexKey, tuple[CacheEntry, int]] = {}
@@ -179,6 +181,8 @@ class CacheRegistry:
                 entry.published = self.directory.publish(cache_id, model, 0, 0)
         if segment is None and device_memory is None:
             self._registered_addrs += len(addrs)
+        if self.on_added is not None:
+            self.on_added(entry)
         return entry
 
     # -- lookups ---------------------------------------------------------------------------------------------

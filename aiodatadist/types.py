@@ -47,11 +47,13 @@ class Placement(IntEnum):
 
 
 class Transport(str, Enum):
-    """Data plane choice for links (option ``llm.Transport``)."""
+    """Data plane choice for links (option ``llm.Transport``): ``nixl`` moves the bytes through NIXL (its UCX
+    backend: RDMA where the hosts have it), an optional extra."""
 
     AUTO = "auto"
     SHM = "shm"
     TCP = "tcp"
+    NIXL = "nixl"
 
     def __str__(self) -> str:
         return self.value

@@ -28,7 +28,6 @@ from ..protocol.handshake import (
     AUTH_FAILED,
     MAX_LINKS,
     PROTOCOL_VERSION,
-    SHM_ELSEWHERE,
     Refused,
     admit,
     answer_challenge,
@@ -37,6 +36,7 @@ from ..protocol.handshake import (
     client_plane,
     data_connections,
     may_link,
+    plane_refusal,
 )
 from ..protocol.messages import (
     Bye,
@@ -162,8 +162,10 @@ def _abandoned(ctx: Context, cluster_id: int) -> None:
 class LinkManager:
     """The links of one :class:`LLMDataDist`, its server socket and its control-plane tasks."""
 
-    def __init__(self, cluster_id: int, role: LLMRole, settings: Settings, registry: CacheRegistry) -> None:
+    def __init__(self, cluster_id: int, role: LLMRole, settings: Settings, registry: CacheRegistry,
+                 start_nixl: Callable[[], object] | None = None) -> None:
         self._cluster_id = cluster_id
+        self._start_nixl_plane = start_nixl  # starts the NIXL plane (raises LLMException) for a nixl link
         self.role = role  # set by switch_role
         self._settings = settings
         self._registry = registry
@@ -290,7 +292,11 @@ class LinkManager:
             caps = probe_peer(hello.host)
             plane = choose_plane(self._settings.transport, hello.transport, caps.same_host)
             if plane is None:
-                code, msg = int(S.LLM_LINK_FAILED), SHM_ELSEWHERE
+                code, msg = int(S.LLM_LINK_FAILED), plane_refusal(self._settings.transport, hello.transport)
+            elif plane == "nixl":
+                refusal = self._start_nixl()
+                if refusal is not None:
+                    code, msg, plane = int(refusal.status_code), str(refusal), None
         if plane is None:
             await server.reply_raw(routing_id, reply_to_wire(req_id, code=code, msg=msg))
             return
@@ -302,7 +308,7 @@ class LinkManager:
         self.links[cluster] = link
         server.channels[routing_id] = channel
         data, dconns = None, None
-        if self._data_listener is not None:
+        if self._data_listener is not None and plane != "nixl":
             port = self._data_listener.getsockname()[1]
             if nonces is not None and self._auth_key is not None:  # derived on both ends, never sent
                 link.data_token = auth.data_token(self._auth_key, *nonces)
@@ -390,12 +396,15 @@ class LinkManager:
         finally:
             self._linking.discard(remote_id)
         plane = choose_plane(self._settings.transport, reply.transport, caps.same_host)
-        if plane is None:
+        refusal = self._start_nixl() if plane == "nixl" else None
+        if plane is None or refusal is not None:
+            log.info("link %d -> %d (%s) failed: %s", self._cluster_id, remote_id, endpoint,
+                     refusal or plane_refusal(self._settings.transport, reply.transport))
             with contextlib.suppress(LLMException):
                 channel.notify(Bye())  # the server admitted us: let it drop its end
             reader.cancel()
             sock.close(linger=LINGER_MS)
-            return S.LLM_LINK_FAILED
+            return refusal.status_code if refusal is not None else S.LLM_LINK_FAILED
         link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint, remote_role=reply.role,
                     plane=client_plane(plane, reply.plane), sock=sock, reader=reader)
         link.peer_serves_reads = reply.reads
@@ -432,6 +441,16 @@ class LinkManager:
             await asyncio.wait(populating, timeout=remaining)
         log.info("cluster %d linked to %d at %s (%s)", self._cluster_id, remote_id, endpoint, link.plane)
         return S.LLM_SUCCESS
+
+    def _start_nixl(self) -> LLMException | None:
+        """Start this instance's NIXL plane for a link that chose it; the reason it cannot, or None."""
+        if self._start_nixl_plane is None:
+            return LLMException("this instance has no NIXL support", status_code=S.LLM_FEATURE_NOT_ENABLED)
+        try:
+            self._start_nixl_plane()
+        except LLMException as exc:
+            return exc
+        return None
 
     def _reader_failed(self, channel: Channel, error: BaseException) -> None:
         """A link's reader task failed (a bug: it survives any input): nothing more arrives on the link, so its

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_LINKS",
     "PROTOCOL_VERSION",
     "SHM_ELSEWHERE",
+    "TRANSPORT_CONFLICT",
     "DataConnections",
     "Refused",
     "admit",
@@ -42,15 +43,17 @@ __all__ = [
     "data_connections",
     "may_link",
     "plane_for",
+    "plane_refusal",
     "transport_of",
 ]
 
 S = LLMStatusCode
-PROTOCOL_VERSION = 4  # 2: batched frames, segments announced at link time; 3: geometries carry the data type;
-# 4: RESOLVE (registered tensors holding raw destination addresses)
+PROTOCOL_VERSION = 5  # 2: batched frames, segments announced at link time; 3: geometries carry the data type;
+# 4: RESOLVE (registered tensors holding raw destination addresses); 5: the nixl plane
 MAX_LINKS = 512
 ADMITTED: tuple[int, str] = (0, "")
 SHM_ELSEWHERE = "transport shm forced, but the peer is not on this host"
+TRANSPORT_CONFLICT = "the two ends force different transports"
 AUTH_REQUIRED = "this cluster requires authentication (llm.AuthKey)"
 AUTH_FAILED = "authentication failed"
 
@@ -105,18 +108,26 @@ def plane_for(same_host: bool, transport: Transport) -> Plane:
 
 
 def choose_plane(own: Transport, peer: Transport, same_host: bool) -> Plane | None:
-    """The plane of a link between an end set to ``own`` and one set to ``peer`` (both ends decide alike);
-    None: either forces ``shm`` but the peer is not on this host (``LLM_LINK_FAILED``, :data:`SHM_ELSEWHERE`)."""
+    """The plane of a link between an end set to ``own`` and one set to ``peer`` (both ends decide alike):
+    either end forcing ``nixl`` gives ``nixl``; None: the ends force different transports, or either forces
+    ``shm`` but the peer is not on this host (``LLM_LINK_FAILED``, :func:`plane_refusal` says which)."""
     forced = (own, peer)
+    if Transport.NIXL in forced:
+        return "nixl" if {own, peer} <= {Transport.NIXL, Transport.AUTO} else None
     if Transport.SHM in forced and not same_host:
         return None
     return plane_for(same_host, Transport.TCP if Transport.TCP in forced else Transport.AUTO)
 
 
+def plane_refusal(own: Transport, peer: Transport) -> str:
+    """Why :func:`choose_plane` found no plane."""
+    return SHM_ELSEWHERE if Transport.NIXL not in (own, peer) else f"{TRANSPORT_CONFLICT} ({own} and {peer})"
+
+
 def client_plane(chosen: Plane, server: Plane) -> Plane:
     """The client's plane: its own choice, unless the server chose ``tcp`` (it cannot use this host's shared
     memory, so both ends use TCP)."""
-    return "tcp" if server == "tcp" else chosen
+    return "tcp" if server == "tcp" and chosen != "nixl" else chosen
 
 
 # -- authentication --------------------------------------------------------------------------------------------

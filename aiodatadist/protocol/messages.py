@@ -46,6 +46,7 @@ __all__ = [
     "Bye",
     "DataOffer",
     "Descriptor",
+    "NixlReach",
     "End",
     "EndReply",
     "Freed",
@@ -84,7 +85,7 @@ __all__ = [
 ]
 
 UInt64Array = npt.NDArray[np.uint64]
-Plane = Literal["shm", "tcp"]
+Plane = Literal["shm", "tcp", "nixl"]
 IpcAllocation = tuple[bytes, int, int]
 """A device allocation a same-host peer opens by CUDA IPC: ``(handle, base, size)``."""
 
@@ -270,6 +271,26 @@ def _addrs_inside(addrs: UInt64Array, tensor_size: int, segment: tuple[SegmentId
     return bool(((addrs >= base) & (addrs + np.uint64(tensor_size) <= base + identity.size)).all())
 
 
+@dataclass(frozen=True, slots=True)
+class NixlReach:
+    """How a requester's NIXL agent reaches an owner's cache: the owner agent's metadata for that cache (its
+    connection info and the cache's registration), the memory type (``DRAM``/``VRAM``) and device."""
+
+    metadata: bytes
+    mem: str = "DRAM"
+    dev: int = 0
+
+    def to_wire(self) -> list[Any]:
+        return [self.metadata, self.mem, self.dev]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Self:
+        if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], bytes) and value[0]
+                and value[1] in ("DRAM", "VRAM") and _is_int(value[2]) and 0 <= value[2] < 2**16):
+            raise ProtocolError("invalid NIXL reach")
+        return cls(value[0], value[1], value[2])
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Descriptor:
     """An owner's cache as the requester knows it: geometry, tensor addresses (inside its shared-memory segment,
@@ -283,12 +304,13 @@ class Descriptor:
     segment: tuple[SegmentIdentity, int] | None = None
     ipc: tuple[IpcAllocation, ...] | None = None
     borrowed: bool = False
+    nixl: NixlReach | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Descriptor):
             return NotImplemented
         return (self.geometry == other.geometry and self.segment == other.segment and self.ipc == other.ipc
-                and self.borrowed == other.borrowed and np.array_equal(self.addrs, other.addrs))
+                and self.borrowed == other.borrowed and self.nixl == other.nixl and np.array_equal(self.addrs, other.addrs))
 
     def to_wire(self) -> dict[str, Any]:
         segment = self.segment
@@ -300,6 +322,8 @@ class Descriptor:
             out["ipc"] = [list(item) for item in self.ipc]
         if self.borrowed:
             out["borrowed"] = True
+        if self.nixl is not None:
+            out["nixl"] = self.nixl.to_wire()
         return out
 
     @classmethod
@@ -314,7 +338,9 @@ class Descriptor:
         borrowed = value.get("borrowed", False)
         if not isinstance(borrowed, bool):
             raise ProtocolError("invalid cache descriptor")
-        return cls(geometry, addrs, segment, ipc_from_wire(value.get("ipc")), borrowed)
+        nixl = value.get("nixl")
+        return cls(geometry, addrs, segment, ipc_from_wire(value.get("ipc")), borrowed,
+                   NixlReach.from_wire(nixl) if nixl is not None else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -729,11 +755,15 @@ class HelloReply:
             host=_lenient(HostInfo.from_wire, m.get("host")), cluster=int_field(m, "cluster", 0),
             role=int(role) if isinstance(role, int) else 0, transport=transport_from_wire(m.get("transport")),
             segs=segments_from_wire(m.get("segs")), directory=_directory_from_wire(m.get("dir")),
-            plane="tcp" if m.get("plane") == "tcp" else "shm", reads=m.get("reads") is True,
+            plane=_plane_from_wire(m.get("plane")), reads=m.get("reads") is True,
             data=_lenient(DataOffer.from_wire, m.get("data")),
             dconns=dconns if isinstance(dconns, int) and _is_int(dconns) and 1 <= dconns <= MAX_DATA_CONNECTIONS
             else None,
         )
+
+
+def _plane_from_wire(value: object) -> Plane:
+    return "tcp" if value == "tcp" else "nixl" if value == "nixl" else "shm"
 
 
 def is_challenge(m: dict[str, Any]) -> bool:

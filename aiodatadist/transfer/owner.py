@@ -26,12 +26,14 @@ from ..protocol.messages import (
     EndReply,
     Freed,
     Located,
+    NixlReach,
     Resolve,
     ResolveReply,
 )
 from ..registry import CacheEntry, CacheRegistry, IndexKey
 from ..transport.base import PULL, PUSH
 from .engine import CopyEngine
+from .nixl_caches import NixlCaches
 from .state import Lease, LinkTransfers, TransferStates
 
 __all__ = ["Owner"]
@@ -44,8 +46,9 @@ class Owner:
     """The owner side of every link of one instance."""
 
     def __init__(self, links: LinkManager, registry: CacheRegistry, engine: CopyEngine,
-                 states: TransferStates, deliver: Callable[[int, bytes], object]) -> None:
+                 states: TransferStates, deliver: Callable[[int, bytes], object], nixl: NixlCaches) -> None:
         self._links = links
+        self._nixl = nixl
         self._deliver = deliver  # a notification from a linked cluster
         self._registry = registry
         self._engine = engine
@@ -105,9 +108,17 @@ class Owner:
                 ipc = tuple((handle, base, size) for handle, base, size in exported)
             shared = entry.shared_segment
             segment = (shared.identity, shared.address) if shared is not None else None
-            descriptor = Descriptor(entry.geometry, entry.addrs, segment, ipc, borrowed=not entry.owned)
+            descriptor = Descriptor(entry.geometry, entry.addrs, segment, ipc, borrowed=not entry.owned,
+                                    nixl=self._nixl_reach(link, state, entry))
         published = entry.published if link.plane != "tcp" or entry.tcp_readable else None
         return BeginReply(entry.cache_id, slot, published, descriptor).to_wire()
+
+    def _nixl_reach(self, link: Link, state: LinkTransfers, entry: CacheEntry) -> NixlReach | None:
+        """On the nixl plane: how the requester's agent reaches ``entry`` (it is told when the cache is freed)."""
+        if link.plane != "nixl" or self._nixl.plane is None:
+            return None
+        state.nixl_described.add(entry.cache_id)
+        return NixlReach(*self._nixl.reach(entry))
 
     def end(self, link: Link, message: End, req_id: int) -> dict[str, Any] | None:
         """``END`` (request ``req_id``): answered at once, or (a TCP transfer whose owner-side job still runs)
@@ -165,12 +176,16 @@ class Owner:
         memory = entry.host_memory
         if memory is not None and memory.registrations == 0 and not memory.closed:
             segment = memory.segment  # its last registration went: peers let go of their mappings (until the next)
-        if segment is None and not entry.exported:
-            return
+        mapped = segment is not None or bool(entry.exported)
         freed = Freed(entry.cache_id, (segment.identity.inode, segment.identity.device) if segment is not None
                       else None, tuple(sorted(entry.exported)))
         for link in list(self._links.links.values()):
-            if link.caps.same_host and not link.closed:
+            if link.closed:
+                continue
+            described = link.plane == "nixl" and entry.cache_id in self._states.of(link).nixl_described
+            if described:
+                self._states.of(link).nixl_described.discard(entry.cache_id)
+            if described or (mapped and link.caps.same_host):
                 self._links.notify(link, freed)
 
     def abort_remote(self, entry: CacheEntry) -> None:

@@ -48,9 +48,11 @@ from ..stats import StatsRecorder
 from ..transport.base import PULL, PUSH, TransferJob
 from ..transport.device import LinkDeviceState
 from ..transport.directory import Resolved
+from ..transport.nixl import NixlPlane
 from ..transport.tcp.native_plane import NativeDataPlane
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 from .engine import CopyEngine
+from .nixl_caches import NixlCaches
 from .state import LinkTransfers, TransferStates, transfer_id
 
 __all__ = ["Requester"]
@@ -76,8 +78,9 @@ class Requester:
     """The requester side of every link of one instance."""
 
     def __init__(self, cluster_id: int, settings: Settings, links: LinkManager, registry: CacheRegistry,
-                 engine: CopyEngine, states: TransferStates, stats: StatsRecorder) -> None:
+                 engine: CopyEngine, states: TransferStates, stats: StatsRecorder, nixl: NixlCaches) -> None:
         self._cluster_id = cluster_id
+        self._nixl = nixl
         self._settings = settings
         self._links = links
         self._registry = registry
@@ -176,7 +179,7 @@ class Requester:
             receiving = link.data.receive(PULL, tid) if tcp and pull and link.data is not None else None
             try:
                 reply = await link.channel.request(Begin(tid, wkey, local.geometry, params, tuple(st.descriptors)))
-                plan, descriptor = self._plan_from_reply(link, wkey, reply, local, params)
+                plan, descriptor, cid = self._plan_from_reply(link, wkey, reply, local, params)
                 if tid in st.aborted:
                     raise LLMException(f"cluster {key.cluster_id} released the cache before the copy started",
                                        status_code=S.LLM_KV_CACHE_NOT_EXIST)
@@ -187,6 +190,8 @@ class Requester:
                         await link.channel.request(End(tid, True, confirm=True, note=note))
                         ended = True
                         self._noted(link, note)
+                elif link.plane == "nixl":
+                    await self._move_nixl(link, tid, plan, cid, descriptor, local, pull)
                 else:
                     await self._copy(link, tid, plan, descriptor, local, params)
                 ok = True
@@ -283,6 +288,58 @@ class Requester:
             if device is not None and ipc is not None:
                 device.release(ipc)
 
+    async def _move_nixl(self, link: Link, tid: int, plan: CopyPlan, cid: int, descriptor: Descriptor,
+                         local: CacheEntry, pull: bool) -> None:
+        """Move the bytes with NIXL (READ for a pull, WRITE for a push); the caller holds a lease on ``local``."""
+        st = self._states.of(link)
+        plane = self._nixl.plane
+        if plane is None:
+            raise LLMLinkError("the NIXL plane is not running")
+        while st.nixl_rebuilt is not None:
+            await asyncio.shield(st.nixl_rebuilt)
+        remote = st.nixl_remote.get(cid)
+        if remote is None:
+            reach = descriptor.nixl
+            if reach is None:
+                raise LLMLinkError(f"cluster {link.remote_cluster_id} described cache {cid} without NIXL metadata")
+            if st.nixl_stale:
+                await self._rebuild_nixl_peer(st, plane)
+            st.nixl_agent = plane.add_peer(reach.metadata)
+            remote = st.nixl_remote[cid] = plane.prepare_remote(st.nixl_agent, descriptor.geometry, descriptor.addrs,
+                                                                reach.mem, reach.dev, reach.metadata)
+        job = self._nixl.transfer(plan, local, remote, pull)
+        st.nixl_jobs[tid] = job
+        try:
+            await plane.wait(job)
+        finally:
+            st.nixl_jobs.pop(tid, None)
+            if job.stuck and not link.closed:  # NIXL may still move bytes of it: that peer cannot be trusted now
+                await wait_through_cancellation(self._links.drop(link, LLMLinkError(
+                    f"a cancelled NIXL transfer with cluster {link.remote_cluster_id} did not stop; link dropped")))
+
+    @staticmethod
+    async def _rebuild_nixl_peer(st: LinkTransfers, plane: NixlPlane) -> None:
+        """The peer freed caches this agent loaded: their stale regions could shadow a new cache at the same
+        addresses (NIXL cannot forget one region), so load the peer agent again from its live caches only, once
+        the link's running NIXL jobs are done (new ones wait)."""
+        st.nixl_stale = False
+        rebuilt = st.nixl_rebuilt = asyncio.get_running_loop().create_future()
+        try:
+            while st.nixl_jobs:
+                await wait_through_cancellation(asyncio.wait([job.future for job in st.nixl_jobs.values()]))
+            if st.nixl_agent is not None:
+                for remote in st.nixl_remote.values():
+                    plane.release_remote(remote)
+                plane.remove_peer(st.nixl_agent)
+                st.nixl_agent = None
+            for cid, remote in list(st.nixl_remote.items()):
+                st.nixl_agent = plane.add_peer(remote.metadata)
+                st.nixl_remote[cid] = plane.prepare_remote(st.nixl_agent, remote.geometry, remote.addrs, remote.mem,
+                                                           remote.dev, remote.metadata)
+        finally:
+            st.nixl_rebuilt = None
+            rebuilt.set_result(None)
+
     def _link_device(self, link: Link) -> LinkDeviceState:
         st = self._states.of(link)
         if st.device is None:
@@ -371,7 +428,7 @@ class Requester:
         return plan.total_bytes
 
     def _plan_from_reply(self, link: Link, wkey: WireKey, reply: dict[str, Any], local: CacheEntry,
-                         params: TransferParams) -> tuple[CopyPlan, Descriptor]:
+                         params: TransferParams) -> tuple[CopyPlan, Descriptor, int]:
         st = self._states.of(link)
         try:
             begun = BeginReply.from_wire(reply)
@@ -389,7 +446,7 @@ class Requester:
             row, stamp = begun.pub
             model = wkey.a if wkey.kind == "blocks" else None
             st.resolved[(wkey.kind, wkey.a, wkey.b)] = Resolved(begun.cid, begun.slot, row, stamp, model)
-        return transfer_plan(params, local.geometry, descriptor.geometry, begun.slot), descriptor
+        return transfer_plan(params, local.geometry, descriptor.geometry, begun.slot), descriptor, begun.cid
 
     def abort(self, link: Link, message: Abort) -> None:
         """The owner released the cache of a running transfer: stop our copy at the next chunk."""
@@ -400,6 +457,11 @@ class Requester:
         streamed = st.tcp_jobs.get(tid)
         if streamed is not None and link.data is not None:
             link.data.cancel(streamed, error)
+            return
+        moving = st.nixl_jobs.get(tid)
+        plane = self._nixl.plane
+        if moving is not None and plane is not None:
+            plane.cancel(moving, error)
             return
         job = st.jobs.get(tid)
         if job is not None:
@@ -412,6 +474,11 @@ class Requester:
         st = self._states.of(link)
         cid = message.cid
         st.descriptors.pop(cid, None)
+        remote = st.nixl_remote.pop(cid, None)
+        plane = self._nixl.plane
+        if remote is not None and plane is not None:
+            plane.release_remote(remote)
+            st.nixl_stale = True
         for key, resolved in list(st.resolved.items()):
             if resolved.cache_id == cid:
                 del st.resolved[key]
@@ -428,6 +495,17 @@ class Requester:
             self._engine.cancel_job(job, error)
         for job in list(state.jobs.values()):
             await self._engine.wait_stopped(job)
+        plane = self._nixl.plane
+        if plane is not None:
+            for moving in list(state.nixl_jobs.values()):
+                plane.cancel(moving, error)
+            for moving in list(state.nixl_jobs.values()):
+                await plane.wait_stopped(moving)
+            for remote in state.nixl_remote.values():
+                plane.release_remote(remote)
+            state.nixl_remote.clear()
+            if state.nixl_agent is not None:
+                plane.remove_peer(state.nixl_agent)
         if state.device is not None:  # no GPU copy uses the peer's memory any more
             state.device.close()
             state.device = None

@@ -31,6 +31,7 @@ from ..registry import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 from .engine import CopyEngine
+from .nixl_caches import NixlCaches
 from .owner import Owner
 from .requester import Requester
 from .state import LinkTransfers, TransferStates
@@ -42,14 +43,14 @@ class TransferService:
     """Pulls and pushes of one :class:`~aiodatadist.LLMDataDist`, both sides."""
 
     def __init__(self, cluster_id: int, settings: Settings, links: LinkManager, registry: CacheRegistry,
-                 engine: CopyEngine, stats: StatsRecorder, inbox: NotificationInbox) -> None:
+                 engine: CopyEngine, stats: StatsRecorder, inbox: NotificationInbox, nixl: NixlCaches) -> None:
         self._states = TransferStates()
         self._settings = settings
         self._links = links
         self._stats = stats
         self._inbox = inbox
-        self._requester = Requester(cluster_id, settings, links, registry, engine, self._states, stats)
-        self._owner = Owner(links, registry, engine, self._states, inbox.deliver)
+        self._requester = Requester(cluster_id, settings, links, registry, engine, self._states, stats, nixl)
+        self._owner = Owner(links, registry, engine, self._states, inbox.deliver, nixl)
         links.on_request = self.handle
         links.on_link_closed = self.on_link_closed
 

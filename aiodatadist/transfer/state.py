@@ -6,6 +6,7 @@ the link object and dropped when the link closes.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from ..registry import CacheEntry, IndexKey
 from ..transport.base import TransferJob
 from ..transport.device import LinkDeviceState
 from ..transport.directory import Resolved
+from ..transport.nixl import NixlJob, RemoteCache
 
 if TYPE_CHECKING:
     from ..control.links import Link
@@ -46,6 +48,14 @@ class LinkTransfers:
     descriptors: dict[int, Descriptor] = field(default_factory=dict)  # the peer's caches, by cache id
     resolved: dict[IndexKey, Resolved] = field(default_factory=dict)  # keys resolved to published caches
     device: LinkDeviceState | None = None  # the peer's memory as this GPU reaches it
+    # nixl plane, requester side: the peer's agent, its caches as prepared descriptor lists, running jobs
+    nixl_agent: str | None = None
+    nixl_remote: dict[int, RemoteCache] = field(default_factory=dict)
+    nixl_jobs: dict[int, NixlJob] = field(default_factory=dict)
+    nixl_stale: bool = False  # the peer freed a cache it described: its agent's view here must be rebuilt
+    nixl_rebuilt: asyncio.Future[None] | None = None  # set while that view is being rebuilt
+    # nixl plane, owner side: the caches described to the peer (told when they are freed)
+    nixl_described: set[int] = field(default_factory=set)
 
 
 class TransferStates:

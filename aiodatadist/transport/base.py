@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +19,7 @@ import numpy.typing as npt
 from ..copy.completion import wait_through_cancellation
 from ..native import KEY_FLAG_SHIFT, StopFlag
 
-__all__ = ["PULL", "PUSH", "TransferJob", "WaitingMixin"]
+__all__ = ["PULL", "PUSH", "PlaneJob", "TransferJob", "WaitingMixin"]
 
 UInt64Array = npt.NDArray[np.uint64]
 PULL = 1  # frame flag: the transfer id is the receiver's own (the owner sends a pull)
@@ -49,14 +50,24 @@ class TransferJob:
         self.next_frame = 0
 
 
-class WaitingMixin:
-    """Awaiting a data plane's jobs (both implementations): cancellation stops the job, and the waiter returns
-    only once no I/O thread touches its memory."""
+class PlaneJob(Protocol):
+    """A data plane's job: its future settles once no thread of the plane touches its memory."""
 
-    def cancel(self, job: TransferJob, error: BaseException | None = None) -> None:
+    @property
+    def future(self) -> asyncio.Future[None]: ...
+
+
+JobT = TypeVar("JobT", bound=PlaneJob)
+
+
+class WaitingMixin(Generic[JobT]):
+    """Awaiting a data plane's jobs (every plane): cancellation stops the job, and the waiter returns only once
+    no I/O thread touches its memory."""
+
+    def cancel(self, job: JobT, error: BaseException | None = None) -> None:
         raise NotImplementedError
 
-    async def wait(self, job: TransferJob) -> None:
+    async def wait(self, job: JobT) -> None:
         """Await a job; if the caller is cancelled, stop the job and return only once no thread touches it."""
         try:
             await asyncio.shield(job.future)
@@ -65,7 +76,7 @@ class WaitingMixin:
             await self.wait_stopped(job)
             raise
 
-    async def wait_stopped(self, job: TransferJob) -> None:
+    async def wait_stopped(self, job: JobT) -> None:
         """Wait, through further cancellations, until no thread touches the job's memory (its error, if any, is
         its waiter's business; a cancellation meanwhile is re-raised)."""
         with contextlib.suppress(Exception):

@@ -38,6 +38,7 @@ from helpers.world import (
 )
 
 from aiodatadist import LLMStatusCode
+from aiodatadist.transport.nixl import nixl_available
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -59,10 +60,15 @@ async def peer_side() -> AsyncIterator[PeerSide]:
         await peer.proc.close()
 
 
+NIXL = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install 'aiodatadist[nixl]')")
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module",
-                        params=["peer-server-shm", "peer-client-shm", "peer-server-tcp", "peer-client-tcp"])
+                        params=["peer-server-shm", "peer-client-shm", "peer-server-tcp", "peer-client-tcp",
+                                pytest.param("peer-server-nixl", marks=NIXL),
+                                pytest.param("peer-client-nixl", marks=NIXL)])
 async def world(request: pytest.FixtureRequest, peer_side: PeerSide) -> AsyncIterator[World]:
-    """Both topologies, on the same-host plane and on the TCP plane (forced by the peer)."""
+    """Both topologies, on the same-host plane, the TCP plane and the NIXL plane (forced by the peer)."""
     topology, transport = request.param.rsplit("-", 1)
     w = await World.create(peer_side, peer_listens=topology == "peer-server",
                            peer_options={"llm.Transport": transport})

@@ -27,6 +27,7 @@ from aiodatadist.protocol.handshake import (
     answer_challenge,
     authenticate,
     choose_plane,
+    plane_refusal,
     client_plane,
     data_connections,
     may_link,
@@ -66,7 +67,7 @@ def first_hello(cn: bytes | None = None) -> Hello:
 def test_constants() -> None:
     from aiodatadist.control import links
 
-    assert PROTOCOL_VERSION == 4  # 3: cache geometries carry the data type (issue 12); 4: RESOLVE (issue 13)
+    assert PROTOCOL_VERSION == 5  # 3: cache geometries carry the data type (issue 12); 4: RESOLVE (issue 13); 5: nixl
     assert MAX_LINKS == 512 == links.MAX_LINKS
     assert ADMITTED == (0, "")
 
@@ -76,10 +77,11 @@ def test_admit() -> None:
         return admit(version, cluster, target, own_id=SERVER, links=links, linking=linking)
 
     assert run() == ADMITTED
-    assert run(version=1) == (int(S.LLM_LINK_FAILED), "protocol version 1 is not supported (4)")
-    assert run(version=2) == (int(S.LLM_LINK_FAILED), "protocol version 2 is not supported (4)")  # no data types
-    assert run(version=3) == (int(S.LLM_LINK_FAILED), "protocol version 3 is not supported (4)")  # no RESOLVE
-    assert run(version=5)[0] == int(S.LLM_LINK_FAILED)
+    assert run(version=1) == (int(S.LLM_LINK_FAILED), "protocol version 1 is not supported (5)")
+    assert run(version=2) == (int(S.LLM_LINK_FAILED), "protocol version 2 is not supported (5)")  # no data types
+    assert run(version=3) == (int(S.LLM_LINK_FAILED), "protocol version 3 is not supported (5)")  # no RESOLVE
+    assert run(version=4) == (int(S.LLM_LINK_FAILED), "protocol version 4 is not supported (5)")  # no nixl plane
+    assert run(version=6)[0] == int(S.LLM_LINK_FAILED)
     assert run(target=3) == (int(S.LLM_LINK_FAILED), "this is cluster 1, not 3")
     assert run(cluster=SERVER) == (int(S.LLM_PARAM_INVALID), "a cluster cannot link to itself")
     assert run(links={CLIENT: object()}) == (int(S.LLM_ALREADY_LINK), "cluster 2 is already linked")
@@ -147,6 +149,14 @@ PLANES = [
     ("tcp", "auto", True, "tcp"), ("tcp", "auto", False, "tcp"),
     ("tcp", "shm", True, "tcp"), ("tcp", "shm", False, None),
     ("tcp", "tcp", True, "tcp"), ("tcp", "tcp", False, "tcp"),
+    # nixl: either end forcing it gives it; forced against shm or tcp it is refused (TRANSPORT_CONFLICT)
+    ("nixl", "nixl", True, "nixl"), ("nixl", "nixl", False, "nixl"),
+    ("nixl", "auto", True, "nixl"), ("nixl", "auto", False, "nixl"),
+    ("auto", "nixl", True, "nixl"), ("auto", "nixl", False, "nixl"),
+    ("nixl", "shm", True, None), ("nixl", "shm", False, None),
+    ("shm", "nixl", True, None), ("shm", "nixl", False, None),
+    ("nixl", "tcp", True, None), ("nixl", "tcp", False, None),
+    ("tcp", "nixl", True, None), ("tcp", "nixl", False, None),
 ]
 
 
@@ -167,6 +177,12 @@ def test_the_server_can_make_the_client_use_tcp() -> None:
     assert client_plane("shm", "shm") == "shm"
     assert client_plane("tcp", "shm") == "tcp"  # the client's own reasons stand
     assert client_plane("tcp", "tcp") == "tcp"
+    assert client_plane("nixl", "nixl") == "nixl"
+
+
+def test_a_refusal_says_why() -> None:
+    assert plane_refusal(Transport.SHM, Transport.AUTO) == SHM_ELSEWHERE
+    assert plane_refusal(Transport.NIXL, Transport.TCP) == "the two ends force different transports (nixl and tcp)"
 
 
 # -- server side of the challenge ----------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from aiodatadist.protocol.messages import (
     Bye,
     DataOffer,
     Descriptor,
+    NixlReach,
     End,
     EndReply,
     Freed,
@@ -116,7 +117,7 @@ def test_hello_golden() -> None:
     assert answered.to_wire() == second and list(answered.to_wire()) == list(second)
     # Channel.request: {**body, "k": kind, "i": req_id}
     assert encode(request_to_wire(answered, 1)) == pack({**second, "k": "hello", "i": 1})
-    assert PROTOCOL_VERSION == 4  # 3: geometries carry the data type (issue 12); 4: RESOLVE (issue 13)
+    assert PROTOCOL_VERSION == 5  # 3: geometries carry the data type (issue 12); 4: RESOLVE (issue 13); 5: nixl
 
 
 def test_hello_reply_golden() -> None:
@@ -186,6 +187,18 @@ def test_begin_reply_golden() -> None:
         "ipc": [[HANDLE_A, 4096, 1 << 20]]}}
     # known descriptor, unpublished cache
     assert BeginReply(3, 0).to_wire() == {"cid": 3, "slot": 0}
+    # the nixl plane: the owner agent's metadata for the cache, its memory type and device
+    nixl = BeginReply(3, 0, None, Descriptor(GEOMETRY, addrs, None, nixl=NixlReach(b"md", "DRAM", 0)))
+    assert nixl.to_wire()["desc"]["nixl"] == [b"md", "DRAM", 0]
+    assert BeginReply.from_wire(nixl.to_wire()) == nixl
+
+
+@pytest.mark.parametrize("reach", [[], [b"", "DRAM", 0], ["md", "DRAM", 0], [b"md", "HBM", 0], [b"md", "DRAM", -1],
+                                   [b"md", "VRAM", 1 << 16], [b"md", "DRAM"], {"md": b"x"}])
+def test_a_malformed_nixl_reach_is_refused(reach: object) -> None:
+    wire = Descriptor(GEOMETRY, np.array([1, 2], dtype=np.uint64)).to_wire()
+    with pytest.raises(ProtocolError):
+        Descriptor.from_wire({**wire, "nixl": reach})
 
 
 def test_end_golden() -> None:

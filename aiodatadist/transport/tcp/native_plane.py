@@ -39,7 +39,7 @@ def _u64(values: Any) -> UInt64Array:
     return np.ascontiguousarray(values, dtype=np.uint64)
 
 
-class NativeDataPlane(WaitingMixin):
+class NativeDataPlane(WaitingMixin[TransferJob]):
     """One link's data connections, served by the helper's threads."""
 
     serves_reads = True

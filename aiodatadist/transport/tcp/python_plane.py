@@ -44,7 +44,7 @@ SCRATCH_BYTES = 1 << 20
 JOIN_TIMEOUT = 5.0  # seconds aclose() waits for each I/O thread (they end at once once their socket is shut down)
 
 
-class PythonDataPlane(WaitingMixin):
+class PythonDataPlane(WaitingMixin[TransferJob]):
     """The data connections of one link and the transfers running on them (Python I/O threads: the fallback
     where the native helper is not built; it does not serve one-sided reads)."""
 
