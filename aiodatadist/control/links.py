@@ -322,7 +322,8 @@ class LinkManager:
                            self._segments(), self._directory(), plane, self._native_net, data, dconns)
         await channel.reply(req_id, reply.to_wire())
         link.map_directory(hello.directory, self._settings.directory)
-        link.memory.premap(hello.segs)  # in the background: nobody waits for it
+        if link.plane == "shm":  # TCP and NIXL links never read the peer's memory mapped
+            link.memory.premap(hello.segs)  # in the background: nobody waits for it
         log.info("cluster %d accepted link from %d (%s)", self._cluster_id, cluster, link.plane)
 
     async def _authenticate(self, server: Server, routing_id: bytes, req_id: Any,
@@ -435,7 +436,7 @@ class LinkManager:
         # Map the peer's caches now, and give their page tables the rest of the link timeout to fill in, so that
         # the first transfers do not pay for it (what is left continues in the background).
         link.map_directory(reply.directory, self._settings.directory)
-        populating = link.memory.premap(reply.segs)
+        populating = link.memory.premap(reply.segs) if link.plane == "shm" else []
         remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
         if populating and remaining > 0:
             await asyncio.wait(populating, timeout=remaining)

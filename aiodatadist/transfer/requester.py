@@ -311,6 +311,10 @@ class Requester:
         st.nixl_jobs[tid] = job
         try:
             await plane.wait(job)
+        except LLMLinkError as exc:  # NIXL's connection to the peer broke, as a TCP data connection would
+            if not link.closed:
+                await wait_through_cancellation(self._links.drop(link, exc))
+            raise
         finally:
             st.nixl_jobs.pop(tid, None)
             if job.stuck and not link.closed:  # NIXL may still move bytes of it: that peer cannot be trusted now

@@ -9,7 +9,10 @@ names indices; a plan that is not made of whole blocks on both sides (``pull_cac
 slot into blocks) is described span by span instead.
 
 One thread (``aiodatadist-nixl``) makes, posts and checks every transfer, and settles its future on the event
-loop: the loop never polls, and never runs a NIXL call that scales with the transfer.  A cancelled transfer is
+loop: the loop never polls, and never runs a NIXL call that scales with the transfer.  NIXL's own progress
+thread is off (NIXL runs it without a pause, so it would take a core): this thread gives UCX its progress, every
+:data:`POLL_S` while transfers run and every :data:`IDLE_PROGRESS_S` otherwise (a peer's reads of this
+instance's memory over TCP, and connection set-up, need the owner's progress).  A cancelled transfer is
 released (NIXL cancels what it can); one that cannot be cancelled is waited for, up to :data:`STOP_BOUND`
 seconds; after that the job fails with ``LLMLinkError`` and the requester drops the link (NIXL then closes the
 connection to that peer), so nothing lands in user memory after the call returned.
@@ -46,7 +49,8 @@ log = logging.getLogger("aiodatadist.nixl")
 S = LLMStatusCode
 INSTALL_HINT = "pip install 'aiodatadist[nixl]' (NIXL 1.5 with its UCX backend: nixl-cu12)"
 STOP_BOUND = 5.0  # seconds a cancelled transfer NIXL could not cancel is waited for before the link is dropped
-POLL_S = 1e-4  # the NIXL thread checks its running transfers this often (it sleeps when there are none)
+POLL_S = 1e-4  # the NIXL thread checks its running transfers this often
+IDLE_PROGRESS_S = 1e-3  # and, with none running, gives UCX progress this often for peers reading from us
 DEFAULT_PARAMS: Mapping[str, str] = {"num_threads": "2", "split_batch_size": "16"}  # UCX: see docs/performance.md
 
 
@@ -122,7 +126,7 @@ class NixlPlane(WaitingMixin[NixlJob]):
         self._device_id = device_id
         self.name = f"aiodatadist-{name}-{os.getpid()}-{secrets.token_hex(4)}"
         self._api = api
-        config = api.nixl_agent_config(enable_prog_thread=True, backends=[],
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=[],
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
             self._agent = api.nixl_agent(self.name, config)
@@ -262,8 +266,8 @@ class NixlPlane(WaitingMixin[NixlJob]):
     def _serve(self) -> None:
         while True:
             with self._lock:
-                while not self._pending and not self._running and not self._closing:
-                    self._lock.wait()
+                if not self._pending and not self._running and not self._closing:
+                    self._lock.wait(IDLE_PROGRESS_S)
                 new, self._pending = self._pending, []
                 closing = self._closing
             for job in new:
@@ -276,8 +280,16 @@ class NixlPlane(WaitingMixin[NixlJob]):
                 self._check(job)
             if closing and not self._running:
                 return
+            if not self._running and not new:
+                self._progress()
             if self._running:
                 time.sleep(POLL_S)
+
+    def _progress(self) -> None:
+        try:
+            self._agent.get_new_notifs()  # drives the UCX workers: answers peers' requests and wire-up
+        except Exception as exc:  # noqa: BLE001
+            log.debug("NIXL progress failed: %s", exc)
 
     def _post(self, job: NixlJob) -> None:
         if job.cancelled:

@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from helpers.data import fill_pattern
+from helpers.marks import NIXL
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -53,7 +54,7 @@ async def instances(server_key: str | None, client_key: str | None,
         yield server, client, port
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", pytest.param("nixl", marks=NIXL)])
 async def test_the_same_key_links_and_transfers(transport: str) -> None:
     async with instances("s3cret", "s3cret", transport) as (server, client, port):
         code, codes = await client.link_clusters([cluster_info(1, port)], timeout=3000)
@@ -95,10 +96,12 @@ async def _raw_request(sock: zmq.asyncio.Socket, message: dict[str, object]) -> 
     return reply[0] if isinstance(reply, list) else reply
 
 
-async def test_an_unauthenticated_peer_is_served_nothing() -> None:
+@pytest.mark.parametrize("transport", ["auto", pytest.param("nixl", marks=NIXL)])
+async def test_an_unauthenticated_peer_is_served_nothing(transport: str) -> None:
     """A raw ZeroMQ client that skips or forges the proof gets LLM_LINK_FAILED / LLM_NOT_YET_LINK, and every
-    request it sends is refused: the server never resolves a key or starts a transfer for it."""
-    async with instances("s3cret", None) as (server, _client, port):
+    request it sends is refused: the server never resolves a key or starts a transfer for it (on the nixl
+    plane: it never gets the NIXL metadata, which only BEGIN replies carry)."""
+    async with instances("s3cret", None, transport) as (server, _client, port):
         src = server.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
         fill_pattern(src, 7)
         ctx = zmq.asyncio.Context()

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 from helpers.data import fill_pattern, pattern
+from helpers.marks import NIXL
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -63,10 +64,11 @@ class Pair:
             assert np.array_equal(tensor[dst], expected(5, t)[src]), f"tensor {t}"
 
 
-@pytest.fixture(params=["shm", "tcp", "tcp-python"])
+@pytest.fixture(params=["shm", "tcp", "tcp-python", pytest.param("nixl", marks=NIXL)])
 async def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Pair]:
     """A prompt process and a decoder here; with "tcp" the prompt forces the TCP data plane on all its links
-    ("tcp-python": both ends use the Python I/O threads, the fallback where the native helper is not built)."""
+    ("tcp-python": both ends use the Python I/O threads, the fallback where the native helper is not built;
+    "nixl": the prompt forces the NIXL plane)."""
     transport, _, implementation = request.param.partition("-")
     env = {"AIODATADIST_NET": "python"} if implementation else None
     if implementation:

@@ -8,6 +8,7 @@ import os
 import signal
 
 import pytest
+from helpers.marks import NIXL
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -62,14 +63,15 @@ async def test_killed_server_fails_waiting_pull_fast_and_relink_works() -> None:
             await peer.close()
 
 
-async def test_peer_killed_mid_tcp_transfer_fails_fast_and_never_reports_success() -> None:
-    """Over the TCP plane the owner dies while bytes are flowing: the pull fails with a link error within a
-    bound (it never reports success for a cut-short stream), and nothing is left running."""
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=NIXL)])
+async def test_peer_killed_mid_transfer_fails_fast_and_never_reports_success(transport: str) -> None:
+    """Over the TCP or NIXL plane the owner dies while bytes are flowing: the pull fails with a link error
+    within a bound (it never reports success for a cut-short transfer), and nothing is left running."""
     port = free_port()
     peer = await PeerProcess.start()
     desc = CacheDesc(16, (64, 256 << 10), DataType.DT_UINT8, Placement.HOST)  # 256 MiB
     await peer.call("init", role="PROMPT", cluster_id=41,
-                    options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.Transport": "tcp"})
+                    options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.Transport": transport})
     remote = await peer.call("allocate", blocks=True, num_tensors=16, shape=[64, 256 << 10], blocks_key=[41, 0])
     await peer.call("fill", cache_id=remote["cache_id"], seed=3)
     try:
@@ -78,7 +80,7 @@ async def test_peer_killed_mid_tcp_transfer_fails_fast_and_never_reports_success
             cfg.sync_kv_timeout = 20000
             await dd.init(cfg.generate_options())
             assert (await dd.link_clusters([cluster_info(41, port)]))[0] == LLMStatusCode.LLM_SUCCESS
-            assert dd.links()[0]["plane"] == "tcp"
+            assert dd.links()[0]["plane"] == transport
             cache = dd.cache_manager.allocate_blocks_cache(desc)
             for t in cache.tensors:
                 t[...] = 0  # the pattern bytes are never 0: any non-zero byte has arrived
