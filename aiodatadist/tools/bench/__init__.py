@@ -15,6 +15,12 @@ the same bytes between two processes for ``tcp``.  The prompt runs in its own pr
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
 aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
 
+``--transport nixl`` runs the workloads on aiodatadist's nixl plane (extra ``nixl``), and always the raw NIXL
+harness (:mod:`.peers`, UCX defaults, prepared descriptor lists) on the same workloads in the same run beside it:
+``vs nixl-ucx`` is aiodatadist-on-NIXL / raw NIXL.
+
+``bench cluster`` runs N prompt and M decoder processes under a request stream (:mod:`.cluster`).
+
 ``bench vllm`` (vLLM installed: ``tools/vllm_tests.sh``) is another benchmark with its own options: prefill and
 decode vLLM engines with NixlConnector and with aiodatadist's connector (:mod:`.vllm_pd`).
 """
@@ -55,6 +61,8 @@ BIG = TENSORS * MOVED_BLOCKS * BLOCK_BYTES  # 256 MiB
 WORKLOADS = ("local", "paged", "whole", "small", "concurrent")
 ALIASES = {"pull": "paged"}  # the name of the paged workload in earlier versions
 PROMPT, DECODER = 1, 2
+COUNTERPART = {"shm": "nixl-ucx", "tcp": "nixl-ucx-tcp", "nixl": "nixl-ucx"}  # the NIXL harness each is compared to
+SAME_HOST = ("shm", "-", "nixl")  # rows whose bytes move within this machine's memory (nixl: cma reads here)
 
 Progress = Callable[[str], None]
 
@@ -209,9 +217,8 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
 def _compare_with_peers(rows: list[dict[str, Any]], peers: list[dict[str, Any]]) -> None:
     """Add ``vs_<library>`` ratios (aiodatadist / NIXL) to our pull rows: throughput ratio for GB/s workloads
     (> 1: we are faster), p50 ratio for ``small`` (< 1: we are faster)."""
-    counterpart = {"shm": "nixl-ucx", "tcp": "nixl-ucx-tcp"}
     for r in rows:
-        library = counterpart.get(r["transport"])
+        library = COUNTERPART.get(r["transport"])
         theirs = next((p for p in peers if p["library"] == library and p["workload"] == r["workload"]), None)
         if theirs is None or r["direction"] != "pull":
             continue
@@ -228,7 +235,7 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
     rows: list[dict[str, Any]] = []
     remote = workloads - {"local"}
     copy_base = None
-    if "local" in workloads or (remote and "shm" in transports):
+    if "local" in workloads or (remote and {"shm", "nixl"} & set(transports)):
         progress("baseline: np.copyto 256 MiB")
         copy_base = copyto_gbps(BIG, repeat)
     if "local" in workloads:
@@ -236,26 +243,26 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
         assert copy_base is not None
         rows.append(await bench_local(repeat, copy_base))
     for transport in transports if remote else []:
-        if transport == "tcp":
+        if transport == "tcp":  # (nixl: on one host UCX reads with process_vm_readv, so the copy baseline)
             progress("baseline: plain TCP stream 256 MiB between two processes")
             baseline = ("plain TCP stream 256 MiB", await asyncio.to_thread(socket_stream_gbps, BIG, repeat))
         else:
             assert copy_base is not None
             baseline = ("np.copyto 256 MiB", copy_base)
         rows.extend(await bench_transport(transport, directions, remote, repeat, concurrency, baseline, progress))
-    if any(r.get("transport") in ("shm", "-") and "gbps" in r for r in rows):
+    if any(r.get("transport") in SAME_HOST and "gbps" in r for r in rows):
         threads = env_knobs().copy_threads
         progress(f"baseline: streaming copy 256 MiB, {threads} threads")
         limit = stream_copy_gbps(BIG, repeat, threads)
         if limit is not None:
             _add_limit(rows, f"streaming copy 256 MiB, {threads} threads", limit)
-    if peers:
+    compared = [t for t in transports if peers or t == "nixl"]
+    if compared and remote & {"paged", "whole", "small"}:
         from .peers import run_nixl
 
         peer_rows: list[dict[str, Any]] = []
         wanted = remote & {"paged", "whole", "small"}
-        for transport in transports:
-            variant = {"shm": "nixl-ucx", "tcp": "nixl-ucx-tcp"}[transport]
+        for variant in dict.fromkeys(COUNTERPART[t] for t in compared):
             progress(f"NIXL ({variant})")
             peer_rows.extend(await asyncio.to_thread(run_nixl, wanted, repeat, variant, progress))
         _compare_with_peers(rows, peer_rows)
@@ -266,7 +273,7 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
 def _add_limit(rows: list[dict[str, Any]], name: str, limit_gbps: float) -> None:
     """Same-host throughput rows also get their ratio to the machine's copy limit (measured in this run)."""
     for r in rows:
-        if r.get("transport") in ("shm", "-") and "gbps" in r and r.get("workload") != "concurrent":
+        if r.get("transport") in SAME_HOST and "gbps" in r and r.get("workload") != "concurrent":
             r.update(limit=name, limit_gbps=limit_gbps, limit_ratio=r["gbps"] / limit_gbps)
 
 
@@ -318,12 +325,17 @@ def main(argv: list[str] | None = None) -> int:
         from .vllm_pd import main as vllm_main
 
         return vllm_main(given[1:])
+    if given[:1] == ["cluster"]:  # many prompt and decoder processes: its own options (bench cluster --help)
+        from .cluster import main as cluster_main
+
+        return cluster_main(given[1:])
     parser = argparse.ArgumentParser(prog="python -m aiodatadist bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
                         help=f"{', '.join(WORKLOADS)} (default: all)")
     parser.add_argument("--repeat", type=int, default=7, help="repeats per figure (median reported)")
-    parser.add_argument("--transport", default="shm,tcp", help="shm, tcp or both, comma-separated (default: both)")
+    parser.add_argument("--transport", default="shm,tcp",
+                        help="shm, tcp, nixl, comma-separated (default: shm,tcp); nixl also runs raw NIXL beside it")
     parser.add_argument("--direction", default="pull,push", help="pull, push or both (default: both)")
     parser.add_argument("--concurrency", type=int, default=64, help="transfers of the concurrent workload")
     parser.add_argument("--peers", action="store_true", help="also run NIXL (extra 'peers') in the same run")
@@ -339,15 +351,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(names) - set(WORKLOADS)
     if unknown:
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
-    transports = _choices(parser, "--transport", args.transport, ("shm", "tcp"))
+    transports = _choices(parser, "--transport", args.transport, ("shm", "tcp", "nixl"))
     directions = _choices(parser, "--direction", args.direction, ("pull", "push"))
     if args.repeat < 1 or args.concurrency < 1:
         parser.error("--repeat and --concurrency must be >= 1")
-    if args.peers:
+    if args.peers or "nixl" in transports:
         from .peers import nixl_available
 
         if not nixl_available():
-            parser.error("--peers needs NIXL: pip install --no-deps nixl nixl-cu12 (or the extra 'peers')")
+            parser.error("--peers and --transport nixl need NIXL: pip install 'aiodatadist[nixl]'")
     started = time.perf_counter()
 
     def progress(line: str) -> None:
