@@ -131,7 +131,7 @@ class NixlPlane(WaitingMixin[NixlJob]):
         try:
             self._agent = api.nixl_agent(self.name, config)
             self._agent.create_backend("UCX", dict(DEFAULT_PARAMS if params is None else params))
-        except Exception as exc:  # noqa: BLE001 - NIXL raises its own exception types
+        except Exception as exc:
             ucx = ", ".join(f"{k}={v}" for k, v in os.environ.items() if k.startswith("UCX_")) or "UCX defaults"
             raise LLMException(f"NIXL could not start its UCX backend ({ucx}): {type(exc).__name__}: {exc}",
                                status_code=S.LLM_FEATURE_NOT_ENABLED) from exc
@@ -150,7 +150,7 @@ class NixlPlane(WaitingMixin[NixlJob]):
         mem, dev = ("VRAM", self._device_id) if on_device else ("DRAM", 0)
         try:
             regs = self._agent.register_memory(_regions(addrs, size, dev), mem)
-        except Exception as exc:  # noqa: BLE001 - NIXL raises its own exception types
+        except Exception as exc:
             raise LLMException(f"NIXL could not register the memory: {exc}", status_code=S.LLM_FAILED) from exc
         return Registration(addrs, regs, mem, dev, unit, units)
 
@@ -174,7 +174,7 @@ class NixlPlane(WaitingMixin[NixlJob]):
         """Load a peer's metadata (its agent, and the caches it describes); returns the peer agent's name."""
         try:
             name = self._agent.add_remote_agent(metadata)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise LLMLinkError(f"NIXL refused the peer's metadata: {exc}") from exc
         return name.decode() if isinstance(name, bytes) else str(name)
 
@@ -192,7 +192,7 @@ class NixlPlane(WaitingMixin[NixlJob]):
         """A peer's cache as a prepared descriptor list (one row per tensor, ``slots`` units of ``stride``)."""
         try:
             prepared = self._agent.prep_xfer_dlist(agent, _strided(addrs, geometry.stride, geometry.slots, dev), mem)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise LLMLinkError(f"NIXL cannot reach the peer's cache: {exc}") from exc
         return RemoteCache(agent, geometry, addrs, mem, dev, metadata, prepared)
 

@@ -27,11 +27,11 @@ from aiodatadist.protocol.handshake import (
     answer_challenge,
     authenticate,
     choose_plane,
-    plane_refusal,
     client_plane,
     data_connections,
     may_link,
     plane_for,
+    plane_refusal,
     transport_of,
 )
 from aiodatadist.protocol.messages import (
