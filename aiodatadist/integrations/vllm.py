@@ -95,7 +95,7 @@ class ConnectorOptions:
     ``listen_host``: the address P's workers listen on and announce to D ("127.0.0.1"; set it to the host's
     address for D engines on other hosts).  ``port_base``: rank i listens on ``port_base + i`` (0: free ports,
     chosen for you).  ``auth_key``: a shared key every engine must present (``llm.AuthKey``).  ``transport``:
-    ``auto`` (shared memory on one host, TCP across), ``shm`` or ``tcp``.  ``lease_seconds``: how long P keeps
+    ``auto`` (shared memory on one host, TCP across), ``shm``, ``tcp`` or ``nixl``.  ``lease_seconds``: how long P keeps
     a request's blocks for a D that never pulls them (480, as vLLM's NIXL abort timeout).  ``pull_timeout_ms``:
     the bound of one pull (``sync_kv_timeout``, 30000).  ``link_timeout_ms``: the bound of linking to a P
     worker (5000).  ``layerwise``: D loads each layer on its own, inside the forward that computes the request's
@@ -136,8 +136,9 @@ class ConnectorOptions:
         options = cls(**values)
         if not 0 <= options.port_base <= 65535:
             raise ValueError(f"AiodatadistConnector: port_base {options.port_base} out of range")
-        if options.transport not in ("auto", "shm", "tcp"):
-            raise ValueError(f"AiodatadistConnector: transport must be auto, shm or tcp, got {options.transport!r}")
+        if options.transport not in ("auto", "shm", "tcp", "nixl"):
+            raise ValueError(f"AiodatadistConnector: transport must be auto, shm, tcp or nixl, got "
+                             f"{options.transport!r}")
         return options
 
 

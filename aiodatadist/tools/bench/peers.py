@@ -1,6 +1,7 @@
 """The bench workloads run on NIXL, so the bench CLI can print "aiodatadist / NIXL" ratios from one run.
 
-Written against NIXL 1.5.1 (``pip install nixl nixl-cu12``; CPU-only, numpy buffers, no torch), UCX backend.
+Written against NIXL 1.5.1 (``pip install 'aiodatadist[nixl]'``, i.e. ``nixl-cu12``; CPU-only, numpy buffers),
+UCX backend.
 
 A *prompt* process owns a source cache and a *decoder* process owns a destination cache, both 64 tensors x
 256 blocks x 32 KiB (one 8 MiB numpy array per tensor, registered as DRAM; the source holds seeded random
@@ -53,8 +54,6 @@ No other UCX setting helped here (tried: ``UCX_TLS=cma,tcp``, ``NIXL_UCX_SGL_ENA
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import statistics
 import sys
@@ -69,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from ..._checks import U64_MAX
+from ...transport.nixl import load_nixl, nixl_available
 
 __all__ = ["VARIANTS", "WORKLOADS", "nixl_available", "run_nixl"]
 
@@ -96,11 +96,6 @@ _DECODER_UCX = {"num_threads": "2", "split_batch_size": "16"}  # UCX backend par
 _DECODER_POLL_S = 1e-4  # decoder: check_xfer_state this often while its UCX threads copy
 
 _Report = Callable[[str], None]
-
-
-def nixl_available() -> bool:
-    """Whether NIXL's Python API is installed (found, not imported: UCX reads its environment at import)."""
-    return importlib.util.find_spec("nixl") is not None
 
 
 def run_nixl(workloads: set[str], repeat: int, variant: str,
@@ -202,7 +197,7 @@ def _apply_env(env: dict[str, str | None]) -> None:
 
 def _agent(name: str, progress_thread: bool, ucx_params: dict[str, str]) -> Any:
     """A NIXL agent with one UCX backend made with ``ucx_params`` (``nixl_agent_config`` cannot pass all)."""
-    api: Any = importlib.import_module("nixl._api")
+    api: Any = load_nixl()
     try:
         agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
         agent.create_backend("UCX", ucx_params)
