@@ -22,7 +22,7 @@ from ._checks import (
 )
 from ._settings import Settings
 from .cache import Cache
-from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .errors import LLMException, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
 from .layer_transfer import CacheTask, run_layers
 from .layout import (
     CacheGeometry,
@@ -276,6 +276,42 @@ class CacheManager:
         except LLMException:
             return
         self._release(entry)
+
+    async def unregister_cache_and_wait(self, cache_id: int, timeout: float = 5.0) -> None:
+        """:meth:`unregister_cache`, returning only once no peer can write into the memory any more.
+
+        ``unregister_cache`` asks peers to stop their transfers on the cache and returns: a same-host peer may be
+        in the middle of writing one piece into it with ``process_vm_writev`` when it does.  This waits until
+        every peer transfer that used the cache has ended (the peer ends it only after its copy stopped) or its
+        link closed, at most ``timeout`` seconds; then the caller may free the memory.  Past ``timeout`` the
+        links of the peers that did not answer are dropped and ``LLMTimeoutError`` is raised: the memory may
+        still be written by them.  The blocking API's ``unregister_cache`` is this call."""
+        self._check_open()
+        cid = check_int("cache_id", cache_id, "int64")
+        require(isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0,
+                f"timeout must be a number > 0, but got {timeout!r}.")
+        try:
+            entry = self._registry.by_id(cid)
+        except LLMException:
+            return
+        idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def ended() -> None:
+            if not idle.done():
+                idle.set_result(None)
+
+        entry.on_idle.append(ended)
+        self._release(entry)
+        if entry.leases == 0:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(idle)
+        except TimeoutError:
+            holders = await self._transfers.drop_links_using(entry, f"cache {cid} was unregistered and the peer "
+                                                                    f"did not end its transfer within {timeout:g} s")
+            raise LLMTimeoutError(f"unregister_cache({cid}): peers {holders} did not end their transfers within "
+                                  f"{timeout:g} s; their links were dropped") from None
 
     def _deallocate(self, name: str, cache: Any, *, blocks: bool) -> None:
         self._check_open()

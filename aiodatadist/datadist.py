@@ -354,7 +354,8 @@ class LLMDataDist:
     def stats(self) -> StatsSnapshot:
         """Transfer statistics per remote cluster and direction, as an immutable snapshot (see
         :class:`~aiodatadist.stats.StatsSnapshot`); they survive unlinking and ``finalize``."""
-        return self._stats.snapshot()
+        transfers = self._transfers
+        return self._stats.snapshot(transfers.one_sided_served() if transfers is not None else None)
 
     async def __aenter__(self) -> Self:
         return self

@@ -69,6 +69,7 @@ class CacheEntry:
     freed: bool = False
     host_memory: HostMemory | None = None  # registered memory inside a HostMemory: mapped by same-host peers
     nixl: Any = None  # its registration with this instance's NIXL agent (aiodatadist.transport.nixl), if any
+    on_idle: list[Callable[[], None]] = field(default_factory=list)  # told once, when its last lease ends
 
     @property
     def shared_segment(self) -> SharedSegment | None:
@@ -301,6 +302,10 @@ class CacheRegistry:
 
     def release_lease(self, entry: CacheEntry) -> None:
         entry.leases -= 1
+        if entry.leases == 0 and entry.on_idle:
+            hooks, entry.on_idle = entry.on_idle, []
+            for hook in hooks:
+                hook()
         self._maybe_free(entry)
 
     @contextmanager

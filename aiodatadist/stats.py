@@ -1,9 +1,14 @@
-"""Transfer statistics: per remote cluster and direction, recorded by the requesting side.
+"""Transfer statistics: per remote cluster and direction, recorded by the requesting side and by the owner.
 
 ``LLMDataDist.stats()`` returns a :class:`StatsSnapshot`: frozen values that later transfers do not change.
-Latency percentiles come from the most recent :data:`LATENCY_WINDOW` transfers of each entry.  Only the side
-that calls ``pull_*``/``push_*`` records a transfer (a same-host transfer by an already-resolved key does not
-involve the owner at all).  Notifications (see :mod:`aiodatadist.notifications`) are counted per remote cluster
+Latency percentiles come from the most recent :data:`LATENCY_WINDOW` transfers of each entry.  ``links`` are
+the transfers this instance requested (``pull_*``/``push_*``); ``served`` those its peers requested of its
+caches, with ``direction`` the peer's operation (``"pull"``: bytes went out).  The owner sees a transfer that
+asked it (``BEGIN`` to ``END``: latency from its side, failures by status code, ``REQUESTER_FAILED`` when the
+requester ended it unsuccessfully, ``LINK_CLOSED`` when the link went first) and the one-sided TCP reads its I/O
+threads served (operations and bytes, no latency; refused ones as ``STALE_READ``).  Same-host transfers of a
+published cache (the requester maps or reads the owner's memory itself) and NIXL reads never reach the owner and
+are counted by the requester only.  Notifications (see :mod:`aiodatadist.notifications`) are counted per remote cluster
 on both sides: sent by the sender, received or dropped (queue full, or arriving during ``finalize``) by the
 receiver.
 """
@@ -56,10 +61,18 @@ class StatsSnapshot:
 
     links: tuple[LinkStats, ...] = ()
     notifications: tuple[NotificationStats, ...] = ()
+    served: tuple[LinkStats, ...] = ()  # what peers requested of this instance's caches (see the module doc)
 
     def get(self, remote_cluster_id: int, direction: str) -> LinkStats | None:
         """The entry of one remote cluster and direction, if it moved anything yet."""
         for entry in self.links:
+            if entry.remote_cluster_id == remote_cluster_id and entry.direction == direction:
+                return entry
+        return None
+
+    def served_of(self, remote_cluster_id: int, direction: str) -> LinkStats | None:
+        """What one remote cluster requested of this instance's caches (``direction``: its operation)."""
+        for entry in self.served:
             if entry.remote_cluster_id == remote_cluster_id and entry.direction == direction:
                 return entry
         return None
@@ -86,12 +99,34 @@ class _Entry:
     latencies: np.ndarray = field(default_factory=lambda: np.zeros(LATENCY_WINDOW))
     recorded: int = 0
 
+    def add(self, plane: str, seconds: float | None, nbytes: int, failure: str | None, count: int = 1) -> None:
+        """``count`` finished transfers (``seconds``: the latency of one, None: not timed)."""
+        self.plane = plane
+        self.operations += count
+        if failure is None:
+            self.succeeded += count
+            self.bytes += nbytes
+        else:
+            self.failures[failure] = self.failures.get(failure, 0) + count
+        if seconds is not None:
+            self.latencies[self.recorded % LATENCY_WINDOW] = seconds * 1e3
+            self.recorded += 1
+
+    def frozen(self, cluster: int, direction: str) -> LinkStats:
+        window = self.latencies[: min(self.recorded, LATENCY_WINDOW)]
+        p50, p90, p99 = (float(v) for v in np.percentile(window, [50, 90, 99])) if len(window) else (0.0,) * 3
+        worst = float(window.max()) if len(window) else 0.0
+        return LinkStats(cluster, direction, self.plane, self.operations, self.succeeded, self.bytes,
+                         MappingProxyType(dict(self.failures)), p50, p90, p99, worst)
+
 
 class StatsRecorder:
     """Accumulates transfers of one instance (event loop thread only)."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, str], _Entry] = {}
+        self._served: dict[tuple[int, str], _Entry] = {}
+        self._one_sided: dict[int, tuple[str, tuple[int, int, int]]] = {}  # closed links' one-sided reads, summed
         self._notes: dict[int, list[int]] = {}  # remote cluster -> [sent, received, dropped]
 
     def _note(self, remote_cluster_id: int, which: int) -> None:
@@ -112,26 +147,47 @@ class StatsRecorder:
     def record(self, remote_cluster_id: int, direction: str, plane: str, seconds: float, nbytes: int,
                failure: str | None) -> None:
         """One finished transfer: ``failure`` None = success (``nbytes`` moved), else a status code name."""
-        entry = self._entries.get((remote_cluster_id, direction))
-        if entry is None:
-            entry = self._entries[(remote_cluster_id, direction)] = _Entry()
-        entry.plane = plane
-        entry.operations += 1
-        if failure is None:
-            entry.succeeded += 1
-            entry.bytes += nbytes
-        else:
-            entry.failures[failure] = entry.failures.get(failure, 0) + 1
-        entry.latencies[entry.recorded % LATENCY_WINDOW] = seconds * 1e3
-        entry.recorded += 1
+        _entry(self._entries, remote_cluster_id, direction).add(plane, seconds, nbytes, failure)
 
-    def snapshot(self) -> StatsSnapshot:
-        out = []
-        for (cluster, direction), entry in sorted(self._entries.items()):
-            window = entry.latencies[: min(entry.recorded, LATENCY_WINDOW)]  # never empty: created by record
-            p50, p90, p99 = (float(v) for v in np.percentile(window, [50, 90, 99]))
-            worst = float(window.max())
-            out.append(LinkStats(cluster, direction, entry.plane, entry.operations, entry.succeeded, entry.bytes,
-                                 MappingProxyType(dict(entry.failures)), p50, p90, p99, worst))
+    def served(self, remote_cluster_id: int, direction: str, plane: str, seconds: float | None, nbytes: int,
+               failure: str | None) -> None:
+        """A transfer a peer requested of this instance's caches ended (owner side)."""
+        _entry(self._served, remote_cluster_id, direction).add(plane, seconds, nbytes, failure)
+
+    def one_sided_closed(self, remote_cluster_id: int, plane: str, reads: tuple[int, int, int]) -> None:
+        """A link closed: keep the one-sided reads its I/O threads served (accepted, bytes, refused)."""
+        _, before = self._one_sided.get(remote_cluster_id, (plane, (0, 0, 0)))
+        self._one_sided[remote_cluster_id] = (plane, _sum3(before, reads))
+
+    def snapshot(self, one_sided: dict[int, tuple[str, tuple[int, int, int]]] | None = None) -> StatsSnapshot:
+        """The statistics now; ``one_sided``: the live links' one-sided reads served (remote -> plane, counts)."""
+        out = tuple(entry.frozen(cluster, direction) for (cluster, direction), entry in sorted(self._entries.items()))
+        served = {key: _copy(entry) for key, entry in self._served.items()}
+        reads = dict(self._one_sided)
+        for cluster, (plane, counts) in (one_sided or {}).items():
+            _, before = reads.get(cluster, (plane, (0, 0, 0)))
+            reads[cluster] = (plane, _sum3(before, counts))
+        for cluster, (plane, (accepted, nbytes, refused)) in reads.items():
+            if accepted or refused:
+                entry = _entry(served, cluster, "pull")
+                entry.add(plane, None, nbytes, None, accepted)
+                if refused:
+                    entry.add(plane, None, 0, "STALE_READ", refused)
         notes = tuple(NotificationStats(cluster, *counts) for cluster, counts in sorted(self._notes.items()))
-        return StatsSnapshot(tuple(out), notes)
+        return StatsSnapshot(out, notes, tuple(entry.frozen(c, d) for (c, d), entry in sorted(served.items())))
+
+
+def _entry(table: dict[tuple[int, str], _Entry], cluster: int, direction: str) -> _Entry:
+    entry = table.get((cluster, direction))
+    if entry is None:
+        entry = table[(cluster, direction)] = _Entry()
+    return entry
+
+
+def _sum3(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
+def _copy(entry: _Entry) -> _Entry:
+    return _Entry(entry.plane, entry.operations, entry.succeeded, entry.bytes, dict(entry.failures),
+                  entry.latencies.copy(), entry.recorded)

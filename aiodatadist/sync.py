@@ -556,7 +556,10 @@ class CacheManager:
 
     # -- release ---------------------------------------------------------------------------------------------
     def unregister_cache(self, cache_id: int) -> None:
-        _RUNNER.call(lambda: _plain(self._cm.unregister_cache, cache_id))
+        """Forget a cache by id; returns once no peer can write into caller-owned memory any more (see
+        :meth:`aiodatadist.cache_manager.CacheManager.unregister_cache_and_wait`)."""
+        cm = self._cm
+        _RUNNER.call(lambda: cm.unregister_cache_and_wait(cache_id))
 
     def deallocate_cache(self, cache: Cache) -> None:
         _RUNNER.call(lambda: _plain(self._cm.deallocate_cache, cache))

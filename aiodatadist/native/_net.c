@@ -79,6 +79,7 @@ typedef struct adt_net {
     net_job *tx_head, *tx_tail;      /* send and serve jobs with frames left, round-robin */
     net_job *all;                    /* every live job */
     ctrl_frame *ctrl_head, *ctrl_tail;
+    uint64_t served[3];              /* one-sided READs of our caches: accepted, their bytes, refused */
 } adt_net;
 
 static void net_announce(int fd, net_job *j)
@@ -299,6 +300,8 @@ static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload)   /* unde
     }
     j->n = count; j->kind = 2; j->key = h->key; j->row = row; j->stamp = h->offset;
     if (plan_frames(j, n->frame, n->nconns)) { free_job(j); return 2; }
+    n->served[0]++;
+    n->served[1] += j->total;
     j->next_all = n->all; n->all = j;
     if (j->nframes) enqueue(n, j); else { j->done = 1; unlink_all(n, j); free_job(j); }
     return 0;
@@ -345,7 +348,7 @@ static void *receiver(void *arg)
             if (!spans || read_exact(fd, spans, (size_t)h.length)) { free(spans); break; }
             pthread_mutex_lock(&n->lock);
             int status = serve_read(n, &h, spans);
-            if (status) queue_ctrl(n, T_ERROR, h.key, (uint64_t)status, NULL, 0, 0, 0);
+            if (status) { n->served[2]++; queue_ctrl(n, T_ERROR, h.key, (uint64_t)status, NULL, 0, 0, 0); }
             pthread_mutex_unlock(&n->lock);
             free(spans);
         } else if (h.type == T_ERROR || h.type == T_ABORT) {
@@ -634,6 +637,15 @@ int adt_net_job_state(void *net, void *job, int *error, int *status)
 void adt_net_job_free(void *job) { free_job((net_job *)job); }
 
 int adt_net_connections(void *net) { return ((adt_net *)net)->nconns; }
+
+/* The one-sided READs this link served: accepted, their bytes, refused (stale or outside the cache). */
+void adt_net_served(void *net, uint64_t *out)
+{
+    adt_net *n = (adt_net *)net;
+    pthread_mutex_lock(&n->lock);
+    for (int i = 0; i < 3; i++) out[i] = n->served[i];
+    pthread_mutex_unlock(&n->lock);
+}
 
 /* Shut every connection down and fail the jobs; the threads end on their own (adt_net_join waits). */
 void adt_net_close(void *net)

@@ -130,6 +130,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_net_job_state.argtypes, lib.adt_net_job_state.restype = [vp, vp, pi, pi], c_int
     lib.adt_net_job_free.argtypes, lib.adt_net_job_free.restype = [vp], None
     lib.adt_net_connections.argtypes, lib.adt_net_connections.restype = [vp], c_int
+    lib.adt_net_served.argtypes, lib.adt_net_served.restype = [vp, ctypes.POINTER(ctypes.c_uint64)], None
     lib.adt_net_close.argtypes, lib.adt_net_close.restype = [vp], None
     lib.adt_net_free.argtypes, lib.adt_net_free.restype = [vp], None
     lib.adt_job_cancel.argtypes, lib.adt_job_cancel.restype = [vp, vp], None

@@ -31,6 +31,7 @@ from ..protocol.messages import (
     ResolveReply,
 )
 from ..registry import CacheEntry, CacheRegistry, IndexKey
+from ..stats import StatsRecorder
 from ..transport.base import PULL, PUSH
 from .engine import CopyEngine
 from .nixl_caches import NixlCaches
@@ -46,8 +47,10 @@ class Owner:
     """The owner side of every link of one instance."""
 
     def __init__(self, links: LinkManager, registry: CacheRegistry, engine: CopyEngine,
-                 states: TransferStates, deliver: Callable[[int, bytes], object], nixl: NixlCaches) -> None:
+                 states: TransferStates, deliver: Callable[[int, bytes], object], nixl: NixlCaches,
+                 stats: StatsRecorder) -> None:
         self._links = links
+        self._stats = stats
         self._nixl = nixl
         self._deliver = deliver  # a notification from a linked cluster
         self._registry = registry
@@ -65,6 +68,15 @@ class Owner:
 
     def begin(self, link: Link, message: Begin) -> dict[str, Any]:
         """``BEGIN``: resolve, validate, lease; the reply describes the cache to a requester that lacks it."""
+        started = time.perf_counter()
+        try:
+            return self._begin(link, message, started)
+        except LLMException as exc:
+            self._stats.served(link.remote_cluster_id, message.params.op, link.plane, time.perf_counter() - started,
+                               0, exc.status_code.name)
+            raise
+
+    def _begin(self, link: Link, message: Begin, started: float) -> dict[str, Any]:
         tid, key, params, peer_geometry = message.tid, message.key, message.params, message.peer
         state = self._states.of(link)
         require(tid not in state.leases, f"transfer {tid} is already running.")
@@ -85,7 +97,7 @@ class Owner:
                                    status_code=S.LLM_REPEAT_REQUEST)
             self._pulling_keys.add(release_key)
         registry.acquire(entry)
-        lease = state.leases[tid] = Lease(entry, release_key)
+        lease = state.leases[tid] = Lease(entry, release_key, op=params.op, nbytes=plan.total_bytes, started=started)
         if link.plane == "tcp" and link.data is not None:
             try:
                 if params.op == "pull":  # start sending now: the requester's receiving end already exists
@@ -132,10 +144,13 @@ class Owner:
         self._end(link, state, message.tid, message.ok, None if failed else message.note)
         return EndReply().to_wire()
 
-    def _end(self, link: Link, state: LinkTransfers, tid: int, ok: bool, note: bytes | None) -> None:
+    def _end(self, link: Link, state: LinkTransfers, tid: int, ok: bool, note: bytes | None,
+             failure: str = "REQUESTER_FAILED") -> None:
         lease = state.leases.pop(tid, None)
         if lease is None:
             return  # a second END, or one for a transfer this side never began: no notification either
+        self._stats.served(link.remote_cluster_id, lease.op, link.plane, time.perf_counter() - lease.started,
+                           lease.nbytes, None if ok else failure)
         if lease.release_key is not None:
             self._pulling_keys.discard(lease.release_key)
         if ok and lease.release_key is not None:
@@ -152,7 +167,7 @@ class Owner:
         if lease is None or lease.job is None or plane is None:  # a second END for this transfer: already settled
             await link.channel.reply(req_id, EndReply().to_wire())
             return
-        code, text = 0, ""
+        code, text, failure = 0, "", "REQUESTER_FAILED"
         started = time.perf_counter()
         settled = False  # every byte moved: the notification may be delivered
         try:
@@ -163,9 +178,9 @@ class Owner:
                 plane.cancel(lease.job)
                 await plane.wait_stopped(lease.job)
         except LLMException as exc:
-            code, text, ok = int(exc.status_code), str(exc), False
+            code, text, ok, failure = int(exc.status_code), str(exc), False, exc.status_code.name
         finally:
-            self._end(link, state, tid, ok, note if settled else None)
+            self._end(link, state, tid, ok, note if settled else None, failure)
         waited = EndReply((time.perf_counter() - started) * 1e3)
         await link.channel.reply(req_id, waited.to_wire(), code=code, msg=text)
 
@@ -197,9 +212,11 @@ class Owner:
                         link.data.cancel(lease.job)  # our own I/O threads stop touching it too
                     self._links.notify(link, Abort(tid))
 
-    def link_closed(self, state: LinkTransfers) -> None:
+    def link_closed(self, link: Link, state: LinkTransfers) -> None:
         """Drop the leases of a closed link (its data plane has stopped touching the caches)."""
         for lease in state.leases.values():
+            self._stats.served(link.remote_cluster_id, lease.op, link.plane, time.perf_counter() - lease.started, 0,
+                               "LINK_CLOSED")
             self._registry.release_lease(lease.entry)
             if lease.release_key is not None:
                 self._pulling_keys.discard(lease.release_key)

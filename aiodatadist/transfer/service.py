@@ -12,7 +12,7 @@ from typing import Any
 
 from .._settings import Settings
 from ..control.links import Link, LinkManager
-from ..errors import LLMException, LLMStatusCode, LLMTimeoutError
+from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from ..layout import TransferParams
 from ..notifications import NotificationInbox
 from ..protocol.codec import ProtocolError
@@ -29,6 +29,7 @@ from ..protocol.messages import (
 )
 from ..registry import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
+from ..transport.tcp.native_plane import NativeDataPlane
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 from .engine import CopyEngine
 from .nixl_caches import NixlCaches
@@ -50,7 +51,7 @@ class TransferService:
         self._stats = stats
         self._inbox = inbox
         self._requester = Requester(cluster_id, settings, links, registry, engine, self._states, stats, nixl)
-        self._owner = Owner(links, registry, engine, self._states, inbox.deliver, nixl)
+        self._owner = Owner(links, registry, engine, self._states, inbox.deliver, nixl, stats)
         links.on_request = self.handle
         links.on_link_closed = self.on_link_closed
 
@@ -126,14 +127,30 @@ class TransferService:
         """Owner side: ``entry``'s memory is gone; same-host peers let go of their mappings."""
         self._owner.announce_freed(entry)
 
+    async def drop_links_using(self, entry: CacheEntry, reason: str) -> list[int]:
+        """Drop the links whose peers still hold leases on ``entry``; returns their cluster ids."""
+        holders = [link for link in list(self._links.links.values())
+                   if any(lease.entry is entry for lease in self._states.of(link).leases.values())]
+        for link in holders:
+            await self._links.drop(link, LLMLinkError(reason))
+        return [link.remote_cluster_id for link in holders]
+
     def abort_remote(self, entry: CacheEntry) -> None:
         """Owner side: ask requesters whose running transfers use ``entry`` (being released) to stop."""
         self._owner.abort_remote(entry)
 
+    def one_sided_served(self) -> dict[int, tuple[str, tuple[int, int, int]]]:
+        """The one-sided reads the live links' I/O threads served: remote cluster -> (plane, (accepted, bytes,
+        refused))."""
+        return {cluster: (link.plane, link.data.served_reads()) for cluster, link in self._links.links.items()
+                if isinstance(link.data, NativeDataPlane)}
+
     async def on_link_closed(self, link: Link, error: LLMException) -> None:
         """Stop the requester-side copies on this link, then drop the owner-side leases."""
+        if isinstance(link.data, NativeDataPlane):  # its data plane has stopped: these are final
+            self._stats.one_sided_closed(link.remote_cluster_id, link.plane, link.data.served_reads())
         state = self._states.pop(link)
         if state is None:
             return
         await self._requester.link_closed(state, error)
-        self._owner.link_closed(state)
+        self._owner.link_closed(link, state)

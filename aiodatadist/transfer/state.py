@@ -32,6 +32,9 @@ class Lease:
     entry: CacheEntry
     release_key: IndexKey | None  # a pull by CacheKey: the key it consumes once it succeeded
     job: TransferJob | None = None  # TCP plane: the owner's sending (pull) or receiving (push) end
+    op: str = "pull"  # the requester's operation
+    nbytes: int = 0  # what the plan moves
+    started: float = 0.0  # time.perf_counter() at BEGIN
 
 
 @dataclass(eq=False)

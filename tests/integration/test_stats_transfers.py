@@ -3,6 +3,8 @@ exported to Prometheus (the recorder alone is tested in ``unit/test_stats.py``).
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from helpers.data import fill_pattern
 
@@ -16,7 +18,7 @@ from aiodatadist import (
     Placement,
     StatsSnapshot,
 )
-from aiodatadist.testing import linked_pair
+from aiodatadist.testing import cluster_info, linked_pair
 
 DESC = CacheDesc(4, (8, 1024), DataType.DT_UINT8, Placement.HOST)  # 1 KiB blocks, 4 tensors
 
@@ -47,7 +49,41 @@ async def test_transfers_are_counted_per_cluster_and_direction(transport: str) -
         assert 0 < pulls.latency_p50_ms <= pulls.latency_p99_ms <= pulls.latency_max_ms
         assert before.get(1, "pull").operations == 2  # type: ignore[union-attr]  # a snapshot never changes
         assert decoder.stats().total_bytes == 24 << 10
-        assert prompt.stats() == StatsSnapshot()  # the owner does not record transfers it serves
+        assert prompt.stats().links == ()  # the owner requested nothing (what it served: the next test)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_the_owner_counts_what_it_served(transport: str) -> None:
+    """``served``: the transfers that asked the owner (BEGIN to END, refusals by code) and, on TCP, the one-sided
+    reads its I/O threads served; same-host one-sided transfers never reach it."""
+    cfg = LLMConfig()
+    cfg.transport = transport
+    async with linked_pair(config=cfg) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 3))
+        dst = decoder.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(2, 4))
+        fill_pattern(src, 1)
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [1, 2], [3, 4])  # asks the owner: 8 KiB
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [5], [6])  # one-sided: 4 KiB
+        with pytest.raises(LLMException):
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 99), dst, [5], [6])  # refused by the owner
+        await decoder.cache_manager.push_blocks(BlocksCacheKey(1, 3), dst, [0, 1, 2], [0, 1, 2])  # 12 KiB
+
+        served = prompt.stats()
+        pulls, pushes = served.served_of(2, "pull"), served.served_of(2, "push")
+        assert pulls is not None and pulls.plane == transport
+        assert dict(pulls.failures) == {LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.name: 1}
+        assert served.links == () and decoder.stats().served == ()
+        if transport == "tcp":  # the one-sided read is counted by the owner's I/O threads; pushes ask the owner
+            assert (pulls.operations, pulls.succeeded, pulls.bytes) == (3, 2, 12 << 10)
+            assert pushes is not None and (pushes.operations, pushes.bytes, dict(pushes.failures)) == (1, 12 << 10, {})
+            assert pushes.latency_p50_ms > 0
+        else:  # the second pull and the push read and write the owner's mapped memory without asking it
+            assert (pulls.operations, pulls.succeeded, pulls.bytes) == (2, 1, 8 << 10)
+            assert pushes is None
+        assert pulls.latency_max_ms > 0
+        await decoder.unlink_clusters([cluster_info(1, 0)], timeout=3000)
+        await asyncio.sleep(0.1)
+        assert prompt.stats().served_of(2, "pull") == pulls  # the counts outlive the link
 
 
 async def test_prometheus_export_reads_the_statistics() -> None:
@@ -69,3 +105,10 @@ async def test_prometheus_export_reads_the_statistics() -> None:
         assert registry.get_sample_value("aiodatadist_transfer_failures_total",
                                          {**labels, "code": "LLM_KV_CACHE_NOT_EXIST"}) == 1
         assert registry.get_sample_value("aiodatadist_transfer_latency_ms", {**labels, "quantile": "0.5"}) > 0
+        owner = prometheus_client.CollectorRegistry()  # the owner's side: what it served
+        register_prometheus(prompt, owner)
+        served = {"cluster": "1", "remote_cluster": "2", "direction": "pull", "plane": "shm"}
+        assert owner.get_sample_value("aiodatadist_served_transfers_total", served) == 2
+        assert owner.get_sample_value("aiodatadist_served_transfer_bytes_total", served) == 4 << 10
+        assert owner.get_sample_value("aiodatadist_served_transfer_failures_total",
+                                      {**served, "code": "LLM_KV_CACHE_NOT_EXIST"}) == 1

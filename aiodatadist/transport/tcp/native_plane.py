@@ -57,6 +57,7 @@ class NativeDataPlane(WaitingMixin[TransferJob]):
         self.closed: LLMException | None = None
         self._notify = NotifyPipe(loop, self._on_finished)  # the helper writes the handles of finished jobs
         address, rows = directory or (0, 0)
+        self._served = (0, 0, 0)
         self._net: int | None = lib.adt_net_new(self._notify.fd, address or None, rows, FRAME_BYTES)
         if not self._net:
             self._notify.close()
@@ -65,6 +66,15 @@ class NativeDataPlane(WaitingMixin[TransferJob]):
     @property
     def connections(self) -> int:
         return int(self._lib.adt_net_connections(self._net)) if self._net else 0
+
+    def served_reads(self) -> tuple[int, int, int]:
+        """The peer's one-sided reads this link served, counted by the I/O threads: (accepted, their bytes,
+        refused)."""
+        if not self._net:
+            return self._served
+        out = (ctypes.c_uint64 * 3)()
+        self._lib.adt_net_served(self._net, out)
+        return int(out[0]), int(out[1]), int(out[2])
 
     def attach(self, sock: socket.socket) -> None:
         """Hand a connected socket to the helper's threads (this plane owns its descriptor from now on)."""
@@ -174,6 +184,7 @@ class NativeDataPlane(WaitingMixin[TransferJob]):
         self._lib.adt_net_close(self._net)
         for job in list(self._jobs.values()):
             await self.wait_stopped(job)
+        self._served = self.served_reads()  # kept: the link's statistics outlive it
         net, self._net = self._net, None
         await asyncio.to_thread(self._lib.adt_net_free, net)
         self._notify.close()
