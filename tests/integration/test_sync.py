@@ -255,6 +255,16 @@ def test_a_transfer_that_times_out_leaves_both_sides_usable(peer: SyncPeer) -> N
         assert decoder.stats().get(prompt_id, "pull").failures.get("LLM_TIMEOUT") == 1  # type: ignore[union-attr]
 
 
+def _interrupt_when_landing(tensor: np.ndarray, delay: float) -> None:
+    """SIGINT the main thread ``delay`` seconds after the first byte of ``tensor`` changed (within 5 s)."""
+    deadline = time.monotonic() + 5
+    sample = tensor.reshape(-1)[::4096]  # a byte per page: cheap to poll
+    while (sample == POISON).all() and time.monotonic() < deadline:
+        time.sleep(0.0002)
+    time.sleep(delay)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # type: ignore[arg-type]
+
+
 def test_keyboard_interrupt_cancels_the_transfer_and_returns_after_it() -> None:
     """SIGINT in the main thread during a blocking pull: the call raises KeyboardInterrupt only once the
     transfer was cancelled (nothing lands afterwards), and the instance keeps working."""
@@ -266,11 +276,13 @@ def test_keyboard_interrupt_cancels_the_transfer_and_returns_after_it() -> None:
         remote_data = fill_rows(remote, 3)
         everything, reversed_ = list(range(BIG_BLOCKS)), list(range(BIG_BLOCKS))[::-1]
         interrupted = 0
-        for delay in (0.002, 0.005, 0.01, 0.002, 0.005):
+        for delay in (0.0, 0.002, 0.005, 0.0, 0.002):
             for t in local.tensors:
                 t[...] = POISON
             returned = False
-            timer = threading.Timer(delay, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+            # Interrupt once the bytes are flowing (then ``delay`` later): a fixed timer may fire only after a
+            # short transfer ended on a loaded machine.
+            timer = threading.Thread(target=_interrupt_when_landing, args=(local.tensors[0], delay))
             try:
                 timer.start()
                 decoder.cache_manager.pull_blocks(key, local, everything, reversed_)
