@@ -31,14 +31,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+import zmq
+
 from ._checks import check_isinstance, require
-from .config import MAX_TCP_CONNECTIONS, NET_IMPLEMENTATIONS, OptionKey
+from .config import (
+    MAX_TCP_CONNECTIONS,
+    NET_IMPLEMENTATIONS,
+    OptionKey,
+    parse_curve_key,
+    parse_curve_peer_keys,
+)
 from .errors import LLMException, LLMStatusCode
 from .types import Transport
 
 __all__ = [
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
     "KNOBS",
+    "CurveKeys",
     "EnvKnobs",
     "Knob",
     "Settings",
@@ -56,7 +65,7 @@ DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 MAX_COPY_THREADS: Final = 64
 MAX_COPY_NICE: Final = 19
 MAX_COPY_SPIN_US: Final = 100_000
-SAME_HOST_MECHANISMS: Final = frozenset({"map", "pvm"})
+SAME_HOST_MECHANISMS: Final = frozenset({"map", "pvm", "fds"})  # fds: segments handed over a Unix socket
 
 ENV_EXECUTOR: Final = "AIODATADIST_EXECUTOR"
 ENV_COPY_THREADS: Final = "AIODATADIST_COPY_THREADS"
@@ -190,7 +199,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
          lambda: 200,
          lambda raw: _digits(raw, 0, MAX_COPY_SPIN_US), "warning", salvage=_clamp(MAX_COPY_SPIN_US),
          help="how long an idle native copy thread spins before sleeping (us)"),
-    Knob(ENV_SAME_HOST, "same_host", 'a comma-separated list of "map" and "pvm" (empty: none)',
+    Knob(ENV_SAME_HOST, "same_host", 'a comma-separated list of "map", "pvm" and "fds" (empty: none)',
          lambda: SAME_HOST_MECHANISMS, _parse_same_host, "warning", empty_is_unset=False,
          salvage=_salvage_same_host,
          help="same-host mechanisms this process may use"),
@@ -294,6 +303,78 @@ env_knobs_cache_clear = _parsed.cache_clear  # tests: forget parsed values (so w
 
 # -- options ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """ZeroMQ CURVE on the control plane (``llm.CurveSecretKey`` + ``llm.CurvePeerKeys``; docs/security.md).
+
+    Keys are Z85 text (bytes), as ZeroMQ's socket options take them."""
+
+    secret_key: bytes = field(repr=False)
+    public_key: bytes  # derived from the secret key (zmq.curve_public)
+    peers: tuple[tuple[int | None, bytes], ...]  # (cluster id, or None for any, public key)
+
+    def server_key(self, cluster_id: int) -> bytes | None:
+        """The public key a client expects from the server of cluster ``cluster_id``: the one listed for that id,
+        else the only one listed without an id; None when there is none (or several) to choose from."""
+        for cluster, key in self.peers:
+            if cluster == cluster_id:
+                return key
+        unbound = {key for cluster, key in self.peers if cluster is None}
+        return unbound.pop() if len(unbound) == 1 else None
+
+    def clusters_of(self, public_key: bytes) -> frozenset[int] | None:
+        """Server side: the cluster ids a client with ``public_key`` may claim; None = any (listed without an
+        id); empty = the key is not trusted at all."""
+        ids: set[int] = set()
+        for cluster, key in self.peers:
+            if key == public_key:
+                if cluster is None:
+                    return None
+                ids.add(cluster)
+        return frozenset(ids)
+
+    def trusts(self, public_key: bytes) -> bool:
+        return any(key == public_key for _, key in self.peers)
+
+
+_curve_warned = False
+
+
+def _curve(opts: dict[str, str], transport: Transport) -> CurveKeys | None:
+    """The CURVE keys of ``opts``: both options or neither; an empty value is refused, never read as "off"."""
+    secret = opts.get(OptionKey.CURVE_SECRET_KEY)
+    peers = opts.get(OptionKey.CURVE_PEER_KEYS)
+    if secret is None and peers is None:
+        return None
+    require(secret is not None, f"option {OptionKey.CURVE_PEER_KEYS} needs {OptionKey.CURVE_SECRET_KEY} (this "
+            "instance's own CURVE secret key).")
+    require(peers is not None and peers != "", f"option {OptionKey.CURVE_SECRET_KEY} needs "
+            f"{OptionKey.CURVE_PEER_KEYS} (the public keys of the peers this instance trusts).")
+    assert secret is not None and peers is not None
+    if not zmq.has("curve"):
+        raise LLMException(f"option {OptionKey.CURVE_SECRET_KEY}: this pyzmq/libzmq ({zmq.zmq_version()}) was built "
+                           "without CURVE security (zmq.has('curve') is False).",
+                           status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+    try:
+        secret_key = parse_curve_key(secret)
+    except ValueError as exc:  # the value itself is never put in the message: it is a secret
+        raise LLMException(f"option {OptionKey.CURVE_SECRET_KEY} must be a Z85-encoded CURVE secret key "
+                           f"(zmq.curve_keypair()[1]): {exc}.",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+    try:
+        trusted = parse_curve_peer_keys(peers)
+    except ValueError as exc:
+        raise LLMException(f"option {OptionKey.CURVE_PEER_KEYS} must be comma-separated PUBLIC_KEY or "
+                           f"CLUSTER_ID=PUBLIC_KEY entries (Z85 CURVE public keys): {exc}.",
+                           status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+    global _curve_warned  # once per process
+    if not _curve_warned and transport is not Transport.SHM:
+        _curve_warned = True
+        log.warning("CURVE encrypts and authenticates the control plane only: the TCP data plane still carries "
+                    "KV cache bytes in the clear (see docs/security.md; use IPsec/WireGuard on untrusted networks)")
+    return CurveKeys(secret_key, zmq.curve_public(secret_key), trusted)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """What ``init`` understood from its options (and, for options absent, from the environment)."""
 
@@ -301,7 +382,7 @@ class Settings:
     sync_kv_timeout_ms: int
     listen: tuple[str, int] | None
     transport: Transport
-    auth_key: str | None
+    auth_key: str | None = field(repr=False)  # a secret: never in a repr (nor is raw, which holds it too)
     # None = unset: pull_cache takes both key types, push works; True: CacheKeyByIdAndIndex only; False: no push
     enable_remote_cache_accessible: bool | None
     has_local_comm_res: bool  # llm.LocalCommRes was given (even ""): local_ip_info_list may be empty
@@ -309,7 +390,8 @@ class Settings:
     directory: bool  # same-host requesters read the owner's cache directory (llm.Directory)
     tcp_connections: int  # data connections of each TCP link this instance serves (llm.TcpConnections)
     link_total_time_s: int  # bound of a two-sided link's bring-up (llm.LinkTotalTime; 0: the default)
-    raw: dict[str, str]  # the options as given (plus the keys llm.LocalCommRes defaults)
+    raw: dict[str, str] = field(repr=False)  # the options as given (plus the keys llm.LocalCommRes defaults)
+    curve: CurveKeys | None = None  # ZeroMQ CURVE on every control socket (llm.CurveSecretKey, llm.CurvePeerKeys)
 
 
 def parse_listen_ip_info(value: str) -> tuple[str, int]:
@@ -389,6 +471,7 @@ def parse_options(options: Any, knobs: EnvKnobs | None = None) -> Settings:
     _flag(opts, OptionKey.ENABLE_SWITCH_ROLE)
     link_total_time = _positive_int(opts, OptionKey.LINK_TOTAL_TIME, 0, minimum=0)
     _positive_int(opts, OptionKey.LINK_RETRY_COUNT, 1)
+    curve = _curve(opts, Transport(transport_value))
     knobs = env_knobs() if knobs is None else knobs
     return Settings(
         device_id=int(device),
@@ -405,4 +488,5 @@ def parse_options(options: Any, knobs: EnvKnobs | None = None) -> Settings:
         tcp_connections=_per_link(opts, knobs, ENV_TCP_CONNECTIONS),
         link_total_time_s=link_total_time,
         raw=opts,
+        curve=curve,
     )

@@ -561,6 +561,12 @@ class CacheManager:
         cm = self._cm
         _RUNNER.call(lambda: cm.unregister_cache_and_wait(cache_id))
 
+    def unregister_cache_and_wait(self, cache_id: int, timeout: float = 5.0) -> None:
+        """:meth:`unregister_cache` with its bound: ``LLMTimeoutError`` when a peer did not stop within
+        ``timeout`` seconds (its link was dropped)."""
+        cm = self._cm
+        _RUNNER.call(lambda: cm.unregister_cache_and_wait(cache_id, timeout))
+
     def deallocate_cache(self, cache: Cache) -> None:
         _RUNNER.call(lambda: _plain(self._cm.deallocate_cache, cache))
 

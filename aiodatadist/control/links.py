@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import secrets
@@ -39,6 +40,7 @@ from ..protocol.handshake import (
     plane_refusal,
 )
 from ..protocol.messages import (
+    FD_TOKEN_BYTES,
     Bye,
     DataOffer,
     Hello,
@@ -52,7 +54,15 @@ from ..protocol.messages import (
 )
 from ..registry import CacheRegistry
 from ..transport.directory import DirectoryView
-from ..transport.same_host import HostProbe, PeerCapabilities, PeerMemory, probe_peer
+from ..transport.fd_passing import FdServer
+from ..transport.same_host import (
+    HostProbe,
+    PeerCapabilities,
+    PeerMemory,
+    allowed_mechanisms,
+    probe_peer,
+    probe_peer_fds,
+)
 from ..transport.tcp.frames import DATA_HELLO, MAGIC
 from ..transport.tcp.python_plane import PythonDataPlane
 from ..types import LLMClusterInfo, LLMRole, ip_int_to_str
@@ -105,6 +115,7 @@ class Link:
     peer_serves_reads: bool = False  # TCP plane: the peer answers one-sided reads of its published caches
     data_token: bytes | None = None  # server side: what the client's data connections present
     data_admits: int = 0  # server side: data connections still admitted with that token (then it is retired)
+    fd_grant: bytes | None = None  # what the peer presents to this side's fd socket for this link's segments
     closed: bool = False
     unlinking: bool = False  # this side sent BYE: the peer closing the data connections is expected
 
@@ -114,7 +125,7 @@ class Link:
     def map_directory(self, announced: SegmentIdentity | None, enabled: bool) -> None:
         """Map the peer's cache directory (same host, mapping allowed, ``llm.Directory`` on); without it every
         transfer asks the owner."""
-        if enabled and self.plane == "shm" and self.caps.can_map:
+        if enabled and self.plane == "shm" and self.caps.can_map and not self.caps.fds:  # (not handed over)
             self.directory = DirectoryView.from_wire(announced, self.caps.pid)
 
     def describe(self) -> dict[str, Any]:
@@ -177,6 +188,8 @@ class LinkManager:
         self._abandoned.atexit = False  # at exit pyzmq leaves contexts alone; a live loop may still use them
         self._tasks = TaskSet()
         self._probe = HostProbe()
+        self._fd_grants: dict[bytes, Link] = {}  # fd socket tokens given to peers over their admitted link
+        self._fds = self._fd_server()
         self._server: Server | None = None
         self._server_task: asyncio.Task[Any] | None = None
         self._server_watch: asyncio.Task[Any] | None = None
@@ -212,7 +225,7 @@ class LinkManager:
         if old is not None and _split_endpoint(old)[1] == port:
             await self.stop_listening()  # the same port in another address form: it must be free to bind again
         try:
-            server = Server(self._ctx, endpoint, self._on_hello)
+            server = Server(self._ctx, endpoint, self._on_hello, self._settings.curve)
         except zmq.ZMQError as exc:
             # A failed bind leaves the current server (if any) untouched.
             raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from None
@@ -246,10 +259,45 @@ class LinkManager:
         if server is not None:
             server.close()
 
-    def _hello(self, remote_cluster_id: int, client_nonce: bytes) -> Hello:
-        """The first HELLO of a link to ``remote_cluster_id``."""
+    def _hello(self, remote_cluster_id: int, client_nonce: bytes, grant: bytes | None) -> Hello:
+        """The first HELLO of a link to ``remote_cluster_id`` (``grant``: this side's fd socket token for the
+        server, sent here only when the link is not authenticated: else in the second HELLO, once the server
+        proved its key)."""
         return Hello(PROTOCOL_VERSION, self._cluster_id, remote_cluster_id, int(self.role), self._settings.transport,
-                     self._probe.info(), self._segments(), self._directory(), self._native_net, cn=client_nonce)
+                     self._probe.info(), self._segments(), self._directory(), self._native_net, cn=client_nonce,
+                     fdt=None if self._auth_key is not None else grant)
+
+    # -- fd socket: segments handed to same-host peers under another user -------------------------------------
+    def _fd_server(self) -> FdServer | None:
+        if "fds" not in allowed_mechanisms():
+            return None
+        probe_fd = self._probe.segment.fd
+        try:
+            assert probe_fd is not None
+            server = FdServer(probe_fd, self._segment_fd)
+        except OSError as exc:  # e.g. no abstract Unix sockets here
+            log.debug("no fd socket: %s", exc)
+            return None
+        server.start()
+        self._probe.fds = server.name
+        return server
+
+    def _segment_fd(self, token: bytes, inode: int, device: int) -> int | None:
+        """The memfd of a remote-accessible cache's segment ``(inode, device)``, for the peer that holds
+        ``token`` (a live link's grant); None for anyone else or any other memory."""
+        link = self._fd_grants.get(token)
+        if link is None or link.closed:
+            return None
+        for entry in self._registry.entries():
+            shared = entry.shared_segment
+            if (shared is not None and entry.remote_accessible
+                    and (shared.identity.inode, shared.identity.device) == (inode, device)):
+                return shared.fd
+        return None
+
+    def _grant(self, link: Link, grant: bytes) -> None:
+        link.fd_grant = grant
+        self._fd_grants[grant] = link
 
     def _segments(self) -> tuple[tuple[SegmentIdentity, int], ...]:
         """This instance's shared-memory caches, announced at link time so that the peer maps them early."""
@@ -289,7 +337,7 @@ class LinkManager:
         caps = PeerCapabilities(False, False, False, 0)
         plane: Plane | None = None
         if code == 0:
-            caps = probe_peer(hello.host)
+            caps = await probe_peer_fds(hello.host, probe_peer(hello.host))
             plane = choose_plane(self._settings.transport, hello.transport, caps.same_host)
             if plane is None:
                 code, msg = int(S.LLM_LINK_FAILED), plane_refusal(self._settings.transport, hello.transport)
@@ -305,6 +353,9 @@ class LinkManager:
                     plane=plane, routing_id=routing_id)
         channel.context = link
         link.peer_serves_reads = hello.reads
+        link.memory.fd_token = hello.fdt
+        grant = secrets.token_bytes(FD_TOKEN_BYTES)
+        self._grant(link, grant)
         self.links[cluster] = link
         server.channels[routing_id] = channel
         data, dconns = None, None
@@ -319,7 +370,7 @@ class LinkManager:
             link.data_admits = dconns = self._settings.tcp_connections
             link.data = self._new_data_plane(link)
         reply = HelloReply(self._cluster_id, int(self.role), self._probe.info(), self._settings.transport,
-                           self._segments(), self._directory(), plane, self._native_net, data, dconns)
+                           self._segments(), self._directory(), plane, self._native_net, data, dconns, grant)
         await channel.reply(req_id, reply.to_wire())
         link.map_directory(hello.directory, self._settings.directory)
         if link.plane == "shm":  # TCP and NIXL links never read the peer's memory mapped
@@ -373,22 +424,23 @@ class LinkManager:
         ip, port = cluster.remote_ip_info_list[0]
         endpoint = f"tcp://{ip_int_to_str(ip)}:{port}"
         self._linking.add(remote_id)
+        grant = secrets.token_bytes(FD_TOKEN_BYTES)  # this side's fd socket token for the server
         started = asyncio.get_running_loop().time()
-        sock = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15))
+        sock = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15), self._settings.curve, remote_id)
         channel = Channel(dealer_sender(sock), self._handle, f"{self._cluster_id}->{remote_id}")
         reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}",
                                    on_error=functools.partial(self._reader_failed, channel))
         try:
             async with asyncio.timeout(timeout_ms / 1000):
-                answer, nonces = await self._handshake(channel, remote_id)
+                answer, nonces = await self._handshake(channel, remote_id, grant)
             reply = HelloReply.from_wire(answer)
-            caps = probe_peer(reply.host)
+            caps = await probe_peer_fds(reply.host, probe_peer(reply.host))
         except (LLMException, TimeoutError, ProtocolError) as exc:
             reader.cancel()
             sock.close(linger=LINGER_MS)  # a BYE queued for a server that admitted us still goes out
             code = exc.status_code if isinstance(exc, LLMException) else S.LLM_LINK_FAILED
             log.info("link %d -> %d (%s) failed: %s", self._cluster_id, remote_id, endpoint,
-                     exc or "no answer in time")
+                     str(exc) or "no answer in time (with CURVE: the server lacks it or holds another key)")
             return code
         except BaseException:  # cancelled (or a bug): leave no socket or reader behind
             reader.cancel()
@@ -409,6 +461,8 @@ class LinkManager:
         link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint, remote_role=reply.role,
                     plane=client_plane(plane, reply.plane), sock=sock, reader=reader)
         link.peer_serves_reads = reply.reads
+        link.memory.fd_token = reply.fdt
+        self._grant(link, grant)
         if link.plane == "tcp":
             remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
             try:
@@ -481,12 +535,12 @@ class LinkManager:
         return NativeDataPlane(name, loop, broken,
                                (directory.address, directory.rows) if directory is not None else None)
 
-    async def _handshake(self, channel: Channel,
-                         remote_id: int) -> tuple[dict[str, Any], tuple[bytes, bytes] | None]:
+    async def _handshake(self, channel: Channel, remote_id: int,
+                         grant: bytes) -> tuple[dict[str, Any], tuple[bytes, bytes] | None]:
         """Client side of the handshake, with the challenge when either end has a key; returns the server's
         admission reply (to decode with ``HelloReply.from_wire``) and, for an authenticated link, the nonces."""
         client_nonce = auth.new_nonce()
-        hello = self._hello(remote_id, client_nonce)
+        hello = self._hello(remote_id, client_nonce, grant)
         answer = await channel.request(hello)
         challenge = None
         if is_challenge(answer):
@@ -503,6 +557,7 @@ class LinkManager:
         if second is None:
             return answer, None
         assert challenge is not None
+        second = dataclasses.replace(second, fdt=grant)  # the server proved its key: it may fetch our segments
         return await channel.request(second), (client_nonce, challenge.challenge)
 
     async def _connect_data(self, link: Link, host: str, reply: HelloReply, nonces: tuple[bytes, bytes] | None,
@@ -647,6 +702,8 @@ class LinkManager:
         link.channel.close(error)
         if link.data_token is not None:
             self._data_tokens.pop(link.data_token, None)
+        if link.fd_grant is not None:
+            self._fd_grants.pop(link.fd_grant, None)
         try:
             if link.data is not None:  # its threads stop touching memory before leases are released
                 await link.data.aclose(error)
@@ -707,6 +764,8 @@ class LinkManager:
             # Closed sockets linger briefly so that the BYEs reach the peers; term() waits for that, off the loop.
             await asyncio.to_thread(self._ctx.term)
             self._abandoned.detach()
+            if self._fds is not None:
+                self._fds.close()
             self._probe.close()
 
     def describe(self) -> list[dict[str, Any]]:

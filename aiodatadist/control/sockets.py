@@ -3,10 +3,17 @@
 Each socket has exactly one reader task (:meth:`Server.serve`, :func:`read_dealer`), which decodes frames and
 hands their messages to the link's :class:`~.channel.Channel` (inline kinds at once, others in tasks of the
 instance's :class:`~.channel.TaskSet`).
+
+With :class:`~aiodatadist._settings.CurveKeys` (``llm.CurveSecretKey``), every socket uses ZeroMQ CURVE: the
+server is a CURVE server whose context runs a ZAP handler (:class:`ZapHandler`) admitting only the listed client
+keys, fails closed (``ZAP_ENFORCE_DOMAIN``), and checks that a client's HELLO claims a cluster id its key is listed
+for; a DEALER is a CURVE client that expects the server key listed for the cluster it links to.  See
+``docs/security.md``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -14,14 +21,16 @@ from typing import Any, Final
 
 import zmq
 import zmq.asyncio
+import zmq.utils.z85
 
+from .._settings import CurveKeys
 from ..errors import LLMLinkError, LLMStatusCode
 from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode
 from ..protocol.messages import reply_to_wire
 from .channel import Channel, TaskSet
 
-__all__ = ["LINGER_MS", "Context", "Server", "abandon_context", "connect_dealer", "dealer_sender", "new_context",
-           "read_dealer"]
+__all__ = ["LINGER_MS", "ZAP_DOMAIN", "Context", "Server", "ZapHandler", "abandon_context", "connect_dealer",
+           "dealer_sender", "new_context", "read_dealer"]
 
 log = logging.getLogger("aiodatadist.control.sockets")
 
@@ -33,6 +42,9 @@ context's default, for every other close, is 0."""
 HEARTBEAT_IVL_MS: Final = 1000
 HEARTBEAT_TIMEOUT_MS: Final = 5000
 HEARTBEAT_TTL_MS: Final = 5000
+ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
+ZAP_DOMAIN: Final = b"aiodatadist"
+_MAX_KEYED_ROUTES: Final = 4096  # server: routing ids remembered with their CURVE key beyond the linked ones
 
 
 class Context(zmq.asyncio.Context):
@@ -43,10 +55,12 @@ class Context(zmq.asyncio.Context):
     Here :func:`abandon_context` can still reach and close every one of them."""
 
     open_sockets: set[Any]
+    zap: ZapHandler | None  # CURVE: the context's ZAP handler, started with the first CURVE server
 
     def __init__(self) -> None:
         super().__init__()
         self.open_sockets = set()
+        self.zap = None
 
     def _add_socket(self, socket: Any) -> None:
         super()._add_socket(socket)
@@ -134,23 +148,109 @@ def dealer_sender(sock: zmq.asyncio.Socket) -> Callable[[Channel], Callable[[byt
     return bind
 
 
-def connect_dealer(ctx: zmq.asyncio.Context, endpoint: str, routing_id: bytes) -> zmq.asyncio.Socket:
+def connect_dealer(ctx: zmq.asyncio.Context, endpoint: str, routing_id: bytes, curve: CurveKeys | None = None,
+                   remote_id: int = 0) -> zmq.asyncio.Socket:
+    """A DEALER connected to ``endpoint``; with ``curve``, a CURVE client that completes its handshake only with
+    a server holding the secret key of the public key listed for cluster ``remote_id`` (a server without CURVE, or
+    with another key, never completes it: the link fails at its timeout).  With no key listed for that cluster the
+    socket is not connected at all (logged), so that the link fails without a byte in the clear."""
     sock = ctx.socket(zmq.DEALER)
     _tune(sock)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    if curve is not None:
+        server_key = curve.server_key(remote_id)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+        if server_key is None:
+            log.warning("no CURVE public key for cluster %d in llm.CurvePeerKeys (list it as %d=KEY, or list "
+                        "exactly one key without an id): the link to %s is not attempted", remote_id, remote_id,
+                        endpoint)
+            return sock
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
     sock.connect(endpoint)
     return sock
 
 
-class Server:
-    """A bound ROUTER socket; channels are created per routing id when a peer says hello."""
+class ZapHandler:
+    """A context's ZAP handler (ZeroMQ RFC 27) for CURVE servers: admits a client's handshake only when its public
+    key is in ``llm.CurvePeerKeys`` and reports that key as the connection's User-Id.  Bound before any CURVE
+    server socket is; the servers enforce the ZAP domain, so without a live handler no client gets in.  Its task
+    ends when the socket is closed (the link manager closes every socket of its context on ``close``)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str,
-                 on_hello: Callable[[bytes, dict[str, Any]], Awaitable[None]]) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, curve: CurveKeys) -> None:
+        self.curve = curve
+        self.sock = ctx.socket(zmq.REP)
+        try:
+            self.sock.bind(ZAP_ENDPOINT)
+        except zmq.ZMQError:
+            self.sock.close(linger=0)
+            raise
+        self.task = asyncio.ensure_future(self._serve())
+        self.task.add_done_callback(_zap_ended)
+
+    def answer(self, request: list[bytes]) -> list[bytes]:
+        """The reply to one ZAP request (sans-IO): ``[version, request id, domain, address, identity, mechanism,
+        credentials...]`` -> ``[version, request id, status, text, user id, metadata]``."""
+        if len(request) < 6 or request[0] != b"1.0":
+            return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"malformed ZAP request", b"", b""]
+        request_id, domain, address, mechanism = request[1], request[2], request[3], request[5]
+        credentials = request[6:]
+        if mechanism != b"CURVE" or domain != ZAP_DOMAIN or len(credentials) != 1 or len(credentials[0]) != 32:
+            log.warning("refused a control connection from %s: mechanism %r is not CURVE", address.decode(
+                errors="replace"), mechanism)
+            return [b"1.0", request_id, b"400", b"CURVE required", b"", b""]
+        key = zmq.utils.z85.encode(credentials[0])
+        if not self.curve.trusts(key):
+            log.warning("refused a CURVE control connection from %s: its public key %s is not in "
+                        "llm.CurvePeerKeys", address.decode(errors="replace"), key.decode())
+            return [b"1.0", request_id, b"400", b"public key not trusted", b"", b""]
+        return [b"1.0", request_id, b"200", b"OK", key, b""]
+
+    async def _serve(self) -> None:
+        while True:
+            request = await self.sock.recv_multipart()
+            try:
+                reply = self.answer(request)
+            except Exception as exc:  # noqa: BLE001 - a malformed request must not end the handler
+                log.warning("malformed ZAP request: %r", exc)
+                reply = [b"1.0", b"", b"500", b"internal error", b"", b""]
+            await self.sock.send_multipart(reply)
+
+
+def _zap_ended(task: asyncio.Future[None]) -> None:
+    """The ZAP handler's task ended: cancelled when its socket closed, else a failure (clients are refused from now
+    on: CURVE servers enforce the ZAP domain)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the CURVE ZAP handler failed; no client is admitted any more", exc_info=task.exception())
+
+
+def _zap_for(ctx: Context, curve: CurveKeys) -> ZapHandler:
+    if ctx.zap is None or ctx.zap.sock.closed:
+        ctx.zap = ZapHandler(ctx, curve)
+    return ctx.zap
+
+
+class Server:
+    """A bound ROUTER socket; channels are created per routing id when a peer says hello.
+
+    With ``curve``: a CURVE server (clients admitted by the context's :class:`ZapHandler`), a client's HELLO must
+    claim a cluster id its key is listed for, and a linked routing id's messages must come from the key that said
+    hello on it (``ROUTER_HANDOVER`` would otherwise let another trusted key take a connection over)."""
+
+    def __init__(self, ctx: Context, endpoint: str,
+                 on_hello: Callable[[bytes, dict[str, Any]], Awaitable[None]], curve: CurveKeys | None = None) -> None:
+        self.curve = curve
+        if curve is not None:
+            _zap_for(ctx, curve)  # bound before the server: no handshake may happen without it
         self.sock = ctx.socket(zmq.ROUTER)
         _tune(self.sock)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if curve is not None:
+            self.sock.setsockopt(zmq.CURVE_SERVER, 1)
+            self.sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+            self.sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+            self.sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: nobody gets in
         try:
             self.sock.bind(endpoint)
         except zmq.ZMQError:
@@ -162,6 +262,7 @@ class Server:
         self.endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"  # as bound: the port peers connect to
         self.channels: dict[bytes, Channel] = {}
         self._on_hello = on_hello
+        self._keys: dict[bytes, bytes] = {}  # CURVE: routing id -> the client key that said hello on it
 
     def sender(self, routing_id: bytes) -> Callable[[Channel], Callable[[bytes], None]]:
         """The send function of a server-side channel (an unknown routing id closes the channel)."""
@@ -180,6 +281,9 @@ class Server:
 
     async def serve(self, tasks: TaskSet) -> None:
         """Reader task of the server socket."""
+        if self.curve is not None:
+            await self._serve_curve(tasks, self.curve)
+            return
         while True:
             frames = await self.sock.recv_multipart()
             if len(frames) != 2:
@@ -199,6 +303,62 @@ class Server:
                 elif message["k"] != Kind.REPLY:
                     await self.reply_raw(routing_id, reply_to_wire(
                         message["i"], code=int(LLMStatusCode.LLM_NOT_YET_LINK), msg="not linked"))
+
+    async def _route(self, routing_id: bytes, message: dict[str, Any], tasks: TaskSet) -> None:
+        channel = self.channels.get(routing_id)
+        if channel is not None:
+            await _deliver(channel, message, tasks)
+        elif message["k"] == Kind.HELLO:
+            tasks.spawn(self._on_hello(routing_id, message), name="hello")
+        elif message["k"] != Kind.REPLY:
+            await self.reply_raw(routing_id, reply_to_wire(
+                message["i"], code=int(LLMStatusCode.LLM_NOT_YET_LINK), msg="not linked"))
+
+    async def _serve_curve(self, tasks: TaskSet, curve: CurveKeys) -> None:
+        """Reader task of a CURVE server: as :meth:`serve`, reading each message's User-Id (the client's public
+        key, set by the ZAP handler) to bind cluster ids and routing ids to keys."""
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            if len(frames) != 2:
+                continue
+            routing_id, data = frames[0].bytes, frames[1].bytes
+            try:
+                key = str(frames[1].get("User-Id")).encode()
+            except zmq.ZMQError:  # no User-Id: not admitted by our ZAP handler (cannot happen: fail closed)
+                continue
+            try:
+                messages = decode_batch(data)
+            except Exception as exc:  # noqa: BLE001 - whatever a peer sends must not end the reader
+                log.warning("dropping malformed message from %r: %s", routing_id[:8], exc)
+                continue
+            for message in messages:
+                if routing_id in self.channels:
+                    if self._keys.get(routing_id) != key:
+                        log.warning("dropping a message on a linked connection taken over by another CURVE key "
+                                    "(%s)", key.decode())
+                        continue
+                elif message["k"] == Kind.HELLO:
+                    allowed = curve.clusters_of(key)
+                    claimed = message.get("cluster")
+                    if allowed is not None and not (type(claimed) is int and claimed in allowed):
+                        log.warning("refused a link from cluster %r: CURVE key %s is listed only for cluster(s) %s",
+                                    claimed, key.decode(), ",".join(map(str, sorted(allowed))))
+                        await self.reply_raw(routing_id, reply_to_wire(
+                            message["i"], code=int(LLMStatusCode.LLM_LINK_FAILED),
+                            msg=f"this CURVE key is not trusted for cluster {claimed!r}"))
+                        continue
+                    self._remember(routing_id, key)
+                await self._route(routing_id, message, tasks)
+
+    def _remember(self, routing_id: bytes, key: bytes) -> None:
+        """Bind ``routing_id`` to ``key`` (the newest last); past the bound, routes that are not linked are
+        forgotten, the oldest first (a link still in its handshake is among the newest)."""
+        self._keys.pop(routing_id, None)
+        self._keys[routing_id] = key
+        if len(self._keys) > len(self.channels) + _MAX_KEYED_ROUTES:
+            unlinked = [r for r in self._keys if r not in self.channels]
+            for r in unlinked[:len(unlinked) - _MAX_KEYED_ROUTES // 2]:
+                del self._keys[r]
 
     def close(self) -> None:
         self.sock.close(linger=LINGER_MS)

@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import LLMException, LLMStatusCode
 from ..native import advise_hugepages, populate
 
-__all__ = ["PAGE", "SegmentIdentity", "SharedSegment", "map_peer_segment"]
+__all__ = ["PAGE", "SegmentIdentity", "SharedSegment", "map_peer_segment", "map_segment_fd"]
 
 PAGE = mmap.PAGESIZE
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004) | getattr(
@@ -77,6 +77,11 @@ class SharedSegment:
             self.array()[::PAGE] = 0
 
     @property
+    def fd(self) -> int | None:
+        """The memfd (None once closed): what :mod:`aiodatadist.transport.fd_passing` hands to peers."""
+        return self._fd
+
+    @property
     def closed(self) -> bool:
         return self._fd is None
 
@@ -108,10 +113,16 @@ def map_peer_segment(identity: SegmentIdentity, *, writable: bool = True) -> mma
     except OSError as exc:
         raise OSError(exc.errno, f"cannot open peer segment {path}: {exc.strerror}") from exc
     try:
-        st = os.fstat(fd)
-        if (st.st_ino, st.st_dev) != (identity.inode, identity.device) or st.st_size < identity.size:
-            raise OSError(0, f"peer segment {path} is not the announced one (released or recycled)")
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return mmap.mmap(fd, identity.size, flags=mmap.MAP_SHARED, prot=prot)
+        return map_segment_fd(fd, identity, writable=writable, what=path)
     finally:
         os.close(fd)
+
+
+def map_segment_fd(fd: int, identity: SegmentIdentity, *, writable: bool = True, what: str = "") -> mmap.mmap:
+    """Map a peer's segment from a descriptor of it (opened here, or handed over by the peer), verifying it is
+    the announced one; the caller keeps ``fd``."""
+    st = os.fstat(fd)
+    if (st.st_ino, st.st_dev) != (identity.inode, identity.device) or st.st_size < identity.size:
+        raise OSError(0, f"peer segment {what or fd} is not the announced one (released or recycled)")
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, identity.size, flags=mmap.MAP_SHARED, prot=prot)

@@ -33,6 +33,8 @@ from .auth import NONCE_BYTES
 from .codec import Kind, ProtocolError, field, int_field, opt_int_list, uint64_array
 
 __all__ = [
+    "FDS_PREFIX",
+    "FD_TOKEN_BYTES",
     "HOST_NONCE_BYTES",
     "IPC_HANDLE_BYTES",
     "MAX_ANNOUNCED_SEGMENTS",
@@ -98,9 +100,13 @@ MAX_ANNOUNCED_SEGMENTS = 4096
 MAX_DATA_CONNECTIONS = 16
 """TCP data connections per link (``MAX_CONNS`` in ``_net.c``; the TCP plane's bound)."""
 HOST_NONCE_BYTES = 32
+"""Size of the nonce in a host probe."""
 MAX_NOTE_BYTES = 4096
 """Size limit of a notification (END's ``note``, NOTIFY's ``note``)."""
-"""Size of the nonce in a host probe."""
+FDS_PREFIX = "\0aiodatadist-"
+"""How the abstract Unix socket names of :mod:`aiodatadist.transport.fd_passing` begin."""
+FD_TOKEN_BYTES = 16
+"""Size of the token a peer presents to that socket."""
 DATA_TOKEN_BYTES = 16
 _U32_MAX = 2**32 - 1
 _KEY_KINDS = ("id", "blocks", "req", "prefix")
@@ -346,18 +352,23 @@ class Descriptor:
 @dataclass(frozen=True, slots=True)
 class HostInfo:
     """A process's host probe (see :mod:`aiodatadist.transport.same_host`): the host's boot id, the pid, a
-    one-page shared segment (and its address in that process) holding ``nonce``."""
+    one-page shared segment (and its address in that process) holding ``nonce``; ``fds``: the abstract Unix
+    socket that hands out its segments (:mod:`aiodatadist.transport.fd_passing`), if any."""
 
     boot: str
     pid: int
     probe: SegmentIdentity
     address: int
     nonce: bytes
+    fds: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         p = self.probe
-        return {"boot": self.boot, "pid": self.pid, "probe": [p.pid, p.fd, p.inode, p.device, p.size, self.address],
-                "nonce": self.nonce}
+        out = {"boot": self.boot, "pid": self.pid, "probe": [p.pid, p.fd, p.inode, p.device, p.size, self.address],
+               "nonce": self.nonce}
+        if self.fds is not None:
+            out["fds"] = self.fds
+        return out
 
     @classmethod
     def from_wire(cls, value: Any) -> Self:
@@ -370,7 +381,10 @@ class HostInfo:
             ok = False
         if not ok or len(nonce) != HOST_NONCE_BYTES:
             raise ProtocolError("invalid host probe")
-        return cls(boot, pid, SegmentIdentity(*probe[:5]), probe[5], nonce)
+        fds = value.get("fds")
+        if fds is not None and not (isinstance(fds, str) and fds.startswith(FDS_PREFIX) and len(fds) <= 107):
+            fds = None  # not our kind of socket: never connected to
+        return cls(boot, pid, SegmentIdentity(*probe[:5]), probe[5], nonce, fds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,6 +426,7 @@ class Hello:
     cn: bytes | None = None
     sn: bytes | None = None
     cp: bytes | None = None
+    fdt: bytes | None = None  # the token this client's fd socket asks of the server (only once it is trusted)
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -420,7 +435,7 @@ class Hello:
             "segs": [segment_to_wire(s, base) for s, base in self.segs], "dir": _directory_to_wire(self.directory),
             "reads": self.reads,
         }
-        for name in ("cn", "sn", "cp"):
+        for name in ("cn", "sn", "cp", "fdt"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -433,7 +448,7 @@ class Hello:
         target = int_field(m, "to", 0)
         role = int_field(m, "role", 0, 3)
         transport = transport_from_wire(field(m, "transport", str))
-        cn, sn, cp = m.get("cn"), m.get("sn"), m.get("cp")
+        cn, sn, cp, fdt = m.get("cn"), m.get("sn"), m.get("cp"), m.get("fdt")
         return cls(
             version, cluster, target, role, transport,
             host=_lenient(HostInfo.from_wire, m.get("host")), segs=segments_from_wire(m.get("segs")),
@@ -442,6 +457,7 @@ class Hello:
             sn=sn if isinstance(sn, bytes) else None,
             # A proof that is there but not bytes is still a (failed) proof, never a request for a challenge.
             cp=None if cp is None else cp if isinstance(cp, bytes) else b"",
+            fdt=fdt if isinstance(fdt, bytes) and len(fdt) == FD_TOKEN_BYTES else None,
         )
 
 
@@ -735,6 +751,7 @@ class HelloReply:
     reads: bool = False
     data: DataOffer | None = None
     dconns: int | None = None
+    fdt: bytes | None = None  # the token the server's fd socket asks of this client
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -746,11 +763,13 @@ class HelloReply:
             out["data"] = self.data.to_wire()
         if self.dconns is not None:
             out["dconns"] = self.dconns
+        if self.fdt is not None:
+            out["fdt"] = self.fdt
         return out
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Self:
-        role, dconns = m.get("role", 0), m.get("dconns")
+        role, dconns, fdt = m.get("role", 0), m.get("dconns"), m.get("fdt")
         return cls(
             host=_lenient(HostInfo.from_wire, m.get("host")), cluster=int_field(m, "cluster", 0),
             role=int(role) if isinstance(role, int) else 0, transport=transport_from_wire(m.get("transport")),
@@ -759,6 +778,7 @@ class HelloReply:
             data=_lenient(DataOffer.from_wire, m.get("data")),
             dconns=dconns if isinstance(dconns, int) and _is_int(dconns) and 1 <= dconns <= MAX_DATA_CONNECTIONS
             else None,
+            fdt=fdt if isinstance(fdt, bytes) and len(fdt) == FD_TOKEN_BYTES else None,
         )
 
 

@@ -256,6 +256,11 @@ class Requester:
         geometry, remote_addrs, segment = descriptor.geometry, descriptor.addrs, descriptor.segment
         ipc = list(descriptor.ipc) if descriptor.ipc is not None else None
         pull = params.op == "pull"
+        if segment is not None and link.caps.fds:  # a peer under another user hands its segments over (once)
+            try:
+                await link.memory.ensure(segment[0])
+            except OSError as exc:
+                raise LLMLinkError(f"cluster {link.remote_cluster_id} did not hand over its cache: {exc}") from exc
         # The peer may free this cache meanwhile (FREED): its mapping here stays until the copy is done.
         held = link.memory.hold(segment[0]) if segment is not None else None
         device = None

@@ -1,10 +1,12 @@
 """Same-host peers: proving that a peer shares this host, and reaching its memory.
 
 At link time each side announces a probe: a one-page shared-memory segment holding a random nonce.  The other
-side tries both same-host mechanisms on it: mapping the segment through ``/proc/<pid>/fd`` and reading it with
-``process_vm_readv``.  Reading the right nonce proves the peer is on this host (not just a matching hostname)
-and tells which mechanism the OS allows.  :class:`PeerMemory` then turns copy spans that address the peer's
-memory into native copies.
+side tries the same-host mechanisms on it: mapping the segment through ``/proc/<pid>/fd`` (``map``), reading it
+with ``process_vm_readv`` (``pvm``), both of which need ptrace rights over the peer, and, when neither is
+allowed (a peer under another user), asking the peer's Unix socket for the segment's descriptor (``fds``,
+:mod:`aiodatadist.transport.fd_passing`).  Reading the right nonce proves the peer is on this host (not just a
+matching hostname) and tells which mechanism works.  :class:`PeerMemory` then turns copy spans that address the
+peer's memory into native copies.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import numpy.typing as npt
 from .._checks import U64_LIMIT
 from .._settings import env_knobs
 from ..errors import LLMException, LLMStatusCode
-from ..memory import SegmentIdentity, SharedSegment, map_peer_segment
+from ..memory import SegmentIdentity, SharedSegment, map_peer_segment, map_segment_fd
 from ..native import CopyMode, CopySpec, populate, process_vm_read, pvm_copier
 from ..protocol.messages import HOST_NONCE_BYTES as NONCE_BYTES
 from ..protocol.messages import MAX_ANNOUNCED_SEGMENTS, HostInfo
+from .fd_passing import PROBE, SEGMENT, request_fd
 
 __all__ = ["MAX_ANNOUNCED_SEGMENTS", "NONCE_BYTES", "HostProbe", "PeerCapabilities", "PeerMemory",
            "allowed_mechanisms"]
@@ -58,10 +61,12 @@ class HostProbe:
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.segment = SharedSegment(mmap.PAGESIZE, name="aiodatadist-probe")
         self.segment.array()[:NONCE_BYTES] = np.frombuffer(self.nonce, dtype=np.uint8)
+        self.fds: str | None = None  # this process's fd socket, once it listens
 
     def info(self) -> HostInfo:
         """The probe as the handshake announces it (``host``)."""
-        return HostInfo(_boot_id(), os.getpid(), self.segment.identity, self.segment.address, self.nonce)
+        return HostInfo(_boot_id(), os.getpid(), self.segment.identity, self.segment.address, self.nonce,
+                        self.fds)
 
     def close(self) -> None:
         self.segment.close()
@@ -72,14 +77,16 @@ class PeerCapabilities:
     """What this side can do with a peer's memory."""
 
     same_host: bool
-    can_map: bool
+    can_map: bool  # the peer's segments can be mapped here: through /proc (fds None) or handed over (fds)
     can_pvm: bool
     pid: int
+    fds: str | None = None  # the peer's fd socket, when its segments are handed over rather than opened
 
     def describe(self) -> str:
         if not self.same_host:
             return "other host"
-        mechanisms = [m for m, ok in (("map", self.can_map), ("pvm", self.can_pvm)) if ok]
+        mapped = "fds" if self.fds else "map"
+        mechanisms = [m for m, ok in ((mapped, self.can_map), ("pvm", self.can_pvm)) if ok]
         return "same host (" + ("+".join(mechanisms) or "no mechanism") + ")"
 
 
@@ -112,29 +119,73 @@ def probe_peer(info: HostInfo | None) -> PeerCapabilities:
     return PeerCapabilities(can_map or can_pvm, can_map, can_pvm, pid)
 
 
+async def probe_peer_fds(info: HostInfo | None, caps: PeerCapabilities) -> PeerCapabilities:
+    """When neither ``map`` nor ``pvm`` reaches a peer that says it shares this kernel (a peer under another
+    user), try ``fds``: its socket hands over a read-only descriptor of its probe, which must hold the nonce."""
+    if (caps.same_host or info is None or info.fds is None or info.boot != _boot_id()
+            or "fds" not in allowed_mechanisms()):
+        return caps
+    name = info.fds
+    try:
+        fd = await asyncio.to_thread(request_fd, name, PROBE)
+        try:
+            mapping = map_segment_fd(fd, info.probe, writable=False)
+        finally:
+            os.close(fd)
+        try:
+            same = mapping[:NONCE_BYTES] == info.nonce
+        finally:
+            mapping.close()
+    except (OSError, OverflowError, ValueError) as exc:
+        log.debug("peer %d's fd socket refused its probe: %s", info.pid, exc)
+        return caps
+    return PeerCapabilities(True, True, False, info.pid, name) if same else caps
+
+
 class PeerMemory:
     """Copy functions that reach a same-host peer's memory; peer segments are mapped once and cached."""
 
     def __init__(self, caps: PeerCapabilities) -> None:
         self.caps = caps
+        self.fd_token: bytes | None = None  # what the peer's fd socket asks of this side (the link's grant)
         self._mappings: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
         self._populating: dict[tuple[int, int], asyncio.Task[Any]] = {}
         self._holds: dict[tuple[int, int], int] = {}  # copies running on a mapping
         self._forgotten: dict[tuple[int, int], Callable[[int], None]] = {}  # freed by the peer, unmap when idle
 
     def local_base(self, identity: SegmentIdentity) -> int:
-        """Where a peer segment is mapped in this process (mapped on first use, then cached)."""
+        """Where a peer segment is mapped in this process (mapped on first use, then cached; with ``fds``,
+        :meth:`ensure` maps it first)."""
         key = (identity.inode, identity.device)
         found = self._mappings.get(key)
         if found is None:
-            mapping = map_peer_segment(identity)  # lazy: O(1) whatever the size
-            found = (mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
-            self._mappings[key] = found
-            # Fault the page tables in the background (GIL released); transfers need not wait for it.
-            task = asyncio.ensure_future(asyncio.to_thread(populate, found[1], identity.size, write=True))
-            self._populating[key] = task
-            task.add_done_callback(lambda _: self._populated(key))
+            if self.caps.fds:
+                raise OSError(0, f"peer segment {identity.inode} was not handed over (PeerMemory.ensure)")
+            found = self._adopt(key, map_peer_segment(identity), identity.size)  # lazy: O(1) whatever the size
         return found[1]
+
+    def _adopt(self, key: tuple[int, int], mapping: mmap.mmap, size: int) -> tuple[mmap.mmap, int]:
+        found = (mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
+        self._mappings[key] = found
+        # Fault the page tables in the background (GIL released); transfers need not wait for it.
+        task = asyncio.ensure_future(asyncio.to_thread(populate, found[1], size, write=True))
+        self._populating[key] = task
+        task.add_done_callback(lambda _: self._populated(key))
+        return found
+
+    async def ensure(self, identity: SegmentIdentity) -> None:
+        """With ``fds``: have the peer hand over the segment (once), then map it; otherwise nothing to do."""
+        name = self.caps.fds
+        key = (identity.inode, identity.device)
+        if name is None or key in self._mappings:
+            return
+        token = self.fd_token or bytes(16)
+        fd = await asyncio.to_thread(request_fd, name, SEGMENT, token, identity.inode, identity.device)
+        try:
+            if key not in self._mappings:  # (another transfer may have mapped it meanwhile)
+                self._adopt(key, map_segment_fd(fd, identity), identity.size)
+        finally:
+            os.close(fd)
 
     def _populated(self, key: tuple[int, int]) -> None:
         self._populating.pop(key, None)
@@ -180,6 +231,9 @@ class PeerMemory:
         """
         if not self.caps.can_map:
             return []
+        if self.caps.fds:
+            return [asyncio.ensure_future(self._ensure_quietly(identity))
+                    for identity, _ in segments if identity.pid == self.caps.pid]
         tasks = []
         for identity, _ in segments:
             if identity.pid != self.caps.pid:
@@ -193,6 +247,12 @@ class PeerMemory:
             if task is not None:
                 tasks.append(task)
         return tasks
+
+    async def _ensure_quietly(self, identity: SegmentIdentity) -> None:
+        try:
+            await self.ensure(identity)
+        except (OSError, ValueError) as exc:
+            log.debug("peer segment %r not handed over at link time: %s", identity, exc)
 
     def copier(self, *, remote_is_src: bool, segment: tuple[SegmentIdentity, int] | None,
                streaming: bool) -> CopySpec:

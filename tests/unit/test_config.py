@@ -803,3 +803,142 @@ def test_parse_options_vllm_ascend_minimal_config() -> None:
     s = parse_options(cfg.generate_options())
     assert s.sync_kv_timeout_ms == 20000
     assert s.listen is None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ZeroMQ CURVE on the control plane (llm.CurveSecretKey / llm.CurvePeerKeys; docs/security.md)
+# --------------------------------------------------------------------------------------------------------------
+
+# The example keys of the zmq_curve(7) man page (a server pair and a client public key).
+CURVE_PUBLIC = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+CURVE_SECRET = "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6"
+OTHER_PUBLIC = "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"
+
+
+def test_curve_defaults_are_off() -> None:
+    cfg = LLMConfig()
+    assert cfg.curve_secret_key is None and cfg.curve_peer_keys is None
+    opts = cfg.generate_options()
+    assert "llm.CurveSecretKey" not in opts and "llm.CurvePeerKeys" not in opts
+    assert parse_options({}).curve is None
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (OTHER_PUBLIC, OTHER_PUBLIC),
+        (f"7={OTHER_PUBLIC}", f"7={OTHER_PUBLIC}"),
+        (f"7={OTHER_PUBLIC}, {CURVE_PUBLIC}", f"7={OTHER_PUBLIC}, {CURVE_PUBLIC}"),
+        ([f"7={OTHER_PUBLIC}", CURVE_PUBLIC], f"7={OTHER_PUBLIC},{CURVE_PUBLIC}"),
+        ((OTHER_PUBLIC,), OTHER_PUBLIC),
+        ({7: OTHER_PUBLIC, 2**64 - 1: CURVE_PUBLIC}, f"7={OTHER_PUBLIC},{2**64 - 1}={CURVE_PUBLIC}"),
+        ({7: OTHER_PUBLIC, 8: OTHER_PUBLIC}, f"7={OTHER_PUBLIC},8={OTHER_PUBLIC}"),  # one key, several ids
+    ],
+)
+def test_curve_options_accepted(value: Any, text: str) -> None:
+    cfg = LLMConfig()
+    cfg.curve_secret_key = CURVE_SECRET
+    cfg.curve_peer_keys = value
+    assert cfg.curve_secret_key == CURVE_SECRET and cfg.curve_peer_keys == text
+    opts = cfg.generate_options()
+    assert opts["llm.CurveSecretKey"] == CURVE_SECRET and opts["llm.CurvePeerKeys"] == text
+    curve = parse_options(opts).curve
+    assert curve is not None
+    assert curve.secret_key == CURVE_SECRET.encode() and curve.public_key == CURVE_PUBLIC.encode()
+
+
+@pytest.mark.parametrize(
+    ("prop", "value", "exc"),
+    [
+        ("curve_secret_key", None, TypeError),
+        ("curve_secret_key", b"x" * 40, TypeError),
+        ("curve_secret_key", "", LLMException),
+        ("curve_secret_key", CURVE_SECRET[:-1], LLMException),
+        ("curve_secret_key", CURVE_SECRET + "a", LLMException),
+        ("curve_secret_key", CURVE_SECRET[:-1] + ",", LLMException),  # not in the Z85 alphabet
+        ("curve_secret_key", "#" * 40, LLMException),  # Z85 characters, but a group exceeds 32 bits
+        ("curve_peer_keys", None, TypeError),
+        ("curve_peer_keys", 1, TypeError),
+        ("curve_peer_keys", [1], TypeError),
+        ("curve_peer_keys", {"7": OTHER_PUBLIC}, TypeError),
+        ("curve_peer_keys", {7: 1}, TypeError),
+        ("curve_peer_keys", {-1: OTHER_PUBLIC}, ValueError),
+        ("curve_peer_keys", "", LLMException),
+        ("curve_peer_keys", [], LLMException),
+        ("curve_peer_keys", f"{OTHER_PUBLIC},", LLMException),
+        ("curve_peer_keys", f"x={OTHER_PUBLIC}", LLMException),
+        ("curve_peer_keys", f"-1={OTHER_PUBLIC}", LLMException),
+        ("curve_peer_keys", f"{2**64}={OTHER_PUBLIC}", LLMException),
+        ("curve_peer_keys", f"7:{OTHER_PUBLIC}", LLMException),
+        ("curve_peer_keys", f"7={OTHER_PUBLIC[:-1]}", LLMException),
+        ("curve_peer_keys", f"7={OTHER_PUBLIC},7={CURVE_PUBLIC}", LLMException),  # one id, two keys
+    ],
+)
+def test_curve_options_refused(prop: str, value: Any, exc: type[Exception]) -> None:
+    cfg = LLMConfig()
+    with pytest.raises(exc) as info:
+        setattr(cfg, prop, value)
+    if exc is LLMException:
+        assert info.value.status_code is PARAM_INVALID
+        assert CURVE_SECRET[:-1] not in str(info.value)  # a secret key is never repeated in a message
+    else:
+        assert not isinstance(info.value, LLMException)
+    assert getattr(cfg, prop) is None
+    assert set(cfg.generate_options()) <= {"llm.MemoryUtilization"}
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"llm.CurveSecretKey": CURVE_SECRET}, "needs llm.CurvePeerKeys"),
+        ({"llm.CurveSecretKey": CURVE_SECRET, "llm.CurvePeerKeys": ""}, "needs llm.CurvePeerKeys"),
+        ({"llm.CurvePeerKeys": OTHER_PUBLIC}, "needs llm.CurveSecretKey"),
+        ({"llm.CurveSecretKey": "", "llm.CurvePeerKeys": OTHER_PUBLIC}, "llm.CurveSecretKey must be"),
+        ({"llm.CurveSecretKey": CURVE_SECRET[:-1] + ",", "llm.CurvePeerKeys": OTHER_PUBLIC},
+         "llm.CurveSecretKey must be"),
+        ({"llm.CurveSecretKey": CURVE_SECRET, "llm.CurvePeerKeys": f"{OTHER_PUBLIC};{CURVE_PUBLIC}"},
+         "llm.CurvePeerKeys must be"),
+        ({"llm.CurveSecretKey": CURVE_SECRET, "llm.CurvePeerKeys": f"1={OTHER_PUBLIC},1={CURVE_PUBLIC}"},
+         "two different keys"),
+    ],
+)
+def test_parse_options_bad_curve(options: dict[str, str], needle: str) -> None:
+    with pytest.raises(LLMException) as info:
+        parse_options(options)
+    assert info.value.status_code is PARAM_INVALID
+    assert needle in str(info.value)
+    assert CURVE_SECRET[:-1] not in str(info.value)
+
+
+def test_parse_options_curve_needs_libzmq_with_curve(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiodatadist._settings as settings_module
+
+    monkeypatch.setattr(settings_module.zmq, "has", lambda capability: capability != "curve")
+    with pytest.raises(LLMException) as info:
+        parse_options({"llm.CurveSecretKey": CURVE_SECRET, "llm.CurvePeerKeys": OTHER_PUBLIC})
+    assert info.value.status_code is LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert parse_options({}).curve is None  # without the option nothing needs CURVE
+
+
+def test_curve_keys_choose_the_server_key_and_the_admitted_ids() -> None:
+    third = "Z" * 35 + "00000"
+    curve = parse_options({"llm.CurveSecretKey": CURVE_SECRET,
+                           "llm.CurvePeerKeys": f"1={OTHER_PUBLIC},2={OTHER_PUBLIC},{CURVE_PUBLIC}"}).curve
+    assert curve is not None
+    assert curve.server_key(1) == OTHER_PUBLIC.encode()  # listed for that id
+    assert curve.server_key(9) == CURVE_PUBLIC.encode()  # the only key listed without an id
+    assert curve.clusters_of(OTHER_PUBLIC.encode()) == frozenset({1, 2})
+    assert curve.clusters_of(CURVE_PUBLIC.encode()) is None  # any id
+    assert curve.clusters_of(third.encode()) == frozenset() and not curve.trusts(third.encode())
+    assert CURVE_SECRET not in repr(curve)
+    ambiguous = parse_options({"llm.CurveSecretKey": CURVE_SECRET,
+                               "llm.CurvePeerKeys": f"{OTHER_PUBLIC},{third}"}).curve
+    assert ambiguous is not None and ambiguous.server_key(1) is None  # two keys without an id: no guess
+    only_bound = parse_options({"llm.CurveSecretKey": CURVE_SECRET, "llm.CurvePeerKeys": f"1={OTHER_PUBLIC}"}).curve
+    assert only_bound is not None and only_bound.server_key(2) is None
+
+
+def test_settings_repr_shows_no_secret() -> None:
+    s = parse_options({"llm.CurveSecretKey": CURVE_SECRET, "llm.CurvePeerKeys": OTHER_PUBLIC,
+                       "llm.AuthKey": "hunter2"})
+    assert CURVE_SECRET not in repr(s) and "hunter2" not in repr(s)

@@ -49,7 +49,7 @@ def test_defaults_are_those_of_before(caplog: pytest.LogCaptureFixture) -> None:
     assert k.copy_threads == max(2, min(8, CPUS))
     assert k.copy_nice == 10
     assert k.copy_spin_us == 200
-    assert k.same_host == frozenset({"map", "pvm"})
+    assert k.same_host == frozenset({"map", "pvm", "fds"})
     assert k.native_net is True
     assert k.directory is True
     assert k.tcp_connections == max(2, min(4, CPUS))
@@ -110,8 +110,8 @@ def test_an_empty_value_is_unset(env: str, caplog: pytest.LogCaptureFixture) -> 
     ("AIODATADIST_COPY_NICE", "25", "copy_nice", 19, "[0, 19]"),
     ("AIODATADIST_COPY_SPIN_US", "1.5", "copy_spin_us", 200, "[0, 100000]"),
     ("AIODATADIST_COPY_SPIN_US", "200000", "copy_spin_us", 100_000, "[0, 100000]"),
-    ("AIODATADIST_SAME_HOST", "map,mmap", "same_host", frozenset({"map"}), '"map" and "pvm"'),
-    ("AIODATADIST_SAME_HOST", "shm", "same_host", frozenset(), '"map" and "pvm"'),
+    ("AIODATADIST_SAME_HOST", "map,mmap", "same_host", frozenset({"map"}), '"map", "pvm" and "fds"'),
+    ("AIODATADIST_SAME_HOST", "shm", "same_host", frozenset(), '"map", "pvm" and "fds"'),
 ])
 def test_an_invalid_process_wide_value_warns(env: str, raw: str, field: str, value: Any, accepted: str,
                                              caplog: pytest.LogCaptureFixture) -> None:
