@@ -428,6 +428,9 @@ class Requester:
         finally:
             self._registry.release_lease(local)
         assert link.directory is not None
+        if link.closed:  # dropped meanwhile: its directory view reads as empty, which says nothing of the cache
+            raise failure or LLMLinkError(f"the link to cluster {link.remote_cluster_id} was dropped during the "
+                                          "transfer")
         if failure is not None and link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, None):
             raise failure
         if failure is not None or not link.directory.live(resolved.row, resolved.stamp, resolved.cache_id, None):

@@ -13,9 +13,10 @@ loop: the loop never polls, and never runs a NIXL call that scales with the tran
 thread is off (NIXL runs it without a pause, so it would take a core): this thread gives UCX its progress, every
 :data:`POLL_S` while transfers run and every :data:`IDLE_PROGRESS_S` otherwise (a peer's reads of this
 instance's memory over TCP, and connection set-up, need the owner's progress).  A cancelled transfer is
-released (NIXL cancels what it can); one that cannot be cancelled is waited for, up to :data:`STOP_BOUND`
-seconds; after that the job fails with ``LLMLinkError`` and the requester drops the link (NIXL then closes the
-connection to that peer), so nothing lands in user memory after the call returned.
+waited for until NIXL reports it done or failed (releasing an active handle does not stop UCX's worker threads
+at once), up to :data:`STOP_BOUND` seconds; after that the job fails with ``LLMLinkError`` and the requester
+drops the link (NIXL then closes the connection to that peer), so nothing lands in user memory after the call
+returned.
 
 NIXL (``pip install 'aiodatadist[nixl]'``) is imported only when an instance uses this plane.
 """
@@ -245,7 +246,7 @@ class NixlPlane(WaitingMixin[NixlJob]):
         return job
 
     def cancel(self, job: NixlJob, error: BaseException | None = None) -> None:
-        """Stop ``job``: NIXL cancels it if it can, else it is waited for (up to :data:`STOP_BOUND`)."""
+        """Stop ``job``: one not posted yet never starts; a posted one is waited for (up to :data:`STOP_BOUND`)."""
         with self._lock:
             if job.done or job.cancelled:
                 return
@@ -312,10 +313,8 @@ class NixlPlane(WaitingMixin[NixlJob]):
         except Exception as exc:  # noqa: BLE001
             state, job.failure = "ERR", [exc]
         if state == "PROC" and job.cancelled:
-            if self._try_release(job):
-                self._running.remove(job)
-                self._settle(job, job.cancel_error or asyncio.CancelledError())
-                return
+            # Not released while active: NIXL may report a cancelled handle released while UCX's worker
+            # threads still move its bytes (seen: writes after the call returned).  It is waited for instead.
             now = time.monotonic()
             if not job.stop_deadline:
                 job.stop_deadline = now + STOP_BOUND
