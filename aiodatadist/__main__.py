@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(rest)
     if command == "soak":
-        from .tools.soak import main as soak_main
+        from .tools.soak_cli import main as soak_main
 
         return soak_main(rest)
     if command == "info":

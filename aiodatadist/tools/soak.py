@@ -37,19 +37,20 @@ unlinked during the run), no call returned more than 100 ms after its deadline a
 by 5 % or more; otherwise 1 (a failed prompt process also ends the run early).  Each corrupted transfer (with
 the worker's previous transfer), call over 100 ms late and unexpected exception is described on stderr, the
 first ten of each kind.
+
+**Chaos.**  ``--chaos`` runs the same workers and checks while the prompt process is killed and restarted,
+stopped, and cut off through a fault proxy at random moments, the decoder relinking each time; it also checks
+that the decoder's descriptors, threads, mappings and memfds do not grow (:mod:`aiodatadist.tools.soak_chaos`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
-import json
 import math
 import os
 import sys
-import time
 import traceback
 from array import array
 from collections import Counter
@@ -67,7 +68,7 @@ from ..errors import LLMException, LLMStatusCode
 from ..testing import PeerError, PeerProcess, cluster_info, fill_pattern, free_port, pattern
 from ..types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 
-__all__ = ["main", "run_soak"]
+__all__ = ["run_soak"]
 
 PROMPT, DECODER = 1, 2
 LAYERS = 16
@@ -188,10 +189,16 @@ class _LocalRows:
         return [t for t, view in enumerate(self._views) if not np.array_equal(view, move.image(t, len(view)))]
 
 
+class _Agent(Protocol):
+    """What runs the prompt's agent commands: a :class:`PeerProcess` (or, in a chaos soak, whichever one is current)."""
+
+    async def call(self, cmd: str, **args: Any) -> Any: ...
+
+
 class _PromptCache:
     """A worker's own cache in the prompt process, compared through the SHA-256 digest of every tensor."""
 
-    def __init__(self, peer: PeerProcess, cache_id: int, rows: int) -> None:
+    def __init__(self, peer: _Agent, cache_id: int, rows: int) -> None:
         self._peer, self._cache_id, self._rows = peer, cache_id, rows
 
     async def poison(self) -> None:
@@ -249,7 +256,7 @@ async def _start_prompt(peer: PeerProcess, port: int, transport: str, workers: i
 class _Rig:
     """The decoder's caches and the expected bytes of every source; builds random transfers."""
 
-    def __init__(self, peer: PeerProcess, dd: LLMDataDist, prompt: _PromptCaches, seed: int) -> None:
+    def __init__(self, peer: _Agent, dd: LLMDataDist, prompt: _PromptCaches, seed: int) -> None:
         cm = dd.cache_manager
         workers = len(prompt.target_blocks)
         self._cm, self._prompt = cm, prompt
@@ -489,14 +496,14 @@ def _memory(start: dict[str, int], end: dict[str, int]) -> dict[str, dict[str, f
                    "growth_pct": (end[name] - start[name]) / start[name] * 100} for name in end if name in start}
 
 
-def _problems(figures: dict[str, Any]) -> list[str]:
-    """Why the run failed (empty: it passed)."""
+def _problems(figures: dict[str, Any], expected: tuple[str, ...] = EXPECTED_FAILURES) -> list[str]:
+    """Why the run failed (empty: it passed); ``expected``: the failure codes that are no problem."""
     problems = [figures["aborted"]] if figures["aborted"] else []
     if figures["done_total"] == 0:
         problems.append("no transfer completed")
     if figures["corrupted"]:
         problems.append(f"{figures['corrupted']} corrupted transfers")
-    unexpected = {name: n for name, n in figures["failures"].items() if name not in EXPECTED_FAILURES}
+    unexpected = {name: n for name, n in figures["failures"].items() if name not in expected}
     if unexpected:
         problems.append(f"unexpected failures: {_counts(unexpected)}")
     if figures["late_over_100ms"]:
@@ -572,30 +579,3 @@ def _summary(f: dict[str, Any]) -> list[str]:
         *library,
         f"result             {'PASS' if f['ok'] else 'FAIL: ' + '; '.join(f['problems'])}",
     ]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m aiodatadist soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=60.0, help="how long the workers run (default 60)")
-    parser.add_argument("--concurrency", type=int, default=16, help="concurrent workers (default 16)")
-    parser.add_argument("--transport", choices=("auto", "shm", "tcp"), default="auto",
-                        help="llm.Transport of both sides (default auto)")
-    parser.add_argument("--seed", type=int, default=1, help="seed of the random transfers and patterns")
-    parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
-    args = parser.parse_args(argv)
-    if args.seconds <= 0 or args.concurrency < 1 or args.seed < 0:
-        parser.error("--seconds must be > 0, --concurrency >= 1 and --seed >= 0")
-    started = time.perf_counter()
-
-    def progress(line: str) -> None:
-        sys.stderr.write(f"[soak {time.perf_counter() - started:6.1f} s] {line}\n")
-        sys.stderr.flush()
-
-    figures = asyncio.run(run_soak(args.seconds, concurrency=args.concurrency, transport=args.transport,
-                                   seed=args.seed, progress=progress))
-    sys.stdout.write("\n".join(_summary(figures)) + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
-    return 0 if figures["ok"] else 1
