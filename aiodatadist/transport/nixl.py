@@ -24,6 +24,7 @@ NIXL (``pip install 'aiodatadist[nixl]'``) is imported only when an instance use
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib
 import importlib.util
 import logging
@@ -31,6 +32,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -142,6 +144,7 @@ class NixlPlane(WaitingMixin[NixlJob]):
         self._closing = False
         self._thread = threading.Thread(target=self._serve, name="aiodatadist-nixl", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # -- registrations (event loop thread) -----------------------------------------------------------------
     def register(self, addrs: npt.NDArray[np.uint64], size: int, on_device: bool, unit: int,
@@ -352,6 +355,17 @@ class NixlPlane(WaitingMixin[NixlJob]):
         if loop.is_closed():
             return
         loop.call_soon_threadsafe(_set, job.future, error)
+
+
+_LIVE: weakref.WeakSet[NixlPlane] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """An instance never finalized: stop its plane's thread before the interpreter exits (NIXL's agent torn down
+    under a running thread aborts the process: "terminate called without an active exception")."""
+    for plane in list(_LIVE):
+        plane.close()
 
 
 def _set(future: asyncio.Future[None], error: BaseException | None) -> None:
