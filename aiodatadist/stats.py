@@ -5,8 +5,9 @@ Latency percentiles come from the most recent :data:`LATENCY_WINDOW` transfers o
 the transfers this instance requested (``pull_*``/``push_*``); ``served`` those its peers requested of its
 caches, with ``direction`` the peer's operation (``"pull"``: bytes went out).  The owner sees a transfer that
 asked it (``BEGIN`` to ``END``: latency from its side, failures by status code, ``REQUESTER_FAILED`` when the
-requester ended it unsuccessfully, ``LINK_CLOSED`` when the link went first) and the one-sided TCP reads its I/O
-threads served (operations and bytes, no latency; refused ones as ``STALE_READ``).  Same-host transfers of a
+requester ended it unsuccessfully, ``LINK_CLOSED`` when the link went first) and the one-sided TCP reads and
+writes its I/O threads served (operations and bytes, no latency; refused ones as ``STALE_READ``/``STALE_WRITE``;
+a one-sided write counts each frame).  Same-host transfers of a
 published cache (the requester maps or reads the owner's memory itself) and NIXL reads never reach the owner and
 are counted by the requester only.  Notifications (see :mod:`aiodatadist.notifications`) are counted per remote cluster
 on both sides: sent by the sender, received or dropped (queue full, or arriving during ``finalize``) by the
@@ -24,6 +25,9 @@ import numpy as np
 __all__ = ["LATENCY_WINDOW", "LinkStats", "NotificationStats", "StatsRecorder", "StatsSnapshot"]
 
 LATENCY_WINDOW = 4096
+OneSided = tuple[int, int, int, int, int, int]
+"""One-sided transfers a link's I/O threads served: reads (accepted, bytes, refused), then writes the same."""
+NO_ONE_SIDED: OneSided = (0, 0, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +130,7 @@ class StatsRecorder:
     def __init__(self) -> None:
         self._entries: dict[tuple[int, str], _Entry] = {}
         self._served: dict[tuple[int, str], _Entry] = {}
-        self._one_sided: dict[int, tuple[str, tuple[int, int, int]]] = {}  # closed links' one-sided reads, summed
+        self._one_sided: dict[int, tuple[str, OneSided]] = {}  # closed links' one-sided reads and writes, summed
         self._notes: dict[int, list[int]] = {}  # remote cluster -> [sent, received, dropped]
 
     def _note(self, remote_cluster_id: int, which: int) -> None:
@@ -154,25 +158,28 @@ class StatsRecorder:
         """A transfer a peer requested of this instance's caches ended (owner side)."""
         _entry(self._served, remote_cluster_id, direction).add(plane, seconds, nbytes, failure)
 
-    def one_sided_closed(self, remote_cluster_id: int, plane: str, reads: tuple[int, int, int]) -> None:
-        """A link closed: keep the one-sided reads its I/O threads served (accepted, bytes, refused)."""
-        _, before = self._one_sided.get(remote_cluster_id, (plane, (0, 0, 0)))
-        self._one_sided[remote_cluster_id] = (plane, _sum3(before, reads))
+    def one_sided_closed(self, remote_cluster_id: int, plane: str, counts: OneSided) -> None:
+        """A link closed: keep the one-sided reads and writes its I/O threads served."""
+        _, before = self._one_sided.get(remote_cluster_id, (plane, NO_ONE_SIDED))
+        self._one_sided[remote_cluster_id] = (plane, _sum(before, counts))
 
-    def snapshot(self, one_sided: dict[int, tuple[str, tuple[int, int, int]]] | None = None) -> StatsSnapshot:
-        """The statistics now; ``one_sided``: the live links' one-sided reads served (remote -> plane, counts)."""
+    def snapshot(self, one_sided: dict[int, tuple[str, OneSided]] | None = None) -> StatsSnapshot:
+        """The statistics now; ``one_sided``: the live links' one-sided reads and writes served (remote ->
+        plane, counts)."""
         out = tuple(entry.frozen(cluster, direction) for (cluster, direction), entry in sorted(self._entries.items()))
         served = {key: _copy(entry) for key, entry in self._served.items()}
-        reads = dict(self._one_sided)
+        totals = dict(self._one_sided)
         for cluster, (plane, counts) in (one_sided or {}).items():
-            _, before = reads.get(cluster, (plane, (0, 0, 0)))
-            reads[cluster] = (plane, _sum3(before, counts))
-        for cluster, (plane, (accepted, nbytes, refused)) in reads.items():
-            if accepted or refused:
-                entry = _entry(served, cluster, "pull")
-                entry.add(plane, None, nbytes, None, accepted)
-                if refused:
-                    entry.add(plane, None, 0, "STALE_READ", refused)
+            _, before = totals.get(cluster, (plane, NO_ONE_SIDED))
+            totals[cluster] = (plane, _sum(before, counts))
+        for cluster, (plane, counts) in totals.items():
+            for direction, (accepted, nbytes, refused), stale in (("pull", counts[:3], "STALE_READ"),
+                                                                  ("push", counts[3:], "STALE_WRITE")):
+                if accepted or refused:
+                    entry = _entry(served, cluster, direction)
+                    entry.add(plane, None, nbytes, None, accepted)
+                    if refused:
+                        entry.add(plane, None, 0, stale, refused)
         notes = tuple(NotificationStats(cluster, *counts) for cluster, counts in sorted(self._notes.items()))
         return StatsSnapshot(out, notes, tuple(entry.frozen(c, d) for (c, d), entry in sorted(served.items())))
 
@@ -184,8 +191,8 @@ def _entry(table: dict[tuple[int, str], _Entry], cluster: int, direction: str) -
     return entry
 
 
-def _sum3(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
-    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+def _sum(a: OneSided, b: OneSided) -> OneSided:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] + b[4], a[5] + b[5]
 
 
 def _copy(entry: _Entry) -> _Entry:

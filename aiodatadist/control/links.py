@@ -85,6 +85,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_LINKS", "ClosedHook", "Link", "LinkManager", "RequestHook"]
 
+DISCONNECT_PINGS_S = (0.05, 0.25, 1.0)  # after a client connection broke: ping the server's links, then wait
+
 log = logging.getLogger("aiodatadist.link")
 
 RequestHook = Callable[["Link", dict[str, Any]], Awaitable["dict[str, Any] | None"]]
@@ -662,14 +664,19 @@ class LinkManager:
         try:
             while True:
                 await monitor.recv_multipart()
-                served = [link for link in self.links.values() if not link.is_client and not link.closed]
-                for link in served:  # a vanished routing id fails the send at once (ROUTER_MANDATORY)
-                    link.channel.notify(Ping())
-                await asyncio.sleep(0.05)  # a slow but living peer is never dropped: only failed sends count
-                for link in served:
-                    if link.channel.closed is not None and not link.closed:
+                # zmq may still take a send to a routing id whose connection is being torn down (seen on a loaded
+                # machine): ping again a little later before concluding that every peer is alive.
+                for pause in DISCONNECT_PINGS_S:
+                    served = [link for link in self.links.values() if not link.is_client and not link.closed]
+                    for link in served:  # a vanished routing id fails the send at once (ROUTER_MANDATORY)
+                        link.channel.notify(Ping())
+                    await asyncio.sleep(pause)  # a slow but living peer is never dropped: only failed sends count
+                    gone = [link for link in served if link.channel.closed is not None and not link.closed]
+                    for link in gone:
                         await self.drop(link, LLMLinkError(
                             f"the connection of cluster {link.remote_cluster_id} broke (peer gone)"))
+                    if gone:
+                        break
         finally:
             if not server.sock.closed:
                 server.sock.disable_monitor()

@@ -33,17 +33,22 @@ long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uin
 #define T_READ 2u
 #define T_ERROR 3u
 #define T_ABORT 4u
+#define T_FENCE 5u           /* a cut-short send: "no more frames of this key follow on this connection" */
+#define T_FENCE_ACK 6u       /* the receiving end: "nothing of this key is written from that connection any more" */
+#define T_WRITE 7u           /* one-sided push: owner-side spans and their bytes, validated against the directory */
+#define T_WRITE_ACK 8u       /* the owner: a WRITE's bytes landed (offset: how many) */
 #define MAX_CONNS 16
 #define MAX_READ_SPANS (1u << 20)
 #define SCRATCH (1u << 20)
+#define CTRL_BATCH 64        /* control frames a sender thread sends in one sendmsg */
 #define DIR_WORDS 8          /* directory row: stamp, cache id, model id, reserved, base, size, busy, reserved */
 
 typedef struct {
     uint32_t magic, type;
     uint64_t key;            /* flag << 63 | transfer id */
-    uint64_t offset;         /* DATA: stream offset; READ: stamp; ERROR: status code */
-    uint64_t length;         /* DATA: payload bytes; READ: span list bytes */
-    uint64_t a, b;           /* READ: directory row, cache id */
+    uint64_t offset;         /* DATA: stream offset; READ, WRITE: stamp; ERROR: status code; WRITE_ACK: bytes */
+    uint64_t length;         /* DATA: payload bytes; READ: span list bytes; WRITE: span list and data bytes */
+    uint64_t a, b;           /* READ, WRITE: directory row, cache id */
 } adt_hdr;
 
 typedef struct net_job {
@@ -59,10 +64,15 @@ typedef struct net_job {
     volatile int32_t stop;
     int inflight, done, error, status;
     int64_t row; uint64_t stamp;  /* serve: the directory entry it reads */
+    int fence;               /* send: 1 fence requested, 2 FENCE frames queued; fence_left: acks still awaited */
+    int fence_left;
+    uint8_t **wframe;        /* one-sided write: per frame, its header, the model id, span count and owner spans */
+    size_t *wframe_len;
+    uint64_t acked;          /* one-sided write: bytes the owner confirmed (WRITE_ACK) */
     struct net_job *next_tx, *next_all;
 } net_job;
 
-typedef struct ctrl_frame { adt_hdr h; uint8_t *payload; size_t plen; struct ctrl_frame *next; } ctrl_frame;
+typedef struct ctrl_frame { adt_hdr h; uint8_t *payload; size_t plen; int conn; struct ctrl_frame *next; } ctrl_frame;
 
 typedef struct adt_net {
     pthread_mutex_t lock;
@@ -79,7 +89,9 @@ typedef struct adt_net {
     net_job *tx_head, *tx_tail;      /* send and serve jobs with frames left, round-robin */
     net_job *all;                    /* every live job */
     ctrl_frame *ctrl_head, *ctrl_tail;
-    uint64_t served[3];              /* one-sided READs of our caches: accepted, their bytes, refused */
+    int live_rx;                     /* receive jobs not ended yet (an inline READ only when it is the only one) */
+    int ctrl_any, ctrl_for[MAX_CONNS];   /* queued control frames for any connection, for connection i */
+    uint64_t served[6];              /* one-sided READs of our caches: accepted, their bytes, refused; WRITEs: same */
 } adt_net;
 
 static void net_announce(int fd, net_job *j)
@@ -124,15 +136,27 @@ static void enqueue(adt_net *n, net_job *j)
     pthread_cond_broadcast(&n->work);
 }
 
+static void queue_ctrl_to(adt_net *n, int conn, uint32_t type, uint64_t key, uint64_t offset, uint8_t *payload,
+                          size_t plen, uint64_t a, uint64_t b);
+
 /* Ends the job once nothing runs on it: all bytes moved, or stopped. Returns 1 if it must be announced. */
 static int finish_if_idle(adt_net *n, net_job *j)
 {
     if (j->done || j->inflight) return 0;
     int finished;
     if (j->kind == 0) finished = j->stop || (j->ready && j->moved >= j->total);
-    else finished = j->stop || j->next_frame >= j->nframes;
+    else finished = j->stop || (j->next_frame >= j->nframes && (!j->wframe || j->acked >= j->total));
     if (!finished) return 0;
+    if (j->fence == 1 && !n->closed) {
+        /* A stopped send: each connection carries a FENCE after the last frame of it that was sent there (none is
+         * in flight now); the job ends once the peer acknowledged every one, i.e. nothing of it lands any more. */
+        j->fence = 2;
+        j->fence_left = n->nconns;
+        for (int c = 0; c < n->nconns; c++) queue_ctrl_to(n, c, T_FENCE, j->key, 0, NULL, 0, 0, 0);
+    }
+    if (j->fence == 2 && j->fence_left > 0 && !n->closed) return 0;
     j->done = 1;
+    if (j->kind == 0) n->live_rx--;
     unqueue(n, j);
     unlink_all(n, j);
     return j->kind != 2;     /* serve jobs belong to the helper, nobody waits for them */
@@ -148,6 +172,8 @@ static void free_job(net_job *j)
 {
     if (!j) return;
     free(j->addr); free(j->len); free(j->ends); free(j->bounds); free(j->offsets);
+    if (j->wframe) for (size_t f = 0; f < j->nframes; f++) free(j->wframe[f]);
+    free(j->wframe); free(j->wframe_len);
     free(j);
 }
 
@@ -200,17 +226,36 @@ static int plan_frames(net_job *j, uint64_t frame, int nconns)
     return 0;
 }
 
+static void queue_ctrl_full(adt_net *n, int conn, uint32_t type, uint64_t key, uint64_t offset, uint8_t *payload,
+                            size_t plen, uint64_t a, uint64_t b, int wake)
+{
+    ctrl_frame *f = calloc(1, sizeof *f);
+    if (!f) { free(payload); return; }   /* (a lost FENCE: the waiter's bound drops the link) */
+    f->h.magic = NET_MAGIC; f->h.type = type; f->h.key = key; f->h.offset = offset; f->h.length = plen;
+    f->h.a = a; f->h.b = b;
+    f->payload = payload; f->plen = plen; f->conn = conn;
+    if (conn < 0) n->ctrl_any++; else n->ctrl_for[conn]++;
+    if (n->ctrl_tail) n->ctrl_tail->next = f; else n->ctrl_head = f;
+    n->ctrl_tail = f;
+    if (wake) pthread_cond_broadcast(&n->work);
+}
+
+static void queue_ctrl_quiet(adt_net *n, uint32_t type, uint64_t key, uint64_t offset, uint8_t *payload,
+                             size_t plen, uint64_t a, uint64_t b, int wake)
+{
+    queue_ctrl_full(n, -1, type, key, offset, payload, plen, a, b, wake);
+}
+
+static void queue_ctrl_to(adt_net *n, int conn, uint32_t type, uint64_t key, uint64_t offset, uint8_t *payload,
+                          size_t plen, uint64_t a, uint64_t b)
+{
+    queue_ctrl_full(n, conn, type, key, offset, payload, plen, a, b, 1);
+}
+
 static void queue_ctrl(adt_net *n, uint32_t type, uint64_t key, uint64_t offset, uint8_t *payload, size_t plen,
                        uint64_t a, uint64_t b)
 {
-    ctrl_frame *f = calloc(1, sizeof *f);
-    if (!f) { free(payload); return; }
-    f->h.magic = NET_MAGIC; f->h.type = type; f->h.key = key; f->h.offset = offset; f->h.length = plen;
-    f->h.a = a; f->h.b = b;
-    f->payload = payload; f->plen = plen;
-    if (n->ctrl_tail) n->ctrl_tail->next = f; else n->ctrl_head = f;
-    n->ctrl_tail = f;
-    pthread_cond_broadcast(&n->work);
+    queue_ctrl_quiet(n, type, key, offset, payload, plen, a, b, 1);
 }
 
 /* ---- directory (owner side) ---- */
@@ -307,6 +352,56 @@ static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload)   /* unde
     return 0;
 }
 
+/* A WRITE's payload: the model id the cache must still answer to (-1: any), the number of spans, the owner-side
+ * spans, then their bytes.  Validated like a READ (live stamp, cache id, model id, every span inside the cache's
+ * segment); the bytes land under a reference on the row (dir_enter), so a release waits for at most this frame
+ * and nothing is written once it returned.  Returns 0 (written; *written), or a status (the bytes are dropped).
+ * A negative value: the connection failed. */
+static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, uint64_t *written)
+{
+    static const volatile int32_t always = 1, never = 0;
+    uint64_t prefix[2];
+    *written = 0;
+    if (h->length < sizeof prefix) return -EPROTO;
+    int err = read_exact(fd, prefix, sizeof prefix);
+    if (err) return -err;
+    uint64_t count = prefix[1], rest = h->length - sizeof prefix;
+    if (count > MAX_READ_SPANS || count * 16 > rest) return -EPROTO;
+    uint64_t *spans = malloc(count ? count * 16 : 1);
+    if (!spans) return -ENOMEM;
+    if ((err = read_exact(fd, spans, (size_t)(count * 16)))) { free(spans); return -err; }
+    uint64_t data = rest - count * 16;
+    int64_t row = (int64_t)h->a, model = (int64_t)prefix[0];
+    int status = 0, entered = 0;
+    uint64_t *addr = NULL, *len = NULL, *ends = NULL;
+    if (h->offset == 0 || !dir_enter(n, row, h->offset)) status = 1;
+    else {
+        entered = 1;
+        int64_t *w = n->dir + row * DIR_WORDS;
+        if ((uint64_t)w[1] != h->b || (model != -1 && w[2] != model)) status = 1;
+    }
+    if (!status) {
+        int64_t *w = n->dir + row * DIR_WORDS;
+        uint64_t base = (uint64_t)w[4], size = (uint64_t)w[5], total = 0;
+        addr = malloc((count ? count : 1) * 8); len = malloc((count ? count : 1) * 8); ends = malloc((count ? count : 1) * 8);
+        if (!addr || !len || !ends) status = 2;
+        for (uint64_t i = 0; !status && i < count; i++) {
+            uint64_t a = spans[2 * i], l = spans[2 * i + 1];
+            if (a < base || l > size || a - base > size - l) status = 3;   /* outside the cache */
+            addr[i] = a; len[i] = l; total += l; ends[i] = total;
+        }
+        if (!status && total != data) status = 3;
+    }
+    long got;
+    if (!status) got = adt_recv_frame(fd, addr, len, ends, (size_t)count, 0, data, &never, scratch, SCRATCH);
+    else got = adt_recv_frame(fd, NULL, NULL, NULL, 0, 0, data, &always, scratch, SCRATCH);
+    if (entered) dir_leave(n, row);
+    free(spans); free(addr); free(len); free(ends);
+    if (got < 0) return got;
+    *written = status ? 0 : (uint64_t)got;
+    return status;
+}
+
 typedef struct { adt_net *n; int fd, index; } conn_arg;
 
 static void *receiver(void *arg)
@@ -354,6 +449,7 @@ static void *receiver(void *arg)
         } else if (h.type == T_ERROR || h.type == T_ABORT) {
             pthread_mutex_lock(&n->lock);
             net_job *j = find(n, h.key, h.type == T_ERROR ? 0 : 2);
+            if (!j && h.type == T_ERROR) { j = find(n, h.key, 1); if (j && !j->wframe) j = NULL; }   /* a WRITE's */
             int ann = 0;
             if (j) {
                 if (h.type == T_ERROR && !j->status) j->status = (int)h.offset;
@@ -365,6 +461,45 @@ static void *receiver(void *arg)
                 if (j->done && j->kind == 2) free_job(j);
             }
             pthread_cond_broadcast(&n->ready);
+            pthread_mutex_unlock(&n->lock);
+            if (ann) end_job(n, j);
+        } else if (h.type == T_WRITE) {
+            uint64_t written = 0;
+            long status = serve_write(n, fd, &h, scratch, &written);
+            if (status < 0) { err = (int)-status; break; }
+            pthread_mutex_lock(&n->lock);
+            if (status) { n->served[5]++; queue_ctrl(n, T_ERROR, h.key, (uint64_t)status, NULL, 0, 0, 0); }
+            else { n->served[3]++; n->served[4] += written; queue_ctrl(n, T_WRITE_ACK, h.key, written, NULL, 0, 0, 0); }
+            pthread_mutex_unlock(&n->lock);
+        } else if (h.type == T_WRITE_ACK) {
+            pthread_mutex_lock(&n->lock);
+            net_job *j = find(n, h.key, 1);
+            int ann = 0;
+            if (j && j->wframe) {
+                j->acked += h.offset;
+                ann = finish_if_idle(n, j);
+            }
+            pthread_mutex_unlock(&n->lock);
+            if (ann) end_job(n, j);
+        } else if (h.type == T_FENCE || h.type == T_FENCE_ACK) {
+            /* FENCE: this thread handles its connection's frames in order, so every earlier frame of the key on
+             * it is written (or dropped) by now: stop the receive job and acknowledge.  FENCE_ACK: one more
+             * connection of a fenced send is clean. */
+            pthread_mutex_lock(&n->lock);
+            net_job *j = find(n, h.key, h.type == T_FENCE ? 0 : 1);
+            int ann = 0;
+            if (h.type == T_FENCE) {
+                if (j) {
+                    j->stop = 1;
+                    j->ready = 1;
+                    ann = finish_if_idle(n, j);
+                }
+                queue_ctrl(n, T_FENCE_ACK, h.key, 0, NULL, 0, 0, 0);
+                pthread_cond_broadcast(&n->ready);
+            } else if (j && j->fence == 2 && j->fence_left > 0) {
+                j->fence_left--;
+                ann = finish_if_idle(n, j);
+            }
             pthread_mutex_unlock(&n->lock);
             if (ann) end_job(n, j);
         } else {
@@ -385,22 +520,35 @@ static void *sender(void *arg)
     adt_net *n = c->n;
     int fd = c->fd;
     pthread_mutex_t *send_lock = &n->send_lock[c->index];
+    int c_index = c->index;
     free(c);
     for (;;) {
         pthread_mutex_lock(&n->lock);
-        while (!n->closed && !n->ctrl_head && !n->tx_head) pthread_cond_wait(&n->work, &n->lock);
+        int me = c_index;
+        while (!n->closed && !n->ctrl_any && !n->ctrl_for[me] && !n->tx_head) pthread_cond_wait(&n->work, &n->lock);
         if (n->closed) { pthread_mutex_unlock(&n->lock); break; }
-        ctrl_frame *f = n->ctrl_head;
-        if (f) {   /* control frames first: they are small and others wait for them */
-            n->ctrl_head = f->next;
-            if (!n->ctrl_head) n->ctrl_tail = NULL;
+        if (n->ctrl_any || n->ctrl_for[me]) {   /* control frames first: they are small and others wait for them */
+            /* Take every queued one (up to CTRL_BATCH) and send them in one sendmsg: a burst of concurrent
+             * one-sided reads costs the peer one wake-up, not one per request. */
+            ctrl_frame *batch[CTRL_BATCH];
+            uint64_t a[2 * CTRL_BATCH], l[2 * CTRL_BATCH];
+            int nb = 0, ns = 0;
+            ctrl_frame **p = &n->ctrl_head, *prev = NULL;
+            while (*p && nb < CTRL_BATCH) {
+                ctrl_frame *f = *p;
+                if (f->conn >= 0 && f->conn != me) { prev = f; p = &f->next; continue; }   /* another connection's */
+                *p = f->next;
+                if (n->ctrl_tail == f) n->ctrl_tail = prev;
+                if (f->conn < 0) n->ctrl_any--; else n->ctrl_for[me]--;
+                batch[nb++] = f;
+                a[ns] = (uint64_t)(uintptr_t)&f->h; l[ns++] = sizeof f->h;
+                if (f->plen) { a[ns] = (uint64_t)(uintptr_t)f->payload; l[ns++] = f->plen; }
+            }
             pthread_mutex_unlock(&n->lock);
-            uint64_t a = (uint64_t)(uintptr_t)f->payload, l = f->plen;
             pthread_mutex_lock(send_lock);
-            int err = adt_send_frame(fd, (const uint8_t *)&f->h, sizeof f->h, &a, &l, 0, f->plen ? 1 : 0);
+            int err = adt_send_frame(fd, NULL, 0, a, l, 0, ns);
             pthread_mutex_unlock(send_lock);
-            free(f->payload);
-            free(f);
+            for (int i = 0; i < nb; i++) { free(batch[i]->payload); free(batch[i]); }
             if (err) { pthread_mutex_lock(&n->lock); broken(n); finish_all_idle(n); pthread_mutex_unlock(&n->lock); break; }
             continue;
         }
@@ -417,9 +565,11 @@ static void *sender(void *arg)
         if (j->kind == 2 && !dir_enter(n, j->row, j->stamp)) gone = 1;   /* released meanwhile */
         if (!gone) {
             adt_hdr h = {NET_MAGIC, T_DATA, j->key, j->offsets[frame], j->offsets[frame + 1] - j->offsets[frame], 0, 0};
+            const uint8_t *head = (const uint8_t *)&h;
+            size_t hlen = sizeof h;
+            if (j->wframe) { head = j->wframe[frame]; hlen = j->wframe_len[frame]; }   /* a WRITE */
             pthread_mutex_lock(send_lock);
-            err = adt_send_frame(fd, (const uint8_t *)&h, sizeof h, j->addr, j->len, j->bounds[frame],
-                                 j->bounds[frame + 1]);
+            err = adt_send_frame(fd, head, hlen, j->addr, j->len, j->bounds[frame], j->bounds[frame + 1]);
             pthread_mutex_unlock(send_lock);
             if (j->kind == 2) dir_leave(n, j->row);
         }
@@ -533,6 +683,7 @@ void *adt_net_receive(void *net, uint64_t key)
     if (!j) return NULL;
     pthread_mutex_lock(&n->lock);
     j->next_all = n->all; n->all = j;
+    n->live_rx++;
     if (n->closed) { j->stop = 1; j->error = ECONNRESET; j->ready = 1; }
     int ann = finish_if_idle(n, j);
     pthread_mutex_unlock(&n->lock);
@@ -563,10 +714,12 @@ int adt_net_set_destination(void *net, void *job, const uint64_t *addr, const ui
 
 /* One-sided pull: receive into the local spans what the owner's directory row (row, stamp, cache id) holds at
  * the remote spans (and still answers to `model_id`, unless -1).  The owner answers with DATA frames, or an
- * ERROR frame (status 1: released, unknown or re-keyed, 3: outside the cache). */
+ * ERROR frame (status 1: released, unknown or re-keyed, 3: outside the cache).  The READ frame goes out from
+ * this thread when the link has no other receive job and the connection is idle; otherwise a sender thread sends
+ * it, woken at once, or (`defer`) only by adt_net_flush, so that a burst of reads costs one wake-up. */
 void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                    const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
-                   const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal)
+                   const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal, int defer)
 {
     adt_net *n = (adt_net *)net;
     uint8_t *list = calloc(nremote + 1, 16);
@@ -583,8 +736,12 @@ void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_
     pthread_mutex_lock(&n->lock);
     int conn = n->nconns ? n->next_conn++ % n->nconns : -1, fd = conn >= 0 ? n->fds[conn] : -1;
     int live = !j->done && !n->closed && conn >= 0;
+    /* Inline only when this is the link's only receive job and nothing is queued: under concurrency the
+     * loopback sendmsg (the kernel delivers the segment and wakes the peer on this thread) would stall the event
+     * loop once per request; a sender thread sends the queued READs together instead. */
+    int inline_ok = live && n->live_rx == 1 && !n->ctrl_head;
     pthread_mutex_unlock(&n->lock);
-    if (live && pthread_mutex_trylock(&n->send_lock[conn]) == 0) {
+    if (inline_ok && pthread_mutex_trylock(&n->send_lock[conn]) == 0) {
         /* The connection is idle: send the small request from this (event loop) thread rather than waking a
          * sender, without ever blocking: if the socket buffer is full, a sender thread sends it instead. */
         adt_hdr h = {NET_MAGIC, T_READ, key, stamp, plen, (uint64_t)row, cache_id};
@@ -594,14 +751,78 @@ void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_
         if (err > 0) { free(list); shutdown(fd, SHUT_RDWR); return j; }   /* its receiver fails the jobs */
     }
     pthread_mutex_lock(&n->lock);
-    if (!j->done) queue_ctrl(n, T_READ, key, stamp, list, plen, (uint64_t)row, cache_id);
+    if (!j->done) queue_ctrl_quiet(n, T_READ, key, stamp, list, plen, (uint64_t)row, cache_id, !defer);
     else free(list);
     pthread_mutex_unlock(&n->lock);
     return j;
 }
 
+/* Wake a sender thread for the control frames queued with `defer` (adt_net_read). */
+void adt_net_flush(void *net)
+{
+    adt_net *n = (adt_net *)net;
+    pthread_mutex_lock(&n->lock);
+    if (n->ctrl_head) pthread_cond_broadcast(&n->work);
+    pthread_mutex_unlock(&n->lock);
+}
+
+/* One-sided push: the local spans' bytes land at the remote spans of the owner's directory row (row, stamp,
+ * cache id; still answering to `model_id`, unless -1) with no event loop on the owner: each frame is a WRITE
+ * naming its own slice of the owner's spans, validated and written by the owner's receiver thread, which answers
+ * WRITE_ACK once the bytes landed, or ERROR (status 1: released, unknown or re-keyed, 3: outside the cache).  The
+ * job completes once every byte was acknowledged.  Remote and local spans must cover the same number of bytes. */
+void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
+                    const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
+                    const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal)
+{
+    adt_net *n = (adt_net *)net;
+    net_job *j = new_job(1, key), *r = new_job(1, key);
+    if (!j || !r || copy_spans(j, local_addr, local_len, nlocal) || plan_frames(j, n->frame, n->nconns)
+        || copy_spans(r, remote_addr, remote_len, nremote)) { free_job(j); free_job(r); return NULL; }
+    j->wframe = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe);
+    j->wframe_len = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe_len);
+    int bad = !j->wframe || !j->wframe_len;
+    /* Cut the owner's spans at the same stream offsets as the local ones: frame f carries [offsets[f], offsets[f+1]). */
+    size_t k = 0;
+    uint64_t inner = 0, rtotal = 0;
+    for (size_t i = 0; i < r->n; i++) rtotal += r->len[i];
+    if (rtotal != j->total) bad = 1;
+    for (size_t f = 0; !bad && f < j->nframes; f++) {
+        uint64_t want = j->offsets[f + 1] - j->offsets[f];
+        /* spans this frame touches: from k on, until `want` bytes */
+        size_t count = 0, kk = k;
+        uint64_t in = inner, left = want;
+        while (left > 0) { uint64_t take = r->len[kk] - in < left ? r->len[kk] - in : left; count++; left -= take; in += take; if (in == r->len[kk]) { kk++; in = 0; } }
+        size_t blen = sizeof(adt_hdr) + 16 + 16 * count;
+        uint8_t *b = malloc(blen);
+        if (!b) { bad = 1; break; }
+        adt_hdr h = {NET_MAGIC, T_WRITE, key, stamp, 16 + 16 * count + want, (uint64_t)row, cache_id};
+        memcpy(b, &h, sizeof h);
+        uint64_t *w = (uint64_t *)(b + sizeof h);
+        w[0] = (uint64_t)model_id; w[1] = count;
+        left = want;
+        for (size_t c = 0; c < count; c++) {
+            uint64_t take = r->len[k] - inner < left ? r->len[k] - inner : left;
+            w[2 + 2 * c] = r->addr[k] + inner; w[3 + 2 * c] = take;
+            left -= take; inner += take;
+            if (inner == r->len[k]) { k++; inner = 0; }
+        }
+        j->wframe[f] = b; j->wframe_len[f] = blen;
+    }
+    free_job(r);
+    if (bad) { free_job(j); return NULL; }
+    pthread_mutex_lock(&n->lock);
+    j->next_all = n->all; n->all = j;
+    if (n->closed) { j->stop = 1; j->error = ECONNRESET; }
+    else if (j->nframes) enqueue(n, j);
+    int ann = finish_if_idle(n, j);
+    pthread_mutex_unlock(&n->lock);
+    if (ann) end_job(n, j);
+    return j;
+}
+
 /* Stop a job: no new frame is sent or written (a receiver finishes at most one piece).  A stopped one-sided
- * read also tells the owner to stop serving it. */
+ * read (`tell_peer`) also tells the owner to stop serving it. */
 void adt_net_cancel(void *net, void *job, int tell_peer)
 {
     adt_net *n = (adt_net *)net;
@@ -612,12 +833,32 @@ void adt_net_cancel(void *net, void *job, int tell_peer)
         j->ready = 1;
         j->next_frame = j->nframes;
         unqueue(n, j);
-        if (tell_peer && !n->closed) queue_ctrl(n, T_ABORT, j->key, 0, NULL, 0, 0, 0);
+        if (tell_peer && !n->closed && j->kind == 0) queue_ctrl(n, T_ABORT, j->key, 0, NULL, 0, 0, 0);
     }
     int ann = finish_if_idle(n, j);
     pthread_cond_broadcast(&n->ready);
     pthread_mutex_unlock(&n->lock);
     if (ann) end_job(n, j);
+}
+
+/* Fence transfer `key` that this end sent (a cut-short push, once its send job ended): a FENCE frame on every
+ * connection, after whatever of it was sent there; the returned job ends once the peer's receiver threads
+ * acknowledged every one, i.e. no byte of the transfer is written on the peer any more, or the link broke
+ * (*error then).  The peer stops its receive job of the key, if any.  No event loop takes part. */
+void *adt_net_fence(void *net, uint64_t key)
+{
+    adt_net *n = (adt_net *)net;
+    net_job *j = new_job(1, key);
+    if (!j) return NULL;
+    j->stop = 1;
+    j->fence = 1;
+    pthread_mutex_lock(&n->lock);
+    j->next_all = n->all; n->all = j;
+    if (n->closed) j->error = ECONNRESET;
+    int ann = finish_if_idle(n, j);
+    pthread_mutex_unlock(&n->lock);
+    if (ann) end_job(n, j);
+    return j;
 }
 
 /* 0 running; 1 complete; 2 stopped.  *error: errno of a failed connection; *status: the owner's ERROR code. */
@@ -638,12 +879,13 @@ void adt_net_job_free(void *job) { free_job((net_job *)job); }
 
 int adt_net_connections(void *net) { return ((adt_net *)net)->nconns; }
 
-/* The one-sided READs this link served: accepted, their bytes, refused (stale or outside the cache). */
+/* The one-sided READs this link served: accepted, their bytes, refused (stale or outside the cache); then the
+ * same for WRITE frames (out: 6 words). */
 void adt_net_served(void *net, uint64_t *out)
 {
     adt_net *n = (adt_net *)net;
     pthread_mutex_lock(&n->lock);
-    for (int i = 0; i < 3; i++) out[i] = n->served[i];
+    for (int i = 0; i < 6; i++) out[i] = n->served[i];
     pthread_mutex_unlock(&n->lock);
 }
 

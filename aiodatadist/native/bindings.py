@@ -54,8 +54,8 @@ class JobState(IntEnum):
 
 
 class OwnerStatus(IntEnum):
-    """Why an owner refused a one-sided read: the status code of its ERROR frame (``adt_hdr.offset``), returned by
-    ``serve_read`` in ``_net.c`` and reported in ``*status`` by ``adt_net_job_state`` (0: none)."""
+    """Why an owner refused a one-sided read or write: the status code of its ERROR frame (``adt_hdr.offset``),
+    returned by ``serve_read``/``serve_write`` in ``_net.c`` and reported in ``*status`` by ``adt_net_job_state`` (0: none)."""
 
     NONE = 0
     RELEASED = 1
@@ -73,6 +73,14 @@ class FrameType(IntEnum):
     READ = 2
     ERROR = 3
     ABORT = 4
+    FENCE = 5
+    """A cut-short send: no more frames of the key follow on this connection."""
+    FENCE_ACK = 6
+    """The receiving end: nothing of the key is written from that connection any more."""
+    WRITE = 7
+    """One-sided push: the owner-side spans of the frame's slice, then its bytes (validated like a READ)."""
+    WRITE_ACK = 8
+    """The owner: a WRITE's bytes landed."""
 
 
 NET_MAGIC: Final = 0xADD7F4A4
@@ -124,8 +132,12 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_net_send.argtypes, lib.adt_net_send.restype = [vp, u64, vp, vp, sz], vp
     lib.adt_net_receive.argtypes, lib.adt_net_receive.restype = [vp, u64], vp
     lib.adt_net_set_destination.argtypes, lib.adt_net_set_destination.restype = [vp, vp, vp, vp, sz], c_int
-    lib.adt_net_read.argtypes = [vp, u64, i64, u64, u64, i64, vp, vp, sz, vp, vp, sz]
+    lib.adt_net_read.argtypes = [vp, u64, i64, u64, u64, i64, vp, vp, sz, vp, vp, sz, c_int]
     lib.adt_net_read.restype = vp
+    lib.adt_net_flush.argtypes, lib.adt_net_flush.restype = [vp], None
+    lib.adt_net_fence.argtypes, lib.adt_net_fence.restype = [vp, u64], vp
+    lib.adt_net_write.argtypes = [vp, u64, i64, u64, u64, i64, vp, vp, sz, vp, vp, sz]
+    lib.adt_net_write.restype = vp
     lib.adt_net_cancel.argtypes, lib.adt_net_cancel.restype = [vp, vp, c_int], None
     lib.adt_net_job_state.argtypes, lib.adt_net_job_state.restype = [vp, vp, pi, pi], c_int
     lib.adt_net_job_free.argtypes, lib.adt_net_job_free.restype = [vp], None
@@ -149,7 +161,7 @@ def load() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(spec.origin)
         lib.adt_copy_spans  # noqa: B018
-        lib.adt_net_read  # noqa: B018 - a stale build without it is not used
+        lib.adt_net_write  # noqa: B018 - a stale build without it is not used
     except (OSError, AttributeError) as exc:
         log.warning("native helper %s unusable (%s); using the Python fallback", spec.origin, exc)
         return None

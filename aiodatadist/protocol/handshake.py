@@ -48,8 +48,9 @@ __all__ = [
 ]
 
 S = LLMStatusCode
-PROTOCOL_VERSION = 5  # 2: batched frames, segments announced at link time; 3: geometries carry the data type;
-# 4: RESOLVE (registered tensors holding raw destination addresses); 5: the nixl plane
+PROTOCOL_VERSION = 6  # 2: batched frames, segments announced at link time; 3: geometries carry the data type;
+# 4: RESOLVE (registered tensors holding raw destination addresses); 5: the nixl plane, fd socket; 6: TCP data
+# frames FENCE/FENCE_ACK and one-sided WRITE/WRITE_ACK
 MAX_LINKS = 512
 ADMITTED: tuple[int, str] = (0, "")
 SHM_ELSEWHERE = "transport shm forced, but the peer is not on this host"

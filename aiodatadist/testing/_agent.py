@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -189,6 +190,11 @@ class Agent:
 
     async def cmd_sleep(self, a: dict[str, Any]) -> Any:
         await asyncio.sleep(a["seconds"])
+        return None
+
+    async def cmd_block(self, a: dict[str, Any]) -> Any:
+        """Keep this process's event loop busy for ``seconds`` (a busy engine: its native I/O threads still run)."""
+        time.sleep(a["seconds"])  # noqa: ASYNC251 - blocking the loop is the point
         return None
 
     async def cmd_finalize(self, a: dict[str, Any]) -> Any:

@@ -153,12 +153,15 @@ class Requester:
             raise LLMException(f"device caches move only between processes on one host (CUDA IPC); the link to "
                                f"cluster {key.cluster_id} uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
         if tcp:
-            remembered = st.resolved.get((wkey.kind, wkey.a, wkey.b)) if params.op == "pull" else None
-            if remembered is not None:
+            remembered = st.resolved.get((wkey.kind, wkey.a, wkey.b))
+            moved = None
+            if remembered is not None and params.op == "pull":
                 moved = await self._read_published(link, wkey, remembered, local, params)
-                if moved is not None:
-                    self._send_note(link, note)
-                    return None, moved
+            elif remembered is not None and self._writable(link, remembered):
+                moved = await self._write_published(link, wkey, remembered, local, params)
+            if moved is not None:
+                self._send_note(link, note)
+                return None, moved
         else:
             resolved = self._published(link, wkey)
             if resolved is not None and params.op == "push" and st.descriptors[resolved.cache_id].borrowed:
@@ -205,13 +208,44 @@ class Requester:
                 st.running.discard(tid)
                 if streaming and not pull and not ended:
                     # Bytes we sent may still sit in socket buffers: the push returns only once the owner
-                    # confirmed that its receiving end stopped writing.
-                    await wait_through_cancellation(self._stop_remote_receive(links, link, tid))
+                    # confirmed that its receiving end stopped writing (its I/O threads answer a fence on the
+                    # data connections; a peer without them answers END over the control plane).
+                    if self._fenceable(link):
+                        await wait_through_cancellation(self._fence_push(links, link, tid))
+                        links.notify(link, End(tid, False))  # the owner's lease
+                    else:
+                        await wait_through_cancellation(self._stop_remote_receive(links, link, tid))
                 elif not ended and not (ok and consumes_key):
                     links.notify(link, End(tid, ok, note=self._noted(link, note) if ok else None))
         if ok and consumes_key:
             return link.channel.request(End(tid, True, note=self._noted(link, note))), plan.total_bytes
         return None, plan.total_bytes
+
+    @staticmethod
+    def _fenceable(link: Link) -> bool:
+        """Both ends' native I/O threads: a cut-short push is fenced on the data connections."""
+        return link.peer_serves_reads and isinstance(link.data, NativeDataPlane) and link.data.closed is None
+
+    @staticmethod
+    async def _fence_push(links: Any, link: Link, tid: int) -> None:
+        """A cut-short push (its send job has ended): returns once the owner's I/O threads confirmed on every
+        data connection that nothing of it is written any more, whatever its event loop is doing; drops the
+        link if that does not come within :data:`STOP_ACK_TIMEOUT`."""
+        plane = link.data
+        assert isinstance(plane, NativeDataPlane)
+        job = plane.fence(PUSH, tid)
+        try:
+            async with asyncio.timeout(STOP_ACK_TIMEOUT):
+                await asyncio.shield(job.future)
+            return
+        except (LLMException, TimeoutError):
+            pass
+        finally:
+            if not job.done:
+                plane.cancel(job)  # (a fence job ends with the link if not before)
+        if not link.closed:  # it may still write what it receives: the link cannot be trusted any more
+            await links.drop(link, LLMLinkError(
+                f"cluster {link.remote_cluster_id} did not confirm the end of a cut-short push; link dropped"))
 
     @staticmethod
     async def _stop_remote_receive(links: Any, link: Link, tid: int) -> None:
@@ -409,6 +443,45 @@ class Requester:
                     raise
                 st.resolved.pop((wkey.kind, wkey.a, wkey.b), None)
                 return None
+            finally:
+                st.tcp_jobs.pop(tid, None)
+        return plan.total_bytes
+
+    def _writable(self, link: Link, resolved: Resolved) -> bool:
+        """A TCP push into a cache the owner resolved before may go one-sided: both ends run the native I/O
+        threads, and the memory is aiodatadist's (a caller-owned cache goes through the owner, so that
+        unregistering it stops the push)."""
+        descriptor = self._states.of(link).descriptors.get(resolved.cache_id)
+        return descriptor is not None and not descriptor.borrowed and self._fenceable(link)
+
+    async def _write_published(self, link: Link, wkey: WireKey, resolved: Resolved, local: CacheEntry,
+                               params: TransferParams) -> int | None:
+        """A TCP push into a cache the owner resolved before: one-sided, validated and written by the owner's
+        native threads, which acknowledge once the bytes landed.
+
+        Returns None (after forgetting the resolution) when the owner says the cache is no longer the one
+        resolved (released or re-keyed; nothing of it was written): the caller then asks the owner again.  A
+        push cut short returns only once the owner's I/O threads confirmed that nothing of it lands any more."""
+        st = self._states.of(link)
+        plane = link.data
+        assert plane is not None and isinstance(plane, NativeDataPlane)
+        descriptor = st.descriptors[resolved.cache_id]
+        plan = transfer_plan(params, local.geometry, descriptor.geometry, resolved.slot)
+        tid = transfer_id(st.running)
+        with self._registry.lease(local):
+            job = plane.write(tid, resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id,
+                              plan_side_spans(plan, descriptor.addrs, "dst"), plan_side_spans(plan, local.addrs, "src"))
+            st.tcp_jobs[tid] = job
+            try:
+                await plane.wait(job)
+            except BaseException as exc:
+                # Frames of it may still be in socket buffers: fence them before returning or asking again.
+                if self._fenceable(link):
+                    await wait_through_cancellation(self._fence_push(self._links, link, tid))
+                if isinstance(exc, LLMException) and exc.status_code == S.LLM_KV_CACHE_NOT_EXIST and not link.closed:
+                    st.resolved.pop((wkey.kind, wkey.a, wkey.b), None)
+                    return None
+                raise
             finally:
                 st.tcp_jobs.pop(tid, None)
         return plan.total_bytes

@@ -28,7 +28,7 @@ from ..protocol.messages import (
     request_from_wire,
 )
 from ..registry import CacheEntry, CacheRegistry
-from ..stats import StatsRecorder
+from ..stats import OneSided, StatsRecorder
 from ..transport.tcp.native_plane import NativeDataPlane
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 from .engine import CopyEngine
@@ -139,18 +139,21 @@ class TransferService:
         """Owner side: ask requesters whose running transfers use ``entry`` (being released) to stop."""
         self._owner.abort_remote(entry)
 
-    def one_sided_served(self) -> dict[int, tuple[str, tuple[int, int, int]]]:
-        """The one-sided reads the live links' I/O threads served: remote cluster -> (plane, (accepted, bytes,
-        refused))."""
-        return {cluster: (link.plane, link.data.served_reads()) for cluster, link in self._links.links.items()
+    def one_sided_served(self) -> dict[int, tuple[str, OneSided]]:
+        """The one-sided reads and writes the live links' I/O threads served: remote cluster -> (plane, counts)."""
+        return {cluster: (link.plane, _one_sided(link.data)) for cluster, link in self._links.links.items()
                 if isinstance(link.data, NativeDataPlane)}
 
     async def on_link_closed(self, link: Link, error: LLMException) -> None:
         """Stop the requester-side copies on this link, then drop the owner-side leases."""
         if isinstance(link.data, NativeDataPlane):  # its data plane has stopped: these are final
-            self._stats.one_sided_closed(link.remote_cluster_id, link.plane, link.data.served_reads())
+            self._stats.one_sided_closed(link.remote_cluster_id, link.plane, _one_sided(link.data))
         state = self._states.pop(link)
         if state is None:
             return
         await self._requester.link_closed(state, error)
         self._owner.link_closed(link, state)
+
+
+def _one_sided(plane: NativeDataPlane) -> OneSided:
+    return plane.served_reads() + plane.served_writes()

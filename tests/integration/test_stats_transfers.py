@@ -73,10 +73,10 @@ async def test_the_owner_counts_what_it_served(transport: str) -> None:
         assert pulls is not None and pulls.plane == transport
         assert dict(pulls.failures) == {LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.name: 1}
         assert served.links == () and decoder.stats().served == ()
-        if transport == "tcp":  # the one-sided read is counted by the owner's I/O threads; pushes ask the owner
+        if transport == "tcp":  # the one-sided read and write are counted by the owner's I/O threads
             assert (pulls.operations, pulls.succeeded, pulls.bytes) == (3, 2, 12 << 10)
-            assert pushes is not None and (pushes.operations, pushes.bytes, dict(pushes.failures)) == (1, 12 << 10, {})
-            assert pushes.latency_p50_ms > 0
+            assert pushes is not None and (pushes.bytes, dict(pushes.failures)) == (12 << 10, {})
+            assert pushes.operations >= 1  # one per WRITE frame
         else:  # the second pull and the push read and write the owner's mapped memory without asking it
             assert (pulls.operations, pulls.succeeded, pulls.bytes) == (2, 1, 8 << 10)
             assert pushes is None

@@ -117,7 +117,7 @@ def test_hello_golden() -> None:
     assert answered.to_wire() == second and list(answered.to_wire()) == list(second)
     # Channel.request: {**body, "k": kind, "i": req_id}
     assert encode(request_to_wire(answered, 1)) == pack({**second, "k": "hello", "i": 1})
-    assert PROTOCOL_VERSION == 5  # 3: geometries carry the data type (issue 12); 4: RESOLVE (issue 13); 5: nixl
+    assert PROTOCOL_VERSION == 6  # 3: data types (issue 12); 4: RESOLVE (issue 13); 5: nixl, fds; 6: fence, WRITE
 
 
 def test_hello_reply_golden() -> None:

@@ -1,0 +1,256 @@
+"""One-sided TCP pushes: after the first push by a key, a push into a published cache goes as WRITE frames that
+the owner's I/O threads validate against its cache directory and write, with no BEGIN/END round trip.
+
+Checked between two real processes: the bytes land exactly; a push to a re-keyed cache writes nothing into the
+old one and lands in the new one (through the owner again); a push to a released cache fails with
+LLM_KV_CACHE_NOT_EXIST; a caller-owned cache always goes through the owner.  Checked on two data planes in one
+process: refused WRITE frames (stale stamp, wrong cache, outside the cache, withdrawn row) and frames of an
+unknown transfer write nothing, and the connection stays in sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers.data import fill_pattern, pattern
+
+from aiodatadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aiodatadist.errors import LLMLinkError
+from aiodatadist.native import DIR_WORDS, DirWord, native_pool
+from aiodatadist.testing import PeerProcess, cluster_info, free_port
+from aiodatadist.transfer.requester import Requester
+from aiodatadist.transport.base import PUSH
+from aiodatadist.transport.tcp.native_plane import NativeDataPlane
+
+pytestmark = pytest.mark.skipif(native_pool() is None, reason="needs the native helper")
+
+TENSORS, BLOCKS, BLOCK = 8, 16, 16 << 10
+PROMPT, DECODER = 41, 42
+S = LLMStatusCode
+
+
+def _desc() -> CacheDesc:
+    return CacheDesc(TENSORS, (BLOCKS, BLOCK), DataType.DT_UINT8, Placement.HOST)
+
+
+class Pair:
+    def __init__(self, peer: PeerProcess, dd: LLMDataDist) -> None:
+        self.peer, self.dd = peer, dd
+        self.one_sided: list[bool] = []
+
+    async def allocate(self) -> int:
+        made = await self.peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
+                                    blocks_key=[PROMPT, 0])
+        await self.peer.call("poison", cache_id=made["cache_id"], value=0)
+        return int(made["cache_id"])
+
+    async def block(self, cache_id: int, block: int) -> list[bytes]:
+        return [bytes.fromhex(await self.peer.call("read", cache_id=cache_id, tensor=t, offset=block * BLOCK,
+                                                   nbytes=BLOCK)) for t in range(TENSORS)]
+
+
+@pytest.fixture
+async def pair(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Pair]:
+    port = free_port()
+    peer = await PeerProcess.start()
+    try:
+        await peer.call("init", role="PROMPT", cluster_id=PROMPT,
+                        options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "10000",
+                                 "llm.Transport": "tcp"})
+        async with LLMDataDist(LLMRole.DECODER, DECODER) as dd:
+            cfg = LLMConfig()
+            cfg.sync_kv_timeout = 10000
+            await dd.init(cfg.generate_options())
+            code, _ = await dd.link_clusters([cluster_info(PROMPT, port)], timeout=5000)
+            assert code == S.LLM_SUCCESS
+            assert dd.links()[0]["plane"] == "tcp"
+            result = Pair(peer, dd)
+            original = Requester._write_published
+
+            async def recorded(self: Requester, *args: Any) -> int | None:
+                moved = await original(self, *args)
+                result.one_sided.append(moved is not None)
+                return moved
+
+            monkeypatch.setattr(Requester, "_write_published", recorded)
+            yield result
+    finally:
+        await peer.close()
+
+
+def _expected(seed: int, tensor: int, block: int) -> bytes:
+    return pattern(seed, tensor, BLOCKS * BLOCK)[block * BLOCK: (block + 1) * BLOCK].tobytes()
+
+
+async def test_one_sided_push_lands_byte_exact(pair: Pair) -> None:
+    remote = await pair.allocate()
+    cache = pair.dd.cache_manager.allocate_blocks_cache(_desc())
+    fill_pattern(cache, 7)
+    key = BlocksCacheKey(PROMPT, 0)
+    await pair.dd.cache_manager.push_blocks(key, cache, [1], [2])  # through the owner: resolves the key
+    assert pair.one_sided == []
+    await pair.dd.cache_manager.push_blocks(key, cache, [3, 4, 9], [5, 6, 15])
+    assert pair.one_sided == [True]
+    for src, dst in ((1, 2), (3, 5), (4, 6), (9, 15)):
+        assert await pair.block(remote, dst) == [_expected(7, t, src) for t in range(TENSORS)]
+    assert await pair.block(remote, 0) == [bytes(BLOCK)] * TENSORS  # nothing else written
+    # many at once
+    await asyncio.gather(*(pair.dd.cache_manager.push_blocks(key, cache, [b], [b]) for b in range(BLOCKS)))
+    assert pair.one_sided == [True] * (BLOCKS + 1)
+    for b in range(BLOCKS):
+        assert await pair.block(remote, b) == [_expected(7, t, b) for t in range(TENSORS)]
+
+
+async def test_one_sided_push_cache_by_id(pair: Pair) -> None:
+    made = await pair.peer.call("allocate", num_tensors=TENSORS, shape=[2, BLOCK])
+    remote = int(made["cache_id"])
+    cache = pair.dd.cache_manager.allocate_cache(CacheDesc(TENSORS, (2, BLOCK), DataType.DT_UINT8, Placement.HOST))
+    fill_pattern(cache, 3)
+    for batch in (0, 1, 1):
+        await pair.dd.cache_manager.push_cache(CacheKeyByIdAndIndex(PROMPT, remote, batch), cache, batch)
+    assert pair.one_sided == [True]  # the first push by each key resolves it through the owner
+    for t in range(TENSORS):
+        got = bytes.fromhex(await pair.peer.call("read", cache_id=remote, tensor=t, offset=0, nbytes=2 * BLOCK))
+        assert got == pattern(3, t, 2 * BLOCK).tobytes()
+
+
+async def test_push_to_a_rekeyed_cache_writes_nothing_into_the_old_one(pair: Pair) -> None:
+    old = await pair.allocate()
+    cache = pair.dd.cache_manager.allocate_blocks_cache(_desc())
+    fill_pattern(cache, 9)
+    key = BlocksCacheKey(PROMPT, 0)
+    await pair.dd.cache_manager.push_blocks(key, cache, [1], [1])
+    before = await pair.peer.call("digest", cache_id=old)
+    new = await pair.allocate()  # takes the model id over: the old cache no longer answers to the key
+    await pair.dd.cache_manager.push_blocks(key, cache, [3], [4])
+    assert pair.one_sided == [False]  # refused by the owner's I/O threads, then through the owner
+    assert await pair.peer.call("digest", cache_id=old) == before
+    assert await pair.block(new, 4) == [_expected(9, t, 3) for t in range(TENSORS)]
+
+
+async def test_push_to_a_released_cache_fails_and_writes_nothing(pair: Pair) -> None:
+    remote = await pair.allocate()
+    cache = pair.dd.cache_manager.allocate_blocks_cache(_desc())
+    fill_pattern(cache, 5)
+    key = BlocksCacheKey(PROMPT, 0)
+    await pair.dd.cache_manager.push_blocks(key, cache, [1], [1])
+    await pair.peer.call("release", cache_id=remote)
+    with pytest.raises(LLMException) as caught:
+        await pair.dd.cache_manager.push_blocks(key, cache, [2], [2])
+    assert caught.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+    assert pair.one_sided == [False]
+    # the owner is alive and the link moves data
+    other = await pair.allocate()
+    await pair.dd.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), cache, [6], [7])
+    assert await pair.block(other, 7) == [_expected(5, t, 6) for t in range(TENSORS)]
+
+
+async def test_caller_owned_cache_goes_through_the_owner(pair: Pair) -> None:
+    made = await pair.peer.call("register", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
+                                blocks_key=[PROMPT, 0], host_memory=True)
+    cache = pair.dd.cache_manager.allocate_blocks_cache(_desc())
+    fill_pattern(cache, 4)
+    key = BlocksCacheKey(PROMPT, 0)
+    for b in range(3):
+        await pair.dd.cache_manager.push_blocks(key, cache, [b], [b])
+    assert pair.one_sided == []
+    assert await pair.block(int(made["cache_id"]), 2) == [_expected(4, t, 2) for t in range(TENSORS)]
+
+
+# -- two data planes in this process, connected over loopback TCP ------------------------------------------------
+
+class Planes:
+    def __init__(self, owner: NativeDataPlane, requester: NativeDataPlane, words: np.ndarray,
+                 target: np.ndarray) -> None:
+        self.owner, self.requester, self.words, self.target = owner, requester, words, target
+        self.stamp = secrets.randbits(62) + 1
+        row = words[:DIR_WORDS]
+        row[DirWord.CACHE], row[DirWord.MODEL] = 7, 3
+        row[DirWord.BASE], row[DirWord.SIZE] = target.ctypes.data, target.nbytes
+        row[DirWord.STAMP] = self.stamp
+
+    def write(self, data: np.ndarray, offset: int, *, stamp: int | None = None, cache_id: int = 7,
+              model: int | None = 3, at: int | None = None) -> Any:
+        base = self.target.ctypes.data if at is None else at
+        return self.requester.write(secrets.randbits(62), 0, self.stamp if stamp is None else stamp, cache_id, model,
+                                    ([base + offset], [data.nbytes]), ([data.ctypes.data], [data.nbytes]))
+
+
+@pytest.fixture
+async def planes() -> AsyncIterator[Planes]:
+    loop = asyncio.get_running_loop()
+    words = np.zeros(4 * DIR_WORDS, dtype=np.int64)
+    target = np.zeros(1 << 20, dtype=np.uint8)
+
+    def broken(_: LLMException) -> None:
+        pass
+
+    owner = NativeDataPlane("owner", loop, broken, (words.ctypes.data, 4))
+    requester = NativeDataPlane("requester", loop, broken, None)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        for _ in range(2):
+            client = socket.create_connection(server.getsockname())
+            accepted, _ = server.accept()
+            requester.attach(client)
+            owner.attach(accepted)
+    try:
+        yield Planes(owner, requester, words, target)
+    finally:
+        error = LLMLinkError("test over")
+        await requester.aclose(error)
+        await owner.aclose(error)
+
+
+async def test_refused_writes_write_nothing(planes: Planes) -> None:
+    data = np.full(300 << 10, 0x5A, dtype=np.uint8)
+    req = planes.requester
+    await req.wait(planes.write(data, 4096))
+    assert (planes.target[4096: 4096 + data.nbytes] == 0x5A).all()
+    planes.target[:] = 0
+    refusals: list[tuple[dict[str, Any], LLMStatusCode]] = [
+        ({"stamp": planes.stamp + 1}, S.LLM_KV_CACHE_NOT_EXIST),  # another stamp
+        ({"cache_id": 8}, S.LLM_KV_CACHE_NOT_EXIST),  # another cache
+        ({"model": 4}, S.LLM_KV_CACHE_NOT_EXIST),  # re-keyed
+        ({"at": planes.target.ctypes.data + planes.target.nbytes - 4096}, S.LLM_PARAM_INVALID),  # past its end
+        ({"at": planes.target.ctypes.data - (1 << 20)}, S.LLM_PARAM_INVALID),  # before it
+    ]
+    for kwargs, code in refusals:
+        with pytest.raises(LLMException) as caught:
+            await req.wait(planes.write(data, 0, **kwargs))
+        assert caught.value.status_code == code, kwargs
+        assert not planes.target.any(), kwargs
+    # frames of a transfer nobody receives are dropped, and the connections stay in sync
+    plain = req.send(PUSH, secrets.randbits(62), np.array([data.ctypes.data], dtype=np.uint64),
+                     np.array([data.nbytes], dtype=np.uint64))
+    await req.wait(plain)
+    # a fence of a transfer the owner never saw is acknowledged
+    await req.wait(req.fence(PUSH, secrets.randbits(62)))
+    assert not planes.target.any()
+    # a withdrawn row (the cache was released) takes nothing any more
+    lib = native_pool()
+    assert lib is not None
+    lib.adt_dir_withdraw(planes.words.ctypes.data, 0)
+    with pytest.raises(LLMException) as caught:
+        await req.wait(planes.write(data, 0))
+    assert caught.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+    assert not planes.target.any()
+    assert req.closed is None and planes.owner.closed is None
+    accepted, nbytes, refused = planes.owner.served_writes()  # counted per WRITE frame by the owner's threads
+    assert nbytes == data.nbytes and accepted >= 1 and refused >= 6
