@@ -295,14 +295,7 @@ class Server:
                 log.warning("dropping malformed message from %r: %s", routing_id[:8], exc)
                 continue
             for message in messages:
-                channel = self.channels.get(routing_id)
-                if channel is not None:
-                    await _deliver(channel, message, tasks)
-                elif message["k"] == Kind.HELLO:
-                    tasks.spawn(self._on_hello(routing_id, message), name="hello")
-                elif message["k"] != Kind.REPLY:
-                    await self.reply_raw(routing_id, reply_to_wire(
-                        message["i"], code=int(LLMStatusCode.LLM_NOT_YET_LINK), msg="not linked"))
+                await self._route(routing_id, message, tasks)
 
     async def _route(self, routing_id: bytes, message: dict[str, Any], tasks: TaskSet) -> None:
         channel = self.channels.get(routing_id)

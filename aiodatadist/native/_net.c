@@ -659,12 +659,9 @@ static net_job *new_job(int kind, uint64_t key)
     return j;
 }
 
-/* Two-sided send: the spans' bytes as transfer `key` (copied arrays). */
-void *adt_net_send(void *net, uint64_t key, const uint64_t *addr, const uint64_t *len, size_t count)
+/* A send job ready to go: listed, and queued for the senders (or failed at once on a closed link). */
+static void *start_send(adt_net *n, net_job *j)
 {
-    adt_net *n = (adt_net *)net;
-    net_job *j = new_job(1, key);
-    if (!j || copy_spans(j, addr, len, count) || plan_frames(j, n->frame, n->nconns)) { free_job(j); return NULL; }
     pthread_mutex_lock(&n->lock);
     j->next_all = n->all; n->all = j;
     if (n->closed) { j->stop = 1; j->error = ECONNRESET; }
@@ -673,6 +670,15 @@ void *adt_net_send(void *net, uint64_t key, const uint64_t *addr, const uint64_t
     pthread_mutex_unlock(&n->lock);
     if (ann) end_job(n, j);
     return j;
+}
+
+/* Two-sided send: the spans' bytes as transfer `key` (copied arrays). */
+void *adt_net_send(void *net, uint64_t key, const uint64_t *addr, const uint64_t *len, size_t count)
+{
+    adt_net *n = (adt_net *)net;
+    net_job *j = new_job(1, key);
+    if (!j || copy_spans(j, addr, len, count) || plan_frames(j, n->frame, n->nconns)) { free_job(j); return NULL; }
+    return start_send(n, j);
 }
 
 /* Register the receiving end of `key`; DATA frames for it wait for adt_net_set_destination. */
@@ -811,14 +817,7 @@ void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64
     }
     free_job(r);
     if (bad) { free_job(j); return NULL; }
-    pthread_mutex_lock(&n->lock);
-    j->next_all = n->all; n->all = j;
-    if (n->closed) { j->stop = 1; j->error = ECONNRESET; }
-    else if (j->nframes) enqueue(n, j);
-    int ann = finish_if_idle(n, j);
-    pthread_mutex_unlock(&n->lock);
-    if (ann) end_job(n, j);
-    return j;
+    return start_send(n, j);
 }
 
 /* Stop a job: no new frame is sent or written (a receiver finishes at most one piece).  A stopped one-sided
