@@ -380,16 +380,23 @@ def test_map_peer_segment_from_another_process() -> None:
             proc.stdin.flush()
             assert read_line(proc) == "ok"
             # any identity that does not match the live segment is refused
+            other_fd = os.memfd_create("aiodatadist-test-other")
+            os.ftruncate(other_fd, ident.size)
             wrong = [
                 SegmentIdentity(ident.pid, ident.fd, ident.inode + 1, ident.device, ident.size),
                 SegmentIdentity(ident.pid, ident.fd, ident.inode, ident.device + 1, ident.size),
                 SegmentIdentity(ident.pid, ident.fd, ident.inode, ident.device, ident.size + PAGE),
                 SegmentIdentity(ident.pid, ident.fd + 1000, ident.inode, ident.device, ident.size),
-                SegmentIdentity(os.getpid(), ident.fd, ident.inode, ident.device, ident.size),
+                # our own process holds the peer's segment too (mmap keeps a dup of the descriptor), so the
+                # wrong-pid case names one of our descriptors that is some other file
+                SegmentIdentity(os.getpid(), other_fd, ident.inode, ident.device, ident.size),
             ]
-            for bad in wrong:
-                with pytest.raises(OSError):
-                    map_peer_segment(bad)
+            try:
+                for bad in wrong:
+                    with pytest.raises(OSError):
+                        map_peer_segment(bad)
+            finally:
+                os.close(other_fd)
             proc.stdin.write("exit\n")
             proc.stdin.flush()
             assert proc.wait(30) == 0
