@@ -820,24 +820,32 @@ void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64
     return start_send(n, j);
 }
 
-/* Stop a job: no new frame is sent or written (a receiver finishes at most one piece).  A stopped one-sided
- * read (`tell_peer`) also tells the owner to stop serving it. */
-void adt_net_cancel(void *net, void *job, int tell_peer)
+/* Stop a job: no new frame is sent or written (a receiver finishes at most one piece).  `how`: 0 just that;
+ * CANCEL_TELL_PEER a stopped one-sided read also tells the owner to stop serving it; CANCEL_FENCE a stopped send
+ * (a cut-short push) ends only once the peer acknowledged a FENCE on every connection, sent by the I/O threads as
+ * soon as none of its frames is in flight (as adt_net_fence, without a second request).  Returns 1 if that fence
+ * is armed, 0 if not (the job had ended already, or the link is closed). */
+#define CANCEL_TELL_PEER 1
+#define CANCEL_FENCE 2
+int adt_net_cancel(void *net, void *job, int how)
 {
     adt_net *n = (adt_net *)net;
     net_job *j = (net_job *)job;
+    int fenced = 0;
     pthread_mutex_lock(&n->lock);
     if (!j->done) {
         j->stop = 1;
         j->ready = 1;
         j->next_frame = j->nframes;
         unqueue(n, j);
-        if (tell_peer && !n->closed && j->kind == 0) queue_ctrl(n, T_ABORT, j->key, 0, NULL, 0, 0, 0);
+        if (how == CANCEL_TELL_PEER && !n->closed && j->kind == 0) queue_ctrl(n, T_ABORT, j->key, 0, NULL, 0, 0, 0);
+        if (how == CANCEL_FENCE && !n->closed && j->kind == 1 && !j->fence) { j->fence = 1; fenced = 1; }
     }
     int ann = finish_if_idle(n, j);
     pthread_cond_broadcast(&n->ready);
     pthread_mutex_unlock(&n->lock);
     if (ann) end_job(n, j);
+    return fenced;
 }
 
 /* Fence transfer `key` that this end sent (a cut-short push, once its send job ended): a FENCE frame on every
@@ -860,18 +868,19 @@ void *adt_net_fence(void *net, uint64_t key)
     return j;
 }
 
-/* 0 running; 1 complete; 2 stopped.  *error: errno of a failed connection; *status: the owner's ERROR code. */
+/* 0 running; 1 complete; 2 stopped; 3 stopped and fenced (the peer acknowledged its FENCE on every connection).
+ * *error: errno of a failed connection; *status: the owner's ERROR code. */
 int adt_net_job_state(void *net, void *job, int *error, int *status)
 {
     adt_net *n = (adt_net *)net;
     net_job *j = (net_job *)job;
     pthread_mutex_lock(&n->lock);
-    int done = j->done, stop = j->stop;
+    int done = j->done, stop = j->stop, fenced = j->fence == 2 && j->fence_left == 0 && !j->error;
     *error = j->error;
     *status = j->status;
     pthread_mutex_unlock(&n->lock);
     if (!done) return 0;
-    return stop ? 2 : 1;
+    return fenced ? 3 : stop ? 2 : 1;
 }
 
 void adt_net_job_free(void *job) { free_job((net_job *)job); }

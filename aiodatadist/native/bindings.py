@@ -46,11 +46,13 @@ class CopyMode(IntEnum):
 
 class JobState(IntEnum):
     """What ``adt_job_state`` (``_native.c``) and ``adt_net_job_state`` (``_net.c``) return (literals there:
-    "0 = running, 1 = finished, 2 = stopped early")."""
+    "0 = running, 1 = finished, 2 = stopped early, 3 = stopped and fenced")."""
 
     RUNNING = 0
     FINISHED = 1
     STOPPED = 2
+    FENCED = 3
+    """A stopped send (or a fence job) whose FENCE the peer acknowledged on every connection."""
 
 
 class OwnerStatus(IntEnum):
@@ -138,7 +140,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_net_fence.argtypes, lib.adt_net_fence.restype = [vp, u64], vp
     lib.adt_net_write.argtypes = [vp, u64, i64, u64, u64, i64, vp, vp, sz, vp, vp, sz]
     lib.adt_net_write.restype = vp
-    lib.adt_net_cancel.argtypes, lib.adt_net_cancel.restype = [vp, vp, c_int], None
+    lib.adt_net_cancel.argtypes, lib.adt_net_cancel.restype = [vp, vp, c_int], c_int
     lib.adt_net_job_state.argtypes, lib.adt_net_job_state.restype = [vp, vp, pi, pi], c_int
     lib.adt_net_job_free.argtypes, lib.adt_net_job_free.restype = [vp], None
     lib.adt_net_connections.argtypes, lib.adt_net_connections.restype = [vp], c_int

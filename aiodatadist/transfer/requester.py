@@ -176,6 +176,7 @@ class Requester:
         pull = params.op == "pull"
         consumes_key = pull and wkey.kind in ("req", "prefix")
         ok = ended = streaming = False
+        sent: TransferJob | None = None
         st.running.add(tid)
         with self._registry.lease(local):
             # A TCP pull's receiving end exists before BEGIN: the owner starts sending as soon as it accepts.
@@ -187,8 +188,14 @@ class Requester:
                     raise LLMException(f"cluster {key.cluster_id} released the cache before the copy started",
                                        status_code=S.LLM_KV_CACHE_NOT_EXIST)
                 if tcp:
+                    assert link.data is not None
                     streaming = True
-                    await self._stream(link, tid, plan, local, pull, receiving)
+                    if pull:
+                        assert receiving is not None
+                        link.data.set_destination(receiving, *plan_side_spans(plan, local.addrs, "dst"))
+                    else:
+                        sent = link.data.send(PUSH, tid, *plan_side_spans(plan, local.addrs, "src"))
+                    await self._stream(link, tid, receiving if pull else sent)
                     if not pull:  # the bytes are sent; the owner confirms once they have all landed
                         await link.channel.request(End(tid, True, confirm=True, note=note))
                         ended = True
@@ -206,7 +213,7 @@ class Requester:
                 # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
                 st.aborted.discard(tid)
                 st.running.discard(tid)
-                if streaming and not pull and not ended:
+                if streaming and not pull and not ended and not (sent is not None and sent.fenced):
                     # Bytes we sent may still sit in socket buffers: the push returns only once the owner
                     # confirmed that its receiving end stopped writing (its I/O threads answer a fence on the
                     # data connections; a peer without them answers END over the control plane).
@@ -226,26 +233,43 @@ class Requester:
         """Both ends' native I/O threads: a cut-short push is fenced on the data connections."""
         return link.peer_serves_reads and isinstance(link.data, NativeDataPlane) and link.data.closed is None
 
-    @staticmethod
-    async def _fence_push(links: Any, link: Link, tid: int) -> None:
-        """A cut-short push (its send job has ended): returns once the owner's I/O threads confirmed on every
-        data connection that nothing of it is written any more, whatever its event loop is doing; drops the
-        link if that does not come within :data:`STOP_ACK_TIMEOUT`."""
+    async def _await_send(self, link: Link, tid: int, job: TransferJob) -> None:
+        """Await a push's send or one-sided write job on a fenceable link.  Cancelled, the job stops with its
+        fence armed in the same step, and this returns once the owner's I/O threads confirmed that nothing of it
+        is written any more (``job.fenced``), with one wake-up of this loop, whatever the owner's loop is doing."""
         plane = link.data
         assert isinstance(plane, NativeDataPlane)
-        job = plane.fence(PUSH, tid)
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            armed = plane.cancel_fenced(job)
+            if armed or self._fenceable(link):
+                await wait_through_cancellation(self._fence_push(self._links, link, tid, job if armed else None))
+                job.fenced = True
+            else:  # the link is closed: nothing is written any more once the job ended
+                await plane.wait_stopped(job)
+            raise
+
+    @staticmethod
+    async def _fence_push(links: Any, link: Link, tid: int, job: TransferJob | None = None) -> None:
+        """A cut-short push: returns once the owner's I/O threads confirmed on every data connection that
+        nothing of it is written any more, whatever its event loop is doing; drops the link if that does not
+        come within :data:`STOP_ACK_TIMEOUT`.  ``job``: its send job, stopped with the fence armed
+        (:meth:`NativeDataPlane.cancel_fenced`); None: it has ended, and a fence job of its own is sent."""
+        plane = link.data
+        assert isinstance(plane, NativeDataPlane)
+        if job is None:
+            job = plane.fence(PUSH, tid)
         try:
             async with asyncio.timeout(STOP_ACK_TIMEOUT):
                 await asyncio.shield(job.future)
             return
         except (LLMException, TimeoutError):
             pass
-        finally:
-            if not job.done:
-                plane.cancel(job)  # (a fence job ends with the link if not before)
         if not link.closed:  # it may still write what it receives: the link cannot be trusted any more
             await links.drop(link, LLMLinkError(
                 f"cluster {link.remote_cluster_id} did not confirm the end of a cut-short push; link dropped"))
+        await plane.wait_stopped(job)  # the job ends with the link (a send job may still have a frame going out)
 
     @staticmethod
     async def _stop_remote_receive(links: Any, link: Link, tid: int) -> None:
@@ -264,21 +288,18 @@ class Requester:
                 await links.drop(link, LLMLinkError(
                     f"cluster {link.remote_cluster_id} did not confirm the end of a cut-short push; link dropped"))
 
-    async def _stream(self, link: Link, tid: int, plan: CopyPlan, local: CacheEntry, pull: bool,
-                      receiving: TransferJob | None) -> None:
-        """Move the bytes over the link's data connections (the caller holds a lease on ``local``)."""
+    async def _stream(self, link: Link, tid: int, job: TransferJob | None) -> None:
+        """Await a TCP transfer's receive or send job (the caller holds a lease on the local memory); a push
+        cut short is fenced here where it can be (:meth:`_await_send`)."""
         st = self._states.of(link)
         plane = link.data
-        assert plane is not None
-        if pull:
-            assert receiving is not None
-            plane.set_destination(receiving, *plan_side_spans(plan, local.addrs, "dst"))
-            job = receiving
-        else:
-            job = plane.send(PUSH, tid, *plan_side_spans(plan, local.addrs, "src"))
+        assert plane is not None and job is not None
         st.tcp_jobs[tid] = job
         try:
-            await plane.wait(job)
+            if job.kind == "send" and self._fenceable(link):
+                await self._await_send(link, tid, job)
+            else:
+                await plane.wait(job)
         finally:
             st.tcp_jobs.pop(tid, None)
 
@@ -473,10 +494,10 @@ class Requester:
                               plan_side_spans(plan, descriptor.addrs, "dst"), plan_side_spans(plan, local.addrs, "src"))
             st.tcp_jobs[tid] = job
             try:
-                await plane.wait(job)
+                await self._await_send(link, tid, job)
             except BaseException as exc:
                 # Frames of it may still be in socket buffers: fence them before returning or asking again.
-                if self._fenceable(link):
+                if not job.fenced and self._fenceable(link):
                     await wait_through_cancellation(self._fence_push(self._links, link, tid))
                 if isinstance(exc, LLMException) and exc.status_code == S.LLM_KV_CACHE_NOT_EXIST and not link.closed:
                     st.resolved.pop((wkey.kind, wkey.a, wkey.b), None)

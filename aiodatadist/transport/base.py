@@ -48,6 +48,7 @@ class TransferJob:
         self.bounds: list[int] = [0]  # send: frame boundaries (span indices)
         self.offsets: list[int] = [0]  # send: stream offset of each frame boundary
         self.next_frame = 0
+        self.fenced = False  # send: cut short, and the peer confirmed that nothing of it is written any more
 
 
 class PlaneJob(Protocol):
