@@ -10,8 +10,7 @@ stdin and answers each with ``ok`` once it is in effect:
 * ``target PORT``: later connections go to ``PORT`` (a restarted server on another port).
 
 It exits when stdin closes.  Running it in its own process keeps the soaked decoder's descriptors, threads and
-event loop free of the proxy's.  Same semantics as the test suite's in-process ``FaultProxy``
-(``tests/helpers/fault_proxy.py``), plus ``target``.
+event loop free of the proxy's.  The test suite runs :class:`FaultProxy` in its own event loop instead.
 """
 
 from __future__ import annotations

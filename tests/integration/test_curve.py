@@ -16,7 +16,6 @@ import pytest
 import zmq
 import zmq.asyncio
 from helpers.data import fill_pattern
-from helpers.fault_proxy import FaultProxy
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -32,6 +31,7 @@ from aiodatadist._settings import CurveKeys
 from aiodatadist.control.sockets import ZAP_DOMAIN, ZapHandler
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION
 from aiodatadist.testing import cluster_info, free_port
+from aiodatadist.tools.soak_proxy import FaultProxy
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 

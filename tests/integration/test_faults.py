@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 from helpers.data import fill_pattern
-from helpers.fault_proxy import FaultProxy
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -29,6 +28,7 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.testing import PeerProcess, cluster_info, free_port
+from aiodatadist.tools.soak_proxy import FaultProxy
 
 S = LLMStatusCode
 SMALL = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)
