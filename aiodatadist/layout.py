@@ -420,9 +420,9 @@ def _type_name(value: int) -> str:
 def transfer_plan(params: TransferParams, requester: CacheGeometry, owner: CacheGeometry, owner_slot: int) -> CopyPlan:
     """The validated plan of a pull or push; requester and owner compute the same plan independently."""
     require(params.op in ("pull", "push") and params.api in ("cache", "blocks"), "unknown transfer kind.")
-    require(requester.data_type == owner.data_type,
-            f"data type mismatch: the local cache holds {_type_name(requester.data_type)}, the remote cache "
-            f"{_type_name(owner.data_type)}.")
+    if requester.data_type != owner.data_type:  # (the message names the types: built only when it is raised)
+        param_invalid(f"data type mismatch: the local cache holds {_type_name(requester.data_type)}, the remote "
+                      f"cache {_type_name(owner.data_type)}.")
     if params.op == "pull":
         src, dst, src_slot, dst_slot = owner, requester, owner_slot, params.local_slot
         tensors = pull_tensor_indices(src, dst, params.src_layer_range, params.dst_layer_range,
