@@ -28,10 +28,12 @@ __all__ = ["NativeDataPlane"]
 
 UInt64Array = npt.NDArray[np.uint64]
 S = LLMStatusCode
-READ_BATCH = 64
-"""Deferred READ frames after which a sender thread is woken without waiting for the end of the loop iteration
-(measured on 2 vCPUs, 64 concurrent 4 MiB reads: waking once per 8 reads gave 0.79x the single transfer, once
-per iteration 0.83x; the first read of a burst goes out at once from the loop thread anyway)."""
+READ_BATCH = 16
+"""Deferred READ frames after which a sender thread is woken without waiting for the end of the loop iteration.
+A burst of 64 requests takes the loop ~13 ms to issue on 2 vCPUs, and the owner serves nothing of it until the
+READs go out: bursts of 64 concurrent 4 MiB reads, interleaved in one run (25 each, medians), took 61.7-62.9 ms
+waking once per iteration (64), 59.3-61.0 ms every 16, 59.7-60.4 ms every 8, 62-63 ms every 2-4 (each wake-up
+costs the loop more); the first read of a burst goes out at once from the loop thread anyway."""
 _CANCEL, _CANCEL_TELL_PEER, _CANCEL_FENCE = 0, 1, 2  # adt_net_cancel's `how`
 _OWNER_STATUS: dict[int, LLMStatusCode] = {
     OwnerStatus.RELEASED: S.LLM_KV_CACHE_NOT_EXIST,
