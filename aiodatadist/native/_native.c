@@ -458,6 +458,7 @@ void adt_job_free(void *job) { adt_job *j = (adt_job *)job; free(j->owned); free
  * in plan order).  Called from the data plane's I/O threads through ctypes (the GIL is released).
  * --------------------------------------------------------------------------------------------------------- */
 #include <sys/socket.h>
+#include <sys/time.h>
 
 #define IOV_CAP 512
 #define RECV_PIECE (1u << 20)
@@ -510,10 +511,17 @@ int adt_send_frame(int fd, const uint8_t *header, size_t hlen, const uint64_t *a
  * (`ends` = running sums of `len`, n spans).  At most RECV_PIECE bytes per recvmsg, so a stop (*stop set) takes
  * effect within one piece: from then on, and for bytes beyond the spans, the rest of the frame is read into
  * `scratch` and dropped, so the stream stays in sync and nothing more lands in the destination.
- * Returns the bytes written into the destination, or -errno (-ECONNRESET when the peer closed the stream). */
-long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uint64_t *ends, size_t n,
-                    uint64_t off, uint64_t nbytes, const volatile int32_t *stop, uint8_t *scratch,
-                    size_t scratch_len)
+ *
+ * `poll_ms` > 0: never wait more than `poll_ms` inside a receive (a peer that stalls mid-frame would otherwise hold
+ * the destination until it sends again): the socket gets that receive timeout for the frame (SO_RCVTIMEO, two
+ * syscalls per frame rather than a poll per wake-up), and *stop is looked at after each timeout.  `consumed`
+ * (non-NULL): on a stop, return at once instead of
+ * draining, with *consumed = the payload bytes read so far; the caller drops the rest of the frame itself, once
+ * it let go of the destination.  Returns the bytes written into the destination, or -errno (-ECONNRESET when
+ * the peer closed the stream). */
+static long recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uint64_t *ends, size_t n,
+                       uint64_t off, uint64_t nbytes, const volatile int32_t *stop, uint8_t *scratch,
+                       size_t scratch_len, int timed, uint64_t *consumed)
 {
     size_t lo = 0, hi = n;
     while (lo < hi) {   /* the first span that ends after `off` */
@@ -526,11 +534,15 @@ long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uin
     struct iovec iov[IOV_CAP];
     while (left > 0) {
         ssize_t r;
+        if (consumed && stop && *stop) { *consumed = nbytes - left; return (long)written; }
         if ((stop && *stop) || k >= n) {
             size_t want = left < scratch_len ? (size_t)left : scratch_len;
             r = recv(fd, scratch, want, 0);
             if (r == 0) return -ECONNRESET;
-            if (r < 0) { if (errno == EINTR) continue; return -(errno ? errno : EIO); }
+            if (r < 0) {
+                if (errno == EINTR || (timed && (errno == EAGAIN || errno == EWOULDBLOCK))) continue;
+                return -(errno ? errno : EIO);
+            }
             left -= (uint64_t)r;
             continue;
         }
@@ -553,7 +565,10 @@ long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uin
         mh.msg_iovlen = (size_t)m;
         r = recvmsg(fd, &mh, 0);
         if (r == 0) return -ECONNRESET;
-        if (r < 0) { if (errno == EINTR) continue; return -(errno ? errno : EIO); }
+        if (r < 0) {
+            if (errno == EINTR || (timed && (errno == EAGAIN || errno == EWOULDBLOCK))) continue;   /* look at *stop */
+            return -(errno ? errno : EIO);
+        }
         uint64_t got = (uint64_t)r;
         left -= got;
         written += got;
@@ -563,7 +578,20 @@ long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uin
             else { inner += got; got = 0; }
         }
     }
+    if (consumed) *consumed = nbytes;
     return (long)written;
+}
+
+long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uint64_t *ends, size_t n,
+                    uint64_t off, uint64_t nbytes, const volatile int32_t *stop, uint8_t *scratch,
+                    size_t scratch_len, int poll_ms, uint64_t *consumed)
+{
+    if (poll_ms <= 0) return recv_frame(fd, addr, len, ends, n, off, nbytes, stop, scratch, scratch_len, 0, consumed);
+    struct timeval bound = {poll_ms / 1000, (poll_ms % 1000) * 1000}, none = {0, 0};
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &bound, sizeof bound)) return -(errno ? errno : EIO);
+    long got = recv_frame(fd, addr, len, ends, n, off, nbytes, stop, scratch, scratch_len, 1, consumed);
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &none, sizeof none) && got >= 0) return -(errno ? errno : EIO);
+    return got;
 }
 
 /* Importable as a module so that the build and the loader can find it; the work is done through ctypes. */

@@ -26,7 +26,7 @@ int adt_send_frame(int fd, const uint8_t *header, size_t hlen, const uint64_t *a
                    int64_t lo, int64_t hi);
 long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uint64_t *ends, size_t n,
                     uint64_t off, uint64_t nbytes, const volatile int32_t *stop, uint8_t *scratch,
-                    size_t scratch_len);
+                    size_t scratch_len, int poll_ms, uint64_t *consumed);
 
 #define NET_MAGIC 0xADD7F4A4u
 #define T_DATA 1u
@@ -40,6 +40,7 @@ long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uin
 #define MAX_CONNS 16
 #define MAX_READ_SPANS (1u << 20)
 #define SCRATCH (1u << 20)
+#define STOP_POLL_MS 5       /* a receiver waiting mid-frame for a stalled peer looks at its job's stop this often */
 #define CTRL_BATCH 64        /* control frames a sender thread sends in one sendmsg */
 #define DIR_WORDS 8          /* directory row: stamp, cache id, model id, reserved, base, size, busy, reserved */
 
@@ -393,8 +394,8 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
         if (!status && total != data) status = 3;
     }
     long got;
-    if (!status) got = adt_recv_frame(fd, addr, len, ends, (size_t)count, 0, data, &never, scratch, SCRATCH);
-    else got = adt_recv_frame(fd, NULL, NULL, NULL, 0, 0, data, &always, scratch, SCRATCH);
+    if (!status) got = adt_recv_frame(fd, addr, len, ends, (size_t)count, 0, data, &never, scratch, SCRATCH, 0, NULL);
+    else got = adt_recv_frame(fd, NULL, NULL, NULL, 0, 0, data, &always, scratch, SCRATCH, 0, NULL);
     if (entered) dir_leave(n, row);
     free(spans); free(addr); free(len); free(ends);
     if (got < 0) return got;
@@ -423,9 +424,11 @@ static void *receiver(void *arg)
             if (j) j->inflight++;
             while (j && !j->ready) pthread_cond_wait(&n->ready, &n->lock);
             pthread_mutex_unlock(&n->lock);
+            uint64_t consumed = h.length;
             long got = j ? adt_recv_frame(fd, j->addr, j->len, j->ends, j->n, h.offset, h.length, &j->stop, scratch,
-                                          SCRATCH)
-                         : adt_recv_frame(fd, NULL, NULL, NULL, 0, h.offset, h.length, &always, scratch, SCRATCH);
+                                          SCRATCH, STOP_POLL_MS, &consumed)
+                         : adt_recv_frame(fd, NULL, NULL, NULL, 0, h.offset, h.length, &always, scratch, SCRATCH, 0,
+                                          NULL);
             if (!j) { if (got < 0) break; continue; }
             pthread_mutex_lock(&n->lock);
             j->inflight--;
@@ -437,6 +440,11 @@ static void *receiver(void *arg)
             int ann = finish_if_idle(n, j);
             pthread_mutex_unlock(&n->lock);
             if (ann) end_job(n, j);
+            if (consumed < h.length) {   /* stopped mid-frame: the rest is dropped without the job (it may be gone) */
+                long rest = adt_recv_frame(fd, NULL, NULL, NULL, 0, 0, h.length - consumed, &always, scratch, SCRATCH,
+                                           0, NULL);
+                if (rest < 0) { err = (int)-rest; break; }
+            }
         } else if (h.type == T_READ) {
             if (h.length % 16 || h.length < 16 || h.length / 16 > MAX_READ_SPANS) break;
             uint64_t *spans = malloc(h.length ? h.length : 1);

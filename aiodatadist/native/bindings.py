@@ -126,7 +126,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_job_submit_grid.restype = vp
     lib.adt_send_frame.argtypes = [c_int, vp, sz, vp, vp, i64, i64]
     lib.adt_send_frame.restype = c_int
-    lib.adt_recv_frame.argtypes = [c_int, vp, vp, vp, sz, u64, u64, vp, vp, sz]
+    lib.adt_recv_frame.argtypes = [c_int, vp, vp, vp, sz, u64, u64, vp, vp, sz, c_int, vp]
     lib.adt_recv_frame.restype = ctypes.c_long
     lib.adt_dir_withdraw.argtypes, lib.adt_dir_withdraw.restype = [vp, i64], None
     lib.adt_net_new.argtypes, lib.adt_net_new.restype = [c_int, vp, sz, u64], vp

@@ -20,7 +20,8 @@ import numpy.typing as npt
 
 from ...native import NET_MAGIC, FrameType, native_pool
 
-__all__ = ["DATA_HELLO", "FRAME_BYTES", "HEADER", "MAGIC", "T_DATA", "FrameError", "recv_exact", "recv_frame", "send_frame"]
+__all__ = ["DATA_HELLO", "FRAME_BYTES", "HEADER", "MAGIC", "STOP_POLL_MS", "T_DATA", "FrameError", "drop_payload",
+           "recv_exact", "recv_frame", "send_frame"]
 
 UInt64Array = npt.NDArray[np.uint64]
 # magic, type, key (flag << 63 | transfer id), stream offset, payload bytes, two words for other frame types;
@@ -29,6 +30,8 @@ HEADER: Final = struct.Struct("<IIQQQQQ")
 MAGIC: Final = NET_MAGIC
 T_DATA: Final = FrameType.DATA
 FRAME_BYTES: Final = 4 << 20  # the largest DATA frame a sender cuts (both planes)
+STOP_POLL_MS: Final = 5  # a receiver waiting mid-frame for a stalled peer looks at its job's stop this often
+_ALWAYS = ctypes.c_int32(1)  # the stop word of a payload that is only dropped
 DATA_HELLO: Final = struct.Struct("<I16s")  # first bytes of a data connection: magic, the link's token
 RECV_PIECE: Final = 1 << 20
 
@@ -59,20 +62,39 @@ def send_frame(sock: socket.socket, header: bytes, addr: UInt64Array, length: UI
 
 
 def recv_frame(sock: socket.socket, addr: UInt64Array, length: UInt64Array, ends: UInt64Array, offset: int,
-               nbytes: int, stop: int, scratch: ctypes.Array[ctypes.c_char]) -> int:
-    """Receive a frame's payload into the spans at stream ``offset``; returns the bytes written into them.
+               nbytes: int, stop: int, scratch: ctypes.Array[ctypes.c_char]) -> tuple[int, int]:
+    """Receive a frame's payload into the spans at stream ``offset``; returns the bytes written into them and
+    the payload bytes read.
 
-    Once the int32 at address ``stop`` is non-zero, or beyond the spans, the rest is read and dropped (the stream
-    stays in sync, the destination gets nothing more).  Raises :class:`FrameError` if the connection ends.
+    Beyond the spans the rest is read and dropped.  Once the int32 at address ``stop`` is non-zero, it returns at
+    once (with the native helper, which never waits inside a receive with the spans in its iovec, so a peer that
+    stalls mid-frame does not hold them), and the caller drops the rest of the frame with :func:`drop_payload`
+    once it let go of the destination (the stream stays in sync).  Raises :class:`FrameError` if the connection
+    ends.
     """
     lib = native_pool()
     if lib is not None:
+        consumed = ctypes.c_uint64(nbytes)
         got = lib.adt_recv_frame(sock.fileno(), addr.ctypes.data, length.ctypes.data, ends.ctypes.data, len(addr),
-                                 offset, nbytes, stop, ctypes.addressof(scratch), len(scratch))
+                                 offset, nbytes, stop, ctypes.addressof(scratch), len(scratch), STOP_POLL_MS,
+                                 ctypes.byref(consumed))
         if got < 0:
             raise FrameError(-got, f"data connection receive failed: {errno.errorcode.get(-got, -got)}")
-        return int(got)
-    return _recv_frame_py(sock, addr, length, ends, offset, nbytes, stop, scratch)
+        return int(got), int(consumed.value)
+    return _recv_frame_py(sock, addr, length, ends, offset, nbytes, stop, scratch), nbytes
+
+
+def drop_payload(sock: socket.socket, nbytes: int, scratch: ctypes.Array[ctypes.c_char]) -> None:
+    """Read ``nbytes`` of a frame's payload and drop them."""
+    empty = np.zeros(0, dtype=np.uint64)
+    lib = native_pool()
+    if lib is None:
+        _recv_frame_py(sock, empty, empty, empty, 0, nbytes, ctypes.addressof(_ALWAYS), scratch)
+        return
+    got = lib.adt_recv_frame(sock.fileno(), None, None, None, 0, 0, nbytes, ctypes.addressof(_ALWAYS),
+                             ctypes.addressof(scratch), len(scratch), 0, None)
+    if got < 0:
+        raise FrameError(-got, f"data connection receive failed: {errno.errorcode.get(-got, -got)}")
 
 
 def _view(address: int, nbytes: int) -> memoryview:

@@ -31,10 +31,20 @@ from ...copy.completion import settle
 from ...copy.spans import split_spans
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...layout import Spans
-from ...native import TID_MASK, StopFlag
+from ...native import TID_MASK
 from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in _net.c)
 from ..base import TransferJob, WaitingMixin
-from .frames import FRAME_BYTES, HEADER, MAGIC, T_DATA, FrameError, recv_exact, recv_frame, send_frame
+from .frames import (
+    FRAME_BYTES,
+    HEADER,
+    MAGIC,
+    T_DATA,
+    FrameError,
+    drop_payload,
+    recv_exact,
+    recv_frame,
+    send_frame,
+)
 
 __all__ = ["MAX_DATA_CONNECTIONS", "PythonDataPlane"]
 
@@ -191,9 +201,6 @@ class PythonDataPlane(WaitingMixin[TransferJob]):
     def _receiver(self, sock: socket.socket) -> None:
         header = bytearray(HEADER.size)
         scratch = ctypes.create_string_buffer(SCRATCH_BYTES)
-        idle = StopFlag()
-        idle.set()
-        empty = np.zeros(0, dtype=np.uint64)
         while True:
             job: TransferJob | None = None
             try:
@@ -207,10 +214,11 @@ class PythonDataPlane(WaitingMixin[TransferJob]):
                     if job is not None:
                         job.inflight += 1
                 if job is None:  # finished, stopped or unknown: drop the payload
-                    recv_frame(sock, empty, empty, empty, offset, nbytes, idle.address, scratch)
+                    drop_payload(sock, nbytes, scratch)
                     continue
                 job.ready.wait()
-                written = recv_frame(sock, job.addr, job.length, job.ends, offset, nbytes, job.stop.address, scratch)
+                written, consumed = recv_frame(sock, job.addr, job.length, job.ends, offset, nbytes, job.stop.address,
+                                               scratch)
             except FrameError as exc:
                 self._thread_failed(job, exc)
                 return
@@ -223,6 +231,12 @@ class PythonDataPlane(WaitingMixin[TransferJob]):
                         job.stop.set()
                     job.moved += written
                 self._finish_if_idle(job)
+            if consumed < nbytes:  # stopped mid-frame: the rest is dropped without the job
+                try:
+                    drop_payload(sock, nbytes - consumed, scratch)
+                except FrameError as exc:
+                    self._thread_failed(None, exc)
+                    return
 
     def _thread_failed(self, job: TransferJob | None, exc: FrameError) -> None:
         error = LLMLinkError(f"data connection of link {self.name} failed: {exc.strerror or exc}")
