@@ -123,6 +123,16 @@ async def read_dealer(sock: zmq.asyncio.Socket, channel: Channel, tasks: TaskSet
             await _deliver(channel, message, tasks)
 
 
+def _decoded(routing_id: bytes, data: bytes) -> list[dict[str, Any]]:
+    """The messages of one received batch; a malformed one is logged and dropped whole (whatever a peer sends
+    must not end the reader)."""
+    try:
+        return decode_batch(data)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("dropping malformed message from %r: %s", routing_id[:8], exc)
+        return []
+
+
 async def _deliver(channel: Channel, message: dict[str, Any], tasks: TaskSet) -> None:
     if message["k"] in Kind.INLINE:
         await channel.dispatch(message)
@@ -289,12 +299,7 @@ class Server:
             if len(frames) != 2:
                 continue
             routing_id, data = frames
-            try:
-                messages = decode_batch(data)
-            except Exception as exc:  # noqa: BLE001 - whatever a peer sends must not end the reader
-                log.warning("dropping malformed message from %r: %s", routing_id[:8], exc)
-                continue
-            for message in messages:
+            for message in _decoded(routing_id, data):
                 await self._route(routing_id, message, tasks)
 
     async def _route(self, routing_id: bytes, message: dict[str, Any], tasks: TaskSet) -> None:
@@ -319,12 +324,7 @@ class Server:
                 key = str(frames[1].get("User-Id")).encode()
             except zmq.ZMQError:  # no User-Id: not admitted by our ZAP handler (cannot happen: fail closed)
                 continue
-            try:
-                messages = decode_batch(data)
-            except Exception as exc:  # noqa: BLE001 - whatever a peer sends must not end the reader
-                log.warning("dropping malformed message from %r: %s", routing_id[:8], exc)
-                continue
-            for message in messages:
+            for message in _decoded(routing_id, data):
                 if routing_id in self.channels:
                     if self._keys.get(routing_id) != key:
                         log.warning("dropping a message on a linked connection taken over by another CURVE key "

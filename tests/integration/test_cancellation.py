@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from helpers.data import fill_pattern, pattern
 from helpers.marks import NIXL
+from helpers.prompt_process import linked_decoder, prompt_process
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -73,25 +74,12 @@ async def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     env = {"AIODATADIST_NET": "python"} if implementation else None
     if implementation:
         monkeypatch.setenv("AIODATADIST_NET", "python")
-    port = free_port()
-    peer = await PeerProcess.start(env=env)
-    try:
-        await peer.call("init", role="PROMPT", cluster_id=PROMPT,
-                        options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "30000",
-                                 "llm.Transport": transport})
+    async with prompt_process(PROMPT, transport, sync_kv_timeout_ms=30000, env=env) as (peer, port):
         remote = await peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
                                  blocks_key=[PROMPT, 0])
         await peer.call("fill", cache_id=remote["cache_id"], seed=5)
-        async with LLMDataDist(LLMRole.DECODER, DECODER) as dd:
-            cfg = LLMConfig()
-            cfg.sync_kv_timeout = 30000
-            await dd.init(cfg.generate_options())
-            code, _ = await dd.link_clusters([cluster_info(PROMPT, port)], timeout=5000)
-            assert code == LLMStatusCode.LLM_SUCCESS
-            assert dd.links()[0]["plane"] == transport
+        async with linked_decoder(DECODER, PROMPT, port, transport, sync_kv_timeout_ms=30000) as dd:
             yield Pair(peer, dd, remote["cache_id"], port)
-    finally:
-        await peer.close()
 
 
 ALL = list(range(BLOCKS))

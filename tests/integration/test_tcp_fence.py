@@ -11,18 +11,16 @@ from collections.abc import AsyncIterator
 
 import pytest
 from helpers.data import fill_pattern
+from helpers.prompt_process import linked_decoder, prompt_process
 
 from aiodatadist import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMConfig,
     LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
     Placement,
 )
-from aiodatadist.testing import PeerProcess, cluster_info, free_port
+from aiodatadist.testing import PeerProcess
 
 TENSORS, BLOCKS, BLOCK = 16, 512, 32 << 10  # 256 MiB
 PROMPT, DECODER = 31, 32
@@ -37,24 +35,11 @@ def _desc() -> CacheDesc:
 
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[PeerProcess, LLMDataDist, int]]:
-    port = free_port()
-    peer = await PeerProcess.start()
-    try:
-        await peer.call("init", role="PROMPT", cluster_id=PROMPT,
-                        options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "30000",
-                                 "llm.Transport": "tcp"})
+    async with prompt_process(PROMPT, "tcp", sync_kv_timeout_ms=30000) as (peer, port):
         remote = await peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
                                  blocks_key=[PROMPT, 0])
-        async with LLMDataDist(LLMRole.DECODER, DECODER) as dd:
-            cfg = LLMConfig()
-            cfg.sync_kv_timeout = 30000
-            await dd.init(cfg.generate_options())
-            code, _ = await dd.link_clusters([cluster_info(PROMPT, port)], timeout=5000)
-            assert code == LLMStatusCode.LLM_SUCCESS
-            assert dd.links()[0]["plane"] == "tcp"
+        async with linked_decoder(DECODER, PROMPT, port, "tcp", sync_kv_timeout_ms=30000) as dd:
             yield peer, dd, remote["cache_id"]
-    finally:
-        await peer.close()
 
 
 def _owner_memory(dd: LLMDataDist, pid: int, cache_id: int) -> list[bytes]:

@@ -19,22 +19,21 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers.data import fill_pattern, pattern
+from helpers.prompt_process import linked_decoder, prompt_process
 
 from aiodatadist import (
     BlocksCacheKey,
     CacheDesc,
     CacheKeyByIdAndIndex,
     DataType,
-    LLMConfig,
     LLMDataDist,
     LLMException,
-    LLMRole,
     LLMStatusCode,
     Placement,
 )
 from aiodatadist.errors import LLMLinkError
 from aiodatadist.native import DIR_WORDS, DirWord, native_pool
-from aiodatadist.testing import PeerProcess, cluster_info, free_port
+from aiodatadist.testing import PeerProcess
 from aiodatadist.transfer.requester import Requester
 from aiodatadist.transport.base import PUSH
 from aiodatadist.transport.tcp.native_plane import NativeDataPlane
@@ -68,31 +67,18 @@ class Pair:
 
 @pytest.fixture
 async def pair(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Pair]:
-    port = free_port()
-    peer = await PeerProcess.start()
-    try:
-        await peer.call("init", role="PROMPT", cluster_id=PROMPT,
-                        options={"llm.listenIpInfo": f"127.0.0.1:{port}", "llm.SyncKvCacheWaitTime": "10000",
-                                 "llm.Transport": "tcp"})
-        async with LLMDataDist(LLMRole.DECODER, DECODER) as dd:
-            cfg = LLMConfig()
-            cfg.sync_kv_timeout = 10000
-            await dd.init(cfg.generate_options())
-            code, _ = await dd.link_clusters([cluster_info(PROMPT, port)], timeout=5000)
-            assert code == S.LLM_SUCCESS
-            assert dd.links()[0]["plane"] == "tcp"
-            result = Pair(peer, dd)
-            original = Requester._write_published
+    async with (prompt_process(PROMPT, "tcp", sync_kv_timeout_ms=10000) as (peer, port),
+                linked_decoder(DECODER, PROMPT, port, "tcp", sync_kv_timeout_ms=10000) as dd):
+        result = Pair(peer, dd)
+        original = Requester._write_published
 
-            async def recorded(self: Requester, *args: Any) -> int | None:
-                moved = await original(self, *args)
-                result.one_sided.append(moved is not None)
-                return moved
+        async def recorded(self: Requester, *args: Any) -> int | None:
+            moved = await original(self, *args)
+            result.one_sided.append(moved is not None)
+            return moved
 
-            monkeypatch.setattr(Requester, "_write_published", recorded)
-            yield result
-    finally:
-        await peer.close()
+        monkeypatch.setattr(Requester, "_write_published", recorded)
+        yield result
 
 
 def _expected(seed: int, tensor: int, block: int) -> bytes:
