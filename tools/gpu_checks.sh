@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 6 in one run (< 5 minutes on a lent H100): install the package into the machine's
+# The GPU checks in one run (< 5 minutes on an H100): install the package into the machine's
 # Python (offline: wheels the core lacks there come from $WHEELS), run tests/gpu, then `bench --device`.
 # Usage: bash tools/gpu_checks.sh [OUTDIR]   (results: OUTDIR/gpu-tests.txt, bench-device.txt, bench-device.json)
 # The lent machines have no network and no pyzmq; fetch the wheels first, on a machine with one, into the
