@@ -39,7 +39,7 @@ from .registry import CacheEntry, CacheRegistry, geometry_of
 from .transfer import validate
 from .transfer.engine import CopyEngine
 from .transfer.service import TransferService
-from .transfer_configs import LayerSynchronizer, MemInfo, Memtype, TransferConfig, TransferWithCacheKeyConfig
+from .transfer_configs import LayerSynchronizer, MemInfo, Memtype, TransferWithCacheKeyConfig
 from .transport.device import DeviceSupport
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
 
@@ -108,24 +108,16 @@ class CacheManager:
         return self._registry.entry_of(cache, cache.cache_id)
 
     @property
-    def registry(self) -> CacheRegistry:
-        return self._registry
-
-    @property
     def device_id(self) -> int:
         """The CUDA ordinal of ``Placement.DEVICE`` caches (``LLMConfig.device_id``); CUDA is not touched."""
         return self._settings.device_id
 
-    @property
-    def engine(self) -> CopyEngine:
-        return self._engine
-
-    def device(self) -> DeviceSupport:
+    def _device(self) -> DeviceSupport:
         """This instance's GPU (``device_id``), set up on first use; raises ``LLM_FEATURE_NOT_ENABLED`` saying
         why when CUDA cannot be used."""
         return self._engine.device()
 
-    async def run_copy(self, plan: CopyPlan, src: CacheEntry, dst: CacheEntry) -> None:
+    async def _run_copy(self, plan: CopyPlan, src: CacheEntry, dst: CacheEntry) -> None:
         """Copy a plan between two local caches while holding leases on them; cancellable at chunk boundaries
         (a GPU copy, when either cache is on the device, is waited for)."""
         self._check_open_on_loop()
@@ -152,7 +144,7 @@ class CacheManager:
         geometry = geometry_of(desc, is_blocks)
         bound = self._registry.check_keys(keys, geometry.slots) if keys else []
         if desc.placement == Placement.DEVICE:
-            memory, addrs = self.device().allocate(desc.size, desc.num_tensors)
+            memory, addrs = self._device().allocate(desc.size, desc.num_tensors)
             cache = self._handle(self._registry.add(
                 desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True, segment=None, device_memory=memory,
                 keys=bound, blocks_key=blocks_key))
@@ -229,7 +221,7 @@ class CacheManager:
         self._registry.check_registered_addrs(len(values))
         host_memory = None
         if desc.placement == Placement.DEVICE:
-            self.device().check_registered(values, desc.size)
+            self._device().check_registered(values, desc.size)
         else:
             host_memory = self._host_memory_of(values, desc.size)
         return self._handle(self._registry.add(desc.copy(), values, is_blocks=is_blocks,
@@ -355,7 +347,7 @@ class CacheManager:
         require(dst_entry.desc == src_entry.desc and dst_entry.desc.data_type == src_entry.desc.data_type,
                 "copy_cache needs caches with the same CacheDesc.")
         runs = copy_cache_run(dst_entry.geometry, dst_slot, src_slot, off, nbytes)
-        await self.run_copy(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
+        await self._run_copy(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
                             src_entry, dst_entry)
 
     async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, IndexSequence]) -> None:
@@ -370,7 +362,7 @@ class CacheManager:
         require(entry.is_blocks, "copy_blocks needs a blocks cache.")
         geometry: CacheGeometry = entry.geometry
         runs = copy_blocks_runs(info, geometry)
-        await self.run_copy(make_plan(*all_tensor_indices(geometry, geometry), runs), entry, entry)
+        await self._run_copy(make_plan(*all_tensor_indices(geometry, geometry), runs), entry, entry)
 
     async def swap_blocks(self, src_cache: Cache, dst_cache: Cache, src_to_dst: Mapping[int, int]) -> None:
         """Copy block ``k`` of ``src_cache`` to block ``src_to_dst[k]`` of ``dst_cache`` (equal block sizes).
@@ -390,7 +382,7 @@ class CacheManager:
                     "a destination block is also a source block of the same swap.")
         runs = swap_blocks_runs(mapping, src_entry.geometry, dst_entry.geometry)
         try:
-            await self.run_copy(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
+            await self._run_copy(make_plan(*all_tensor_indices(src_entry.geometry, dst_entry.geometry), runs),
                                 src_entry, dst_entry)
         finally:
             for entry in {src_entry, dst_entry}:
@@ -485,34 +477,9 @@ class CacheManager:
         both work (the reference refuses HOST).  Arguments are checked here, before any layer is waited for;
         each layer's push is checked like :meth:`push_blocks` / :meth:`push_cache`."""
         self._check_open_on_loop()
-        entry = self._entry("src_cache", src_cache)
-        check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
-        configs = validate.layer_transfer_configs(transfer_configs)
-        src_blocks = None if src_block_indices is None else check_index_list("src_block_indices",
-                                                                             src_block_indices, "uint64")
-        dst_blocks = None if dst_block_indices is None else check_index_list("dst_block_indices",
-                                                                             dst_block_indices, "uint64")
-        if dst_block_memory_size is not None:
-            check_int("dst_block_memory_size", dst_block_memory_size, "uint64")
-        num_tensors = entry.desc.num_tensors
-        require(num_tensors % 2 == 0, f"transfer_cache_async sends 2 tensors per layer: src_cache has {num_tensors}.")
-        num_layers = num_tensors // 2
-        for config in configs:
-            layers = config.src_layer_range
-            require(layers is None or layers.stop <= num_layers,
-                    f"src_layer_range {layers} exceeds the {num_layers} layers of src_cache.")
-            if isinstance(config, TransferConfig):
-                wanted = len(layers) if layers is not None else num_layers
-                require(len(config.dst_addrs) == 2 * wanted,
-                        f"dst_addrs must hold 2 addresses per layer sent ({2 * wanted}), got {len(config.dst_addrs)}.")
-            elif isinstance(config.cache_key, BlocksCacheKey):
-                require(dst_blocks is not None, "dst_block_indices is required for a BlocksCacheKey destination.")
-            else:
-                require(dst_blocks is None, "dst_block_indices must be None for a CacheKeyByIdAndIndex destination.")
-        if src_blocks is not None:
-            require(entry.is_blocks, "src_block_indices given, but src_cache is not a blocks cache.")
-            require(dst_blocks is not None and len(dst_blocks) == len(src_blocks),
-                    "src_block_indices and dst_block_indices must have the same length.")
+        checked = validate.layer_transfer(self._entry, src_cache, layer_synchronizer, transfer_configs,
+                                          src_block_indices, dst_block_indices, dst_block_memory_size)
+        configs, src_blocks, dst_blocks = checked.configs, checked.src_blocks, checked.dst_blocks
 
         async def push(config: TransferWithCacheKeyConfig, layer: int) -> None:
             dst_layer = config.dst_layer_of(layer)
@@ -524,7 +491,7 @@ class CacheManager:
                                       range(layer, layer + 1), range(dst_layer, dst_layer + 1))
 
         results: list[LLMStatusCode | None] = [None] * len(configs)
-        task = asyncio.ensure_future(run_layers(num_layers, layer_synchronizer, configs, push, results,
+        task = asyncio.ensure_future(run_layers(checked.num_layers, layer_synchronizer, configs, push, results,
                                                 self._transfers.resolve, dst_blocks is not None))
         self._layer_jobs.add(task)
         task.add_done_callback(self._layer_jobs.discard)

@@ -1,5 +1,6 @@
-"""Two-sided links (spec §6.7): ``link`` returns a ``comm_id`` at once, and the link comes up in the background
-while every member calls ``link`` with the same arguments; ``query_register_mem_status`` says how far it got.
+"""Two-sided links, as in LLM-DataDist: ``link`` returns a ``comm_id`` at once, and the link comes up in the
+background while every member calls ``link`` with the same arguments; ``query_register_mem_status`` says how far
+it got.
 
 Here a communication domain is a set of one-sided links: each member links (``link_clusters``) to every member
 of a lower rank, and waits for the members of a higher rank to link to it.  So every member but the highest

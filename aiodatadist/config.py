@@ -5,62 +5,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._checks import check_bool, check_int, check_isinstance, param_invalid, require
+from ._checks import check_bool, check_int, check_isinstance, require
+from ._curve_keys import (  # the CURVE keys' parsers stay importable from here
+    PEER_KEYS_OPTION,
+    SECRET_KEY_OPTION,
+    parse_curve_key,
+    parse_curve_peer_keys,
+    peer_keys_text,
+    secret_key_text,
+)
 from .types import Transport
 
 __all__ = ["LLMConfig", "LlmConfig", "OptionKey", "parse_curve_key", "parse_curve_peer_keys"]
 
 NET_IMPLEMENTATIONS = ("native", "python")  # values of llm.Net / AIODATADIST_NET
 MAX_TCP_CONNECTIONS = 16  # data connections per TCP link (MAX_CONNS in native/_net.c)
-
-# -- CURVE keys (llm.CurveSecretKey / llm.CurvePeerKeys; see docs/security.md) -----------------------------------
-Z85_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
-_Z85_VALUES = {c: i for i, c in enumerate(Z85_ALPHABET)}
-CURVE_KEY_CHARS = 40  # a 32-byte CURVE key, Z85-encoded (what zmq.curve_keypair() returns)
-
-
-def parse_curve_key(raw: str) -> bytes:
-    """A Z85-encoded 32-byte CURVE key (``zmq.curve_keypair()`` gives them) -> its Z85 text as bytes; ValueError
-    otherwise.  The message never repeats the value (it may be a secret key)."""
-    if len(raw) != CURVE_KEY_CHARS:
-        raise ValueError(f"a CURVE key is {CURVE_KEY_CHARS} Z85 characters, but this one has {len(raw)}")
-    for start in range(0, CURVE_KEY_CHARS, 5):
-        value = 0
-        for char in raw[start:start + 5]:
-            digit = _Z85_VALUES.get(char)
-            if digit is None:
-                raise ValueError("a CURVE key is Z85 text, but this one has a character outside the Z85 alphabet")
-            value = value * 85 + digit
-        if value >= 1 << 32:
-            raise ValueError("this CURVE key is not valid Z85 (a 5-character group exceeds 32 bits)")
-    return raw.encode("ascii")
-
-
-def parse_curve_peer_keys(raw: str) -> tuple[tuple[int | None, bytes], ...]:
-    """``llm.CurvePeerKeys``: comma-separated entries, each ``PUBLIC_KEY`` (a peer of any cluster id) or
-    ``CLUSTER_ID=PUBLIC_KEY`` (the peer that is that cluster); ValueError naming the bad entry otherwise.
-
-    A cluster id may have one key only; one key may be listed for several ids."""
-    entries: list[tuple[int | None, bytes]] = []
-    bound: dict[int, bytes] = {}
-    for entry in (e.strip() for e in raw.split(",")):
-        if not entry:
-            raise ValueError("an entry is empty")
-        cluster: int | None = None
-        text = entry
-        if len(entry) != CURVE_KEY_CHARS:  # a key is exactly 40 characters: anything longer names a cluster
-            head, sep, text = entry.partition("=")
-            if not sep or not (head.isascii() and head.isdigit()) or int(head) >= 1 << 64:
-                raise ValueError(f"entry {entry!r} is neither a public key nor CLUSTER_ID=PUBLIC_KEY")
-            cluster = int(head)
-        try:
-            key = parse_curve_key(text)
-        except ValueError as exc:
-            raise ValueError(f"entry {entry!r}: {exc}") from None
-        if cluster is not None and bound.setdefault(cluster, key) != key:
-            raise ValueError(f"cluster {cluster} is given two different keys")
-        entries.append((cluster, key))
-    return tuple(entries)
 
 
 class OptionKey:
@@ -83,8 +42,8 @@ class OptionKey:
     NET = "llm.Net"
     DIRECTORY = "llm.Directory"
     TCP_CONNECTIONS = "llm.TcpConnections"
-    CURVE_SECRET_KEY = "llm.CurveSecretKey"
-    CURVE_PEER_KEYS = "llm.CurvePeerKeys"
+    CURVE_SECRET_KEY = SECRET_KEY_OPTION  # the CURVE options are named with their keys, in _curve_keys
+    CURVE_PEER_KEYS = PEER_KEYS_OPTION
     # Accepted for compatibility; they configure Ascend/HCCL resources that do not exist here.
     RDMA_TRAFFIC_CLASS = "llm.RdmaTrafficClass"
     RDMA_SERVICE_LEVEL = "llm.RdmaServiceLevel"
@@ -466,12 +425,7 @@ class LLMConfig:
 
     @curve_secret_key.setter
     def curve_secret_key(self, value: str) -> None:
-        check_isinstance("curve_secret_key", value, str)
-        try:
-            parse_curve_key(value)
-        except ValueError as exc:
-            param_invalid(f"curve_secret_key is invalid: {exc}.")
-        self._curve_secret_key = value
+        self._curve_secret_key = secret_key_text(value)
 
     @property
     def curve_peer_keys(self) -> str | None:
@@ -484,26 +438,7 @@ class LLMConfig:
 
     @curve_peer_keys.setter
     def curve_peer_keys(self, value: str | list[str] | tuple[str, ...] | dict[int, str]) -> None:
-        check_isinstance("curve_peer_keys", value, (str, list, tuple, dict))
-        entries: list[str]
-        if isinstance(value, dict):
-            entries = []
-            for cluster, key in value.items():
-                check_int("curve_peer_keys cluster id", cluster, "uint64")
-                check_isinstance("curve_peer_keys key", key, str)
-                entries.append(f"{cluster}={key}")
-        elif isinstance(value, (list, tuple)):
-            for entry in value:
-                check_isinstance("curve_peer_keys entry", entry, str)
-            entries = list(value)
-        else:
-            entries = [value]
-        text = ",".join(entries)
-        try:
-            parse_curve_peer_keys(text)
-        except ValueError as exc:
-            param_invalid(f"curve_peer_keys is invalid: {exc}.")
-        self._curve_peer_keys = text
+        self._curve_peer_keys = peer_keys_text(value)
 
     @property
     def options(self) -> dict[str, str]:

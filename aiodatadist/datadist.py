@@ -13,10 +13,13 @@ from ._settings import Settings, parse_listen_ip_info, parse_options
 from .cache_manager import CacheManager
 from .comm_domains import ATTEMPT_MS, CommDomains
 from .config import OptionKey
-from .control.links import LinkManager
 from .copy import release_shared_executor, shared_executor
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .link.manager import LinkManager
+from .link.planes import PlaneFactory
+from .native import native_pool
 from .notifications import Notification, NotificationInbox, check_notification
+from .publication import CacheDirectory
 from .rank_table import Member, check_comm_args, members_of
 from .registry import CacheRegistry
 from .stats import StatsRecorder, StatsSnapshot
@@ -24,7 +27,6 @@ from .transfer.engine import CopyEngine
 from .transfer.nixl_caches import NixlCaches
 from .transfer.service import TransferService
 from .transfer_configs import RegisterMemStatus
-from .transport.directory import CacheDirectory
 from .types import LLMClusterInfo, LLMRole, Transport
 
 __all__ = ["LLMDataDist"]
@@ -102,10 +104,12 @@ class LLMDataDist:
             nixl = NixlCaches(str(self._cluster_id), settings.device_id, registry)
             if settings.transport == Transport.NIXL:
                 nixl.start()  # LLM_FEATURE_NOT_ENABLED here, not at the first link, when NIXL is missing
-            links = LinkManager(self._cluster_id, self._role, settings, registry, nixl.start)
+            # TCP links use the native helper's I/O threads unless llm.Net / AIODATADIST_NET says python
+            planes = PlaneFactory(self._cluster_id, engine, nixl, settings.native_net and native_pool() is not None,
+                                  (directory.address, directory.rows))
+            links = LinkManager(self._cluster_id, self._role, settings, registry, planes, nixl.start)
             inbox = NotificationInbox(self._stats)
-            transfers = TransferService(self._cluster_id, settings, links, registry, engine, self._stats, inbox,
-                                        nixl)
+            transfers = TransferService(self._cluster_id, settings, links, registry, engine, self._stats, inbox)
             registry.on_freed = transfers.announce_freed  # peers let go of what they mapped
             manager = CacheManager(self._cluster_id, settings, registry, engine, transfers)
             if settings.listen is not None:

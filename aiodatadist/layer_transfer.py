@@ -1,5 +1,5 @@
-"""Layer-wise transfer (``CacheManager.transfer_cache_async``, spec §8.6): send each layer of a cache to its
-destinations as soon as the producer says it is computed, overlapping with the computation of the next layers.
+"""Layer-wise transfer (``CacheManager.transfer_cache_async``, as in LLM-DataDist): send each layer of a cache to
+its destinations as soon as the producer says it is computed, overlapping with the computation of the next layers.
 Raw-address destinations (``TransferConfig``) are first resolved by their owners to registered caches.
 
 One asyncio task per call walks the layers in order.  For each layer it asks the caller's

@@ -1,6 +1,6 @@
 """Pure layout math: cache geometry, layer ranges and block lists -> validated, coalesced copy plans.
 
-Nothing here does I/O.  Every rule of the reference's layer-range and block semantics (§8.4, §9.1) lives here;
+Nothing here does I/O.  Every rule of LLM-DataDist's layer-range and block semantics lives here;
 violations raise ``LLMException(LLM_PARAM_INVALID)``.  Plans are numpy arrays so that no caller needs a Python
 loop per block.
 """

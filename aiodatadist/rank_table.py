@@ -1,5 +1,5 @@
-"""The arguments of the two-sided ``link`` (spec §6.7): ``comm_name``, ``cluster_rank_info`` and the HCCL rank
-table, checked as the reference checks them, and where each member is reached.
+"""The arguments of the two-sided ``link``: ``comm_name``, ``cluster_rank_info`` and the HCCL rank table,
+checked as LLM-DataDist checks them, and where each member is reached.
 
 On this hardware a rank table's ``device_ip`` is the member's host IP, and its control port is its listen port:
 the extra field ``device_port`` of its device entry, or, when that is absent, the same port as this instance's

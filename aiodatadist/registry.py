@@ -20,12 +20,12 @@ from ._checks import I64_MAX, require
 from .errors import LLMException, LLMStatusCode
 from .layout import CacheGeometry
 from .memory import HostMemory, SharedSegment
-from .transport.directory import CacheDirectory
+from .publication import CacheDirectory
+from .segment_identity import SegmentIdentity
 from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
 
 if TYPE_CHECKING:
     from .copy.python_pool import CopyJob
-    from .transport.device import DeviceMemory
 
 __all__ = ["MAX_REGISTERED_ADDRS", "CacheEntry", "CacheRegistry", "geometry_of"]
 
@@ -34,6 +34,12 @@ MAX_REGISTERED_ADDRS = 4096
 them at 240, which stops models with separate K and V tensors beyond 120 layers; nothing here grows with the
 count but a Python list per cache, so the cap is only a bound against runaway registration."""
 IndexKey = tuple[str, int, int]
+
+
+class DeviceMemory(Protocol):
+    """An allocated DEVICE cache's memory (``transport.device.DeviceMemory``): freed once nothing uses it."""
+
+    def close(self) -> None: ...
 
 
 class Handle(Protocol):
@@ -220,6 +226,30 @@ class CacheRegistry:
     def entries(self) -> list[CacheEntry]:
         return list(self._by_id.values())
 
+    # -- what peers are told at link time --------------------------------------------------------------------
+    def announced_segments(self) -> tuple[tuple[SegmentIdentity, int], ...]:
+        """The shared segments of remote-accessible caches (once each: a HostMemory may hold several caches),
+        with their addresses here, announced at link time so that same-host peers map them early."""
+        found: dict[SegmentIdentity, int] = {}
+        for entry in self._by_id.values():
+            shared = entry.shared_segment
+            if shared is not None and entry.remote_accessible:
+                found.setdefault(shared.identity, shared.address)
+        return tuple(found.items())
+
+    def directory_identity(self) -> SegmentIdentity | None:
+        """The cache directory's segment, as the handshake announces it to same-host peers."""
+        return self.directory.identity if self.directory is not None else None
+
+    def shared_fd(self, inode: int, device: int) -> int | None:
+        """The memfd of a remote-accessible cache's segment ``(inode, device)``, or None."""
+        for entry in self._by_id.values():
+            shared = entry.shared_segment
+            if (shared is not None and entry.remote_accessible
+                    and (shared.identity.inode, shared.identity.device) == (inode, device)):
+                return shared.fd
+        return None
+
     def locate(self, addr: int) -> tuple[CacheEntry, int, int, int]:
         """The remote-accessible cache whose tensor holds ``addr`` at a whole slot (block) from the tensor's base:
         ``(entry, tensor, slot, model)`` (model: the ``model_id`` a blocks cache answers to, -1 if none)."""
@@ -317,8 +347,7 @@ class CacheRegistry:
             yield
         finally:
             for entry in entries:
-                entry.leases -= 1
-                self._maybe_free(entry)
+                self.release_lease(entry)
 
     def close_all(self) -> list[CopyJob]:
         """Release everything (``finalize``); returns jobs still running on registered memory."""

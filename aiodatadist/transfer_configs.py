@@ -1,7 +1,7 @@
 """Value types of layer-wise transfer and of the two-sided link: ``LayerSynchronizer``, ``TransferConfig``,
-``TransferWithCacheKeyConfig``, ``MemInfo``, ``Memtype``, ``RegisterMemStatus`` (spec §7.7-§7.10, §6.7).
+``TransferWithCacheKeyConfig``, ``MemInfo``, ``Memtype``, ``RegisterMemStatus``, as in LLM-DataDist.
 
-The checks and messages are the reference's: ``TypeError`` for a wrong type, ``LLM_PARAM_INVALID`` for a wrong
+The checks and messages are LLM-DataDist's: ``TypeError`` for a wrong type, ``LLM_PARAM_INVALID`` for a wrong
 value."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
 from ..protocol.codec import Kind, ProtocolError, encode_batch
@@ -94,6 +94,10 @@ class Channel:
     concurrent transfers share ZeroMQ frames (a frame costs thread hand-offs; a message in it costs ~nothing).
     """
 
+    on_flush: ClassVar[Callable[[int], object] | None] = None
+    """Called, when set, with the number of messages each time a channel of this process sends what it queued
+    (requests, replies and notifications): a hook for tools that count control-plane messages."""
+
     def __init__(self, send: Callable[[Channel], Callable[[bytes], None]], handler: RequestHandler,
                  name: str) -> None:
         self._send = send(self)
@@ -115,6 +119,8 @@ class Channel:
         if not self._outbox:
             return
         messages, self._outbox = self._outbox, []
+        if Channel.on_flush is not None:
+            Channel.on_flush(len(messages))
         try:
             for start in range(0, len(messages), FRAME_MESSAGES):
                 self._send(encode_batch(messages[start:start + FRAME_MESSAGES]))

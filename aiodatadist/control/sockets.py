@@ -4,7 +4,7 @@ Each socket has exactly one reader task (:meth:`Server.serve`, :func:`read_deale
 hands their messages to the link's :class:`~.channel.Channel` (inline kinds at once, others in tasks of the
 instance's :class:`~.channel.TaskSet`).
 
-With :class:`~aiodatadist._settings.CurveKeys` (``llm.CurveSecretKey``), every socket uses ZeroMQ CURVE: the
+With :class:`~aiodatadist._curve_keys.CurveKeys` (``llm.CurveSecretKey``), every socket uses ZeroMQ CURVE: the
 server is a CURVE server whose context runs a ZAP handler (:class:`ZapHandler`) admitting only the listed client
 keys, fails closed (``ZAP_ENFORCE_DOMAIN``), and checks that a client's HELLO claims a cluster id its key is listed
 for; a DEALER is a CURVE client that expects the server key listed for the cluster it links to.  See
@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.z85
 
-from .._settings import CurveKeys
+from .._curve_keys import CurveKeys
 from ..errors import LLMLinkError, LLMStatusCode
 from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode
 from ..protocol.messages import reply_to_wire

@@ -1,7 +1,7 @@
 """The copy executors: span copies on worker threads, in bounded chunks, fairly across transfers.
 
 * :mod:`.spans`: how spans are cut into pieces and chunks, and the copier for a local transfer;
-* :mod:`.completion`: how the event loop learns that threads are done with a job (shared with the data planes);
+* :mod:`.completion`: the pipe the native helper's threads signal finished jobs through (shared with TCP);
 * :mod:`.base`: :class:`~.base.ExecutorBase` and the job contract every executor follows;
 * :mod:`.python_pool`: :class:`~.python_pool.CopyExecutor`, Python threads (the fallback);
 * :mod:`.native_pool`: :class:`~.native_pool.NativeExecutor`, the compiled helper's threads.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from .._settings import env_knobs
+from .._env_knobs import env_knobs
 from ..native import native_pool as native_helper  # not `native_pool`: that name is our submodule here
 from .native_pool import NativeExecutor
 from .python_pool import CopyExecutor

@@ -15,10 +15,10 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from .._settings import env_knobs
+from .._aio import settle, wait_through_cancellation
+from .._env_knobs import env_knobs
 from ..layout import CopyPlan, Spans, plan_to_spans
 from ..native import CopySpec
-from .completion import settle, wait_through_cancellation
 from .spans import MAX_CHUNK, MIN_CHUNK, SINGLE_CHUNK, SMALL
 
 __all__ = [

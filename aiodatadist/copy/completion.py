@@ -1,72 +1,22 @@
-"""How the event loop learns that threads are done with a job, shared by every executor and data plane.
+"""How the event loop learns that the native helper's threads finished jobs: :class:`NotifyPipe`.
 
-Bulk work runs on threads (the copy pools, the CUDA driver's callback thread, the TCP planes' I/O threads) while
-its waiters run on an event loop.  Three mechanisms connect the two, each written once here:
-
-* :func:`settle`: settle a job's future from its outcome, once (a late or repeated completion is a no-op);
-* :func:`wait_through_cancellation`: await something to its end even if the caller is cancelled meanwhile,
-  then re-raise the cancellation.  Used where the end means "no thread touches this memory any more" (or "the
-  peer confirmed that"): returning earlier would let a cancelled caller free or reuse memory that is still
-  written to.  ``anyio.CancelScope(shield=True)`` cannot do this: it shields only from anyio's own cancel
-  scopes, not from ``asyncio.timeout`` or ``Task.cancel()``, which is how our callers cancel (see
-  ``docs/design.md``);
-* :class:`NotifyPipe`: the pipe the native helper's threads write the handles of finished jobs into (the copy
-  pool's and the TCP plane's), watched by the event loop.
-
-This module sits below :mod:`aiodatadist.copy` and :mod:`aiodatadist.transport` (and is imported by
-:mod:`aiodatadist.cuda.executor`); it imports nothing of the package.
+Bulk work runs on threads (the copy pools, the TCP planes' I/O threads) while its waiters run on an event loop:
+the helper's threads write the handles of finished jobs into a pipe the loop watches.  Settling a job's future
+and waiting through cancellation are generic asyncio helpers (:mod:`aiodatadist._aio`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["HANDLE_BYTES", "NotifyPipe", "settle", "wait_through_cancellation"]
-
-T = TypeVar("T")
+__all__ = ["HANDLE_BYTES", "NotifyPipe"]
 
 HANDLE_BYTES = 8  # one finished job's handle in the notify pipe (a uint64; writes this small are atomic)
 READ_HANDLES = 4096  # handles taken from the pipe per wake-up of the event loop
-
-
-def settle(future: asyncio.Future[None], error: BaseException | None = None) -> None:
-    """Finish ``future`` with ``error`` (or with success) unless it is done already (e.g. its waiter was
-    cancelled, which cancels the future it awaited)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(None)
-
-
-async def wait_through_cancellation(awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` (a future, or a coroutine, which then runs as a task) to its end, through any number
-    of cancellations of the caller.
-
-    Returns its result or raises its exception; if the caller was cancelled meanwhile, raises
-    ``CancelledError`` instead (its exception, if any, is marked retrieved), so that a cancellation (or the
-    ``asyncio.timeout`` built on it) is never swallowed.
-    """
-    future = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError:
-            cancelled = True  # keep waiting: whatever it guards must end first
-        except BaseException:  # noqa: BLE001 - it failed, so it is done: its error is raised below
-            break
-    if cancelled:
-        if not future.cancelled():
-            future.exception()  # retrieved: the cancellation takes precedence
-        raise asyncio.CancelledError
-    return future.result()
 
 
 class NotifyPipe:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Self
 
-from .._settings import ENV_LIBCUDA as _ENV_LIBCUDA
-from .._settings import env_knobs
+from .._env_knobs import ENV_LIBCUDA as _ENV_LIBCUDA
+from .._env_knobs import env_knobs
 from ..errors import LLMException, LLMStatusCode
 
 __all__ = [

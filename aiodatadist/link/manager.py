@@ -1,4 +1,4 @@
-"""Links between clusters: handshake, the link table, unlinking, and dispatch of a link's requests."""
+"""The links of one instance: the handshake, the link table, unlinking, and dispatch of a link's requests."""
 
 from __future__ import annotations
 
@@ -12,17 +12,25 @@ import socket
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 
+from .._aio import wait_through_cancellation
 from .._settings import Settings
-from ..copy.completion import wait_through_cancellation
+from ..control.channel import Channel, TaskSet
+from ..control.sockets import (
+    LINGER_MS,
+    Context,
+    Server,
+    abandon_context,
+    connect_dealer,
+    dealer_sender,
+    new_context,
+    read_dealer,
+)
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
-from ..memory import SegmentIdentity
-from ..native import native_pool
 from ..protocol import auth
 from ..protocol.codec import Kind, ProtocolError
 from ..protocol.handshake import (
@@ -52,38 +60,22 @@ from ..protocol.messages import (
     is_challenge,
     reply_to_wire,
 )
-from ..registry import CacheRegistry
-from ..transport.directory import DirectoryView
+from ..segment_identity import SegmentIdentity
 from ..transport.fd_passing import FdServer
 from ..transport.same_host import (
     HostProbe,
     PeerCapabilities,
-    PeerMemory,
     allowed_mechanisms,
     probe_peer,
     probe_peer_fds,
 )
-from ..transport.tcp.frames import DATA_HELLO, MAGIC
-from ..transport.tcp.python_plane import PythonDataPlane
+from ..transport.tcp.connect import accept_data, connect_data, data_listener, read_data_hello
+from ..transport.tcp.plane import Connections
 from ..types import LLMClusterInfo, LLMRole, ip_int_to_str
-from .channel import Channel, TaskSet
-from .sockets import (
-    LINGER_MS,
-    Context,
-    Server,
-    abandon_context,
-    connect_dealer,
-    dealer_sender,
-    new_context,
-    read_dealer,
-)
+from .link import Link
+from .planes import PlaneFactory
 
-if TYPE_CHECKING:
-    from ..transport.tcp.native_plane import NativeDataPlane
-
-    DataPlane = NativeDataPlane | PythonDataPlane
-
-__all__ = ["MAX_LINKS", "ClosedHook", "Link", "LinkManager", "RequestHook"]
+__all__ = ["MAX_LINKS", "ClosedHook", "LinkManager", "Publications", "RequestHook"]
 
 DISCONNECT_PINGS_S = (0.05, 0.25, 1.0)  # after a client connection broke: ping the server's links, then wait
 
@@ -96,69 +88,25 @@ ClosedHook = Callable[["Link", LLMException], Awaitable[None]]
 S = LLMStatusCode
 
 
-@dataclass(eq=False)
-class Link:
-    """One link to a remote cluster (client or server side)."""
+class Publications(Protocol):
+    """What this instance announces to its peers at link time (its cache registry)."""
 
-    remote_cluster_id: int
-    channel: Channel
-    caps: PeerCapabilities
-    is_client: bool
-    endpoint: str
-    remote_role: int = 0
-    plane: str = "shm"
-    sock: zmq.asyncio.Socket | None = None
-    reader: asyncio.Task[Any] | None = None
-    watcher: asyncio.Task[Any] | None = None
-    routing_id: bytes | None = None
-    memory: PeerMemory = field(init=False)
-    directory: DirectoryView | None = None  # requester side: the peer's cache directory, when mappable
-    data: DataPlane | None = None  # TCP plane: the link's data connections
-    peer_serves_reads: bool = False  # TCP plane: the peer answers one-sided reads of its published caches
-    data_token: bytes | None = None  # server side: what the client's data connections present
-    data_admits: int = 0  # server side: data connections still admitted with that token (then it is retired)
-    fd_grant: bytes | None = None  # what the peer presents to this side's fd socket for this link's segments
-    closed: bool = False
-    unlinking: bool = False  # this side sent BYE: the peer closing the data connections is expected
+    def announced_segments(self) -> tuple[tuple[SegmentIdentity, int], ...]:
+        """The shared segments of its remote-accessible caches, with their addresses here."""
+        ...
 
-    def __post_init__(self) -> None:
-        self.memory = PeerMemory(self.caps)
+    def directory_identity(self) -> SegmentIdentity | None:
+        """Its cache directory's segment, if any."""
+        ...
 
-    def map_directory(self, announced: SegmentIdentity | None, enabled: bool) -> None:
-        """Map the peer's cache directory (same host, mapping allowed, ``llm.Directory`` on); without it every
-        transfer asks the owner."""
-        if enabled and self.plane == "shm" and self.caps.can_map and not self.caps.fds:  # (not handed over)
-            self.directory = DirectoryView.from_wire(announced, self.caps.pid)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "remote_cluster_id": self.remote_cluster_id,
-            "side": "client" if self.is_client else "server",
-            "endpoint": self.endpoint,
-            "plane": self.plane,
-            "peer": self.caps.describe(),
-            "data_connections": self.data.connections if self.data is not None else 0,
-        }
+    def shared_fd(self, inode: int, device: int) -> int | None:
+        """The memfd of a remote-accessible cache's segment ``(inode, device)``, or None."""
+        ...
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, int]:
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     return host, int(port)
-
-
-def _data_listener(ip: str) -> socket.socket:
-    """A TCP listener for data connections on ``ip`` (an ephemeral port, announced in the handshake)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((ip, 0))
-        sock.listen(128)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _abandoned(ctx: Context, cluster_id: int) -> None:
@@ -175,15 +123,14 @@ def _abandoned(ctx: Context, cluster_id: int) -> None:
 class LinkManager:
     """The links of one :class:`LLMDataDist`, its server socket and its control-plane tasks."""
 
-    def __init__(self, cluster_id: int, role: LLMRole, settings: Settings, registry: CacheRegistry,
-                 start_nixl: Callable[[], object] | None = None) -> None:
+    def __init__(self, cluster_id: int, role: LLMRole, settings: Settings, publications: Publications,
+                 planes: PlaneFactory, start_nixl: Callable[[], object] | None = None) -> None:
         self._cluster_id = cluster_id
         self._start_nixl_plane = start_nixl  # starts the NIXL plane (raises LLMException) for a nixl link
         self.role = role  # set by switch_role
         self._settings = settings
-        self._registry = registry
-        # TCP links use the native helper's I/O threads unless llm.Net / AIODATADIST_NET says python
-        self._native_net = settings.native_net and native_pool() is not None
+        self._publications = publications
+        self._planes = planes
         self._ctx = new_context()
         # Dropped without close() (the instance never finalized): free the sockets and context without blocking.
         self._abandoned = weakref.finalize(self, _abandoned, self._ctx, cluster_id)
@@ -232,7 +179,7 @@ class LinkManager:
             # A failed bind leaves the current server (if any) untouched.
             raise LLMException(f"cannot listen on {ip}:{port}: {exc}", status_code=S.LLM_PARAM_INVALID) from None
         try:
-            data_listener = _data_listener(ip)
+            listener = data_listener(ip)
         except OSError as exc:
             server.close()
             raise LLMException(f"cannot listen for data connections on {ip}: {exc}",
@@ -241,8 +188,10 @@ class LinkManager:
         self._server = server
         self._server_task = self._tasks.spawn(server.serve(self._tasks), name=f"server-{endpoint}")
         self._server_watch = self._tasks.spawn(self._watch_server(server), name=f"watch-{endpoint}")
-        self._data_listener = data_listener
-        self._accept_task = self._tasks.spawn(self._accept_data(data_listener), name=f"data-{endpoint}")
+        self._data_listener = listener
+        self._accept_task = self._tasks.spawn(
+            accept_data(listener, self._adopt_data, functools.partial(self._tasks.spawn, name="adopt-data")),
+            name=f"data-{endpoint}")
         log.info("cluster %d listening on %s", self._cluster_id, server.endpoint)
 
     async def stop_listening(self) -> None:
@@ -266,7 +215,8 @@ class LinkManager:
         server, sent here only when the link is not authenticated: else in the second HELLO, once the server
         proved its key)."""
         return Hello(PROTOCOL_VERSION, self._cluster_id, remote_cluster_id, int(self.role), self._settings.transport,
-                     self._probe.info(), self._segments(), self._directory(), self._native_net, cn=client_nonce,
+                     self._probe.info(), self._publications.announced_segments(),
+                     self._publications.directory_identity(), self._planes.native_net, cn=client_nonce,
                      fdt=None if self._auth_key is not None else grant)
 
     # -- fd socket: segments handed to same-host peers under another user -------------------------------------
@@ -290,29 +240,11 @@ class LinkManager:
         link = self._fd_grants.get(token)
         if link is None or link.closed:
             return None
-        for entry in self._registry.entries():
-            shared = entry.shared_segment
-            if (shared is not None and entry.remote_accessible
-                    and (shared.identity.inode, shared.identity.device) == (inode, device)):
-                return shared.fd
-        return None
+        return self._publications.shared_fd(inode, device)
 
     def _grant(self, link: Link, grant: bytes) -> None:
         link.fd_grant = grant
         self._fd_grants[grant] = link
-
-    def _segments(self) -> tuple[tuple[SegmentIdentity, int], ...]:
-        """This instance's shared-memory caches, announced at link time so that the peer maps them early."""
-        found: dict[SegmentIdentity, int] = {}
-        for e in self._registry.entries():
-            shared = e.shared_segment
-            if shared is not None and e.remote_accessible:
-                found.setdefault(shared.identity, shared.address)  # a HostMemory may hold several caches
-        return tuple(found.items())
-
-    def _directory(self) -> SegmentIdentity | None:
-        directory = self._registry.directory
-        return directory.identity if directory is not None else None
 
     async def _on_hello(self, routing_id: bytes, message: dict[str, Any]) -> None:
         assert self._server is not None
@@ -336,32 +268,53 @@ class LinkManager:
             await self.drop(stale, LLMLinkError(f"cluster {cluster} reconnected; its old link was dead"))
         code, msg = admit(hello.version, cluster, hello.target, own_id=self._cluster_id, links=self.links,
                           linking=self._linking, max_links=MAX_LINKS)
-        caps = PeerCapabilities(False, False, False, 0)
-        plane: Plane | None = None
         if code == 0:
             caps = await probe_peer_fds(hello.host, probe_peer(hello.host))
-            plane = choose_plane(self._settings.transport, hello.transport, caps.same_host)
-            if plane is None:
-                code, msg = int(S.LLM_LINK_FAILED), plane_refusal(self._settings.transport, hello.transport)
-            elif plane == "nixl":
-                refusal = self._start_nixl()
-                if refusal is not None:
-                    code, msg, plane = int(refusal.status_code), str(refusal), None
+            chosen = self._choose(hello.transport, caps)
+            if isinstance(chosen, LLMException):
+                code, msg = int(chosen.status_code), str(chosen)
+            else:
+                await self._accept(server, routing_id, req_id, hello, nonces, caps, chosen)
+                return
+        await server.reply_raw(routing_id, reply_to_wire(req_id, code=code, msg=msg))
+
+    def _choose(self, peer_transport: Any, caps: PeerCapabilities) -> Plane | LLMException:
+        """The plane of a link with a peer set to ``peer_transport``, or why there is none."""
+        plane = choose_plane(self._settings.transport, peer_transport, caps.same_host)
         if plane is None:
-            await server.reply_raw(routing_id, reply_to_wire(req_id, code=code, msg=msg))
-            return
+            return LLMException(plane_refusal(self._settings.transport, peer_transport),
+                                status_code=S.LLM_LINK_FAILED)
+        refusal = self._start_nixl() if self._planes.needs_nixl(plane) else None
+        return refusal if refusal is not None else plane
+
+    def _set_plane(self, link: Link, kind: Plane, caps: PeerCapabilities, conns: Connections | None,
+                   fd_token: bytes | None) -> None:
+        async def untrusted(error: LLMException) -> None:
+            await self.drop(link, error)
+
+        link.plane = self._planes.plane(kind, link.remote_cluster_id, caps, untrusted, conns=conns,
+                                        fd_token=fd_token, peer_serves_reads=link.peer_serves_reads)
+
+    def _connections(self, link: Link) -> Connections:
+        """A link's data connections: a failure drops the link."""
+        def broken(error: LLMException) -> None:
+            # A peer answering our BYE closes its data connections: that end is expected, the BYE's reply is not
+            # lost because of it (the unlink drops the link itself).
+            if not link.closed and not link.unlinking:
+                self._tasks.spawn(self.drop(link, error), name=f"drop-{link.remote_cluster_id}")
+
+        return self._planes.connections(link.remote_cluster_id, broken)
+
+    async def _accept(self, server: Server, routing_id: bytes, req_id: Any, hello: Hello,
+                      nonces: tuple[bytes, bytes] | None, caps: PeerCapabilities, plane: Plane) -> None:
+        """Server side: admit the link (the handshake agreed on ``plane``) and answer the HELLO."""
+        cluster = hello.cluster
         channel = Channel(server.sender(routing_id), self._handle, f"{self._cluster_id}<-{cluster}")
-        link = Link(cluster, channel, caps, is_client=False, endpoint=server.endpoint, remote_role=hello.role,
-                    plane=plane, routing_id=routing_id)
+        link = Link(cluster, channel, is_client=False, endpoint=server.endpoint, remote_role=hello.role,
+                    routing_id=routing_id)
         channel.context = link
-        link.peer_serves_reads = hello.reads
-        link.memory.fd_token = hello.fdt
-        grant = secrets.token_bytes(FD_TOKEN_BYTES)
-        self._grant(link, grant)
-        self.links[cluster] = link
-        server.channels[routing_id] = channel
         data, dconns = None, None
-        if self._data_listener is not None and plane != "nixl":
+        if self._data_listener is not None and self._planes.offers_connections(plane):  # the client may choose TCP
             port = self._data_listener.getsockname()[1]
             if nonces is not None and self._auth_key is not None:  # derived on both ends, never sent
                 link.data_token = auth.data_token(self._auth_key, *nonces)
@@ -370,14 +323,20 @@ class LinkManager:
             data = DataOffer(port, None if nonces is not None else link.data_token)
             self._data_tokens[link.data_token] = link
             link.data_admits = dconns = self._settings.tcp_connections
-            link.data = self._new_data_plane(link)
+            link.offered = self._connections(link)
+        link.peer_serves_reads = hello.reads
+        self._set_plane(link, plane, caps, link.offered, hello.fdt)
+        grant = secrets.token_bytes(FD_TOKEN_BYTES)
+        self._grant(link, grant)
+        self.links[cluster] = link
+        server.channels[routing_id] = channel
         reply = HelloReply(self._cluster_id, int(self.role), self._probe.info(), self._settings.transport,
-                           self._segments(), self._directory(), plane, self._native_net, data, dconns, grant)
+                           self._publications.announced_segments(), self._publications.directory_identity(), plane,
+                           self._planes.native_net, data, dconns, grant)
         await channel.reply(req_id, reply.to_wire())
-        link.map_directory(hello.directory, self._settings.directory)
-        if link.plane == "shm":  # TCP and NIXL links never read the peer's memory mapped
-            link.memory.premap(hello.segs)  # in the background: nobody waits for it
-        log.info("cluster %d accepted link from %d (%s)", self._cluster_id, cluster, link.plane)
+        # In the background: nobody waits for the peer's segments to be mapped here.
+        link.plane.adopt_announced(hello.directory, self._settings.directory, hello.segs)
+        log.info("cluster %d accepted link from %d (%s)", self._cluster_id, cluster, link.plane.kind)
 
     async def _authenticate(self, server: Server, routing_id: bytes, req_id: Any,
                             hello: Hello) -> tuple[bytes, bytes] | None:
@@ -450,54 +409,53 @@ class LinkManager:
             raise
         finally:
             self._linking.discard(remote_id)
-        plane = choose_plane(self._settings.transport, reply.transport, caps.same_host)
-        refusal = self._start_nixl() if plane == "nixl" else None
-        if plane is None or refusal is not None:
-            log.info("link %d -> %d (%s) failed: %s", self._cluster_id, remote_id, endpoint,
-                     refusal or plane_refusal(self._settings.transport, reply.transport))
-            with contextlib.suppress(LLMException):
-                channel.notify(Bye())  # the server admitted us: let it drop its end
-            reader.cancel()
-            sock.close(linger=LINGER_MS)
-            return refusal.status_code if refusal is not None else S.LLM_LINK_FAILED
-        link = Link(remote_id, channel, caps, is_client=True, endpoint=endpoint, remote_role=reply.role,
-                    plane=client_plane(plane, reply.plane), sock=sock, reader=reader)
-        link.peer_serves_reads = reply.reads
-        link.memory.fd_token = reply.fdt
-        self._grant(link, grant)
-        if link.plane == "tcp":
+        chosen = self._choose(reply.transport, caps)
+        if isinstance(chosen, LLMException):
+            log.info("link %d -> %d (%s) failed: %s", self._cluster_id, remote_id, endpoint, chosen)
+            self._abandon(channel, reader, sock, bye=True)
+            return chosen.status_code
+        link = Link(remote_id, channel, is_client=True, endpoint=endpoint, remote_role=reply.role, sock=sock,
+                    reader=reader, peer_serves_reads=reply.reads)
+        kind = client_plane(chosen, reply.plane)
+        conns = None
+        if self._planes.uses_connections(kind):
+            conns = self._connections(link)
             remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
             try:
-                error = await self._connect_data(link, ip_int_to_str(ip), reply, nonces, remaining)
-            except BaseException:  # cancelled: leave no data plane, thread, socket or reader behind
-                channel.close()
-                reader.cancel()
-                sock.close(linger=0)
-                if link.data is not None:
-                    await wait_through_cancellation(link.data.aclose(LLMLinkError("linking was cancelled")))
+                error = await self._open_data(conns, ip_int_to_str(ip), reply, nonces, remaining)
+            except BaseException:  # cancelled: leave no data connection, thread, socket or reader behind
+                self._abandon(channel, reader, sock, bye=False)
+                await wait_through_cancellation(conns.aclose(LLMLinkError("linking was cancelled")))
                 raise
             if error is not None:
                 log.info("link %d -> %d (%s): %s", self._cluster_id, remote_id, endpoint, error)
-                with contextlib.suppress(LLMException):
-                    channel.notify(Bye())
-                channel.close()
-                reader.cancel()
-                sock.close(linger=LINGER_MS)
-                if link.data is not None:
-                    await link.data.aclose(LLMLinkError(error))
+                self._abandon(channel, reader, sock, bye=True)
+                await conns.aclose(LLMLinkError(error))
                 return S.LLM_LINK_FAILED
+        self._set_plane(link, kind, caps, conns, reply.fdt)
+        self._grant(link, grant)
         channel.context = link
         self.links[remote_id] = link
         link.watcher = self._tasks.spawn(self._watch(link), name=f"watch-{remote_id}")
         # Map the peer's caches now, and give their page tables the rest of the link timeout to fill in, so that
         # the first transfers do not pay for it (what is left continues in the background).
-        link.map_directory(reply.directory, self._settings.directory)
-        populating = link.memory.premap(reply.segs) if link.plane == "shm" else []
+        populating = link.plane.adopt_announced(reply.directory, self._settings.directory, reply.segs)
         remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
         if populating and remaining > 0:
             await asyncio.wait(populating, timeout=remaining)
-        log.info("cluster %d linked to %d at %s (%s)", self._cluster_id, remote_id, endpoint, link.plane)
+        log.info("cluster %d linked to %d at %s (%s)", self._cluster_id, remote_id, endpoint, link.plane.kind)
         return S.LLM_SUCCESS
+
+    @staticmethod
+    def _abandon(channel: Channel, reader: asyncio.Task[Any], sock: zmq.asyncio.Socket, *, bye: bool) -> None:
+        """Client side: give up a link the handshake did not complete (``bye``: the server admitted us: let it
+        drop its end; the BYE still goes out as the socket lingers)."""
+        if bye:
+            with contextlib.suppress(LLMException):
+                channel.notify(Bye())
+        channel.close()
+        reader.cancel()
+        sock.close(linger=LINGER_MS if bye else 0)
 
     def _start_nixl(self) -> LLMException | None:
         """Start this instance's NIXL plane for a link that chose it; the reason it cannot, or None."""
@@ -521,22 +479,6 @@ class LinkManager:
             channel.close(failure)
 
     # -- TCP data connections -------------------------------------------------------------------------------
-    def _new_data_plane(self, link: Link) -> DataPlane:
-        def broken(error: LLMException) -> None:
-            # A peer answering our BYE closes its data connections: that end is expected, the BYE's reply is not
-            # lost because of it (the unlink drops the link itself).
-            if not link.closed and not link.unlinking:
-                self._tasks.spawn(self.drop(link, error), name=f"drop-{link.remote_cluster_id}")
-
-        name, loop = f"{self._cluster_id}-{link.remote_cluster_id}", asyncio.get_running_loop()
-        if not self._native_net:
-            return PythonDataPlane(name, loop, broken)
-        from ..transport.tcp.native_plane import NativeDataPlane
-
-        directory = self._registry.directory
-        return NativeDataPlane(name, loop, broken,
-                               (directory.address, directory.rows) if directory is not None else None)
-
     async def _handshake(self, channel: Channel, remote_id: int,
                          grant: bytes) -> tuple[dict[str, Any], tuple[bytes, bytes] | None]:
         """Client side of the handshake, with the challenge when either end has a key; returns the server's
@@ -562,70 +504,32 @@ class LinkManager:
         second = dataclasses.replace(second, fdt=grant)  # the server proved its key: it may fetch our segments
         return await channel.request(second), (client_nonce, challenge.challenge)
 
-    async def _connect_data(self, link: Link, host: str, reply: HelloReply, nonces: tuple[bytes, bytes] | None,
-                            timeout: float) -> str | None:
+    async def _open_data(self, conns: Connections, host: str, reply: HelloReply, nonces: tuple[bytes, bytes] | None,
+                         timeout: float) -> str | None:
         """Client side: open the data connections the server admits; returns what went wrong, or None."""
         offer = data_connections(reply, self._auth_key, nonces)
         if isinstance(offer, str):
             return offer
-        port, token = offer.port, offer.token
-        link.data = self._new_data_plane(link)
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(max(timeout, 0.001)):
-                for _ in range(offer.count):
-                    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-                    conn = socket.socket(family, socket.SOCK_STREAM)
-                    try:
-                        conn.setblocking(False)
-                        await loop.sock_connect(conn, (host, port))
-                        await loop.sock_sendall(conn, DATA_HELLO.pack(MAGIC, token))
-                    except BaseException:
-                        conn.close()
-                        raise
-                    link.data.attach(conn)
-        except (OSError, TimeoutError) as exc:
-            return f"cannot open data connections to {host}:{port}: {exc or 'no answer in time'}"
-        return None
-
-    async def _accept_data(self, listener: socket.socket) -> None:
-        """Server side: adopt data connections that present a link's token."""
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(listener)
-            except OSError:
-                if listener.fileno() == -1:
-                    return  # stopped listening
-                await asyncio.sleep(0.05)  # e.g. out of descriptors: try again shortly
-                continue
-            self._tasks.spawn(self._adopt_data(conn), name="adopt-data")
+        return await connect_data(host, offer.port, offer.token, offer.count, timeout, conns.attach)
 
     async def _adopt_data(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        conn.setblocking(False)
-        data = b""
-        try:
-            async with asyncio.timeout(5):
-                while len(data) < DATA_HELLO.size:
-                    chunk = await loop.sock_recv(conn, DATA_HELLO.size - len(data))
-                    if not chunk:
-                        break
-                    data += chunk
-        except (OSError, TimeoutError):
-            pass
-        link = None
-        if len(data) == DATA_HELLO.size:
-            magic, token = DATA_HELLO.unpack(data)
-            link = self._data_tokens.get(token) if magic == MAGIC else None
-        if link is None or link.closed or link.data is None:
+        """Server side: a data connection that presents a link's token joins that link."""
+        token = await read_data_hello(conn)
+        link = self._data_tokens.get(token) if token is not None else None
+        if link is None or link.closed or link.offered is None:
             conn.close()
             return
+        assert token is not None
         link.data_admits -= 1
         if link.data_admits <= 0:  # every agreed connection is in: nobody else gets in with this token
             self._data_tokens.pop(token, None)
-        link.plane = "tcp"  # the client chose TCP (it may not reach this host's memory)
-        link.data.attach(conn)
+        if not self._planes.uses_connections(link.plane.kind):
+            # The client chose TCP (it may not reach this host's memory): so does this end.
+            before = link.plane
+            self._set_plane(link, "tcp", before.caps, link.offered, None)
+            await before.stop(LLMLinkError("the link moved to TCP"))
+            await before.close()
+        link.offered.attach(conn)
 
     # -- unlinking -------------------------------------------------------------------------------------------
     async def unlink_one(self, remote_id: int, timeout_ms: int, force: bool) -> LLMStatusCode:
@@ -712,26 +616,28 @@ class LinkManager:
         if link.fd_grant is not None:
             self._fd_grants.pop(link.fd_grant, None)
         try:
-            if link.data is not None:  # its threads stop touching memory before leases are released
-                await link.data.aclose(error)
+            await link.plane.stop(error)  # no thread touches memory any more before leases are released
+            if link.offered is not None:  # (closing twice is harmless: the TCP plane closed it if it owned it)
+                await link.offered.aclose(error)
             if self.on_link_closed is not None:
                 await self.on_link_closed(link, error)
-            await link.memory.close()
+            await link.plane.close()
         finally:
-            if link.directory is not None:
-                link.directory.close()
-            if link.routing_id is not None and self._server is not None:
-                self._server.channels.pop(link.routing_id, None)
-            if link.reader is not None:
-                link.reader.cancel()
-            if link.sock is not None and not link.sock.closed:  # before any await: a cancellation below
-                if link.watcher is not None:  # must not leave it open; its monitor's inproc address goes too
-                    link.sock.disable_monitor()
-                link.sock.close(linger=LINGER_MS)
-            if link.watcher is not None and link.watcher is not asyncio.current_task():
-                link.watcher.cancel()
-                await asyncio.gather(link.watcher, return_exceptions=True)  # it closes its monitor socket
+            await self._close_sockets(link)
         log.info("cluster %d dropped link to %d: %s", self._cluster_id, link.remote_cluster_id, error)
+
+    async def _close_sockets(self, link: Link) -> None:
+        if link.routing_id is not None and self._server is not None:
+            self._server.channels.pop(link.routing_id, None)
+        if link.reader is not None:
+            link.reader.cancel()
+        if link.sock is not None and not link.sock.closed:  # before any await: a cancellation below
+            if link.watcher is not None:  # must not leave it open; its monitor's inproc address goes too
+                link.sock.disable_monitor()
+            link.sock.close(linger=LINGER_MS)
+        if link.watcher is not None and link.watcher is not asyncio.current_task():
+            link.watcher.cancel()
+            await asyncio.gather(link.watcher, return_exceptions=True)  # it closes its monitor socket
 
     # -- requests from peers ---------------------------------------------------------------------------------
     async def _handle(self, channel: Channel, message: dict[str, Any]) -> dict[str, Any] | None:

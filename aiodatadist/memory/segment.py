@@ -13,12 +13,12 @@ import fcntl
 import mmap
 import os
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import LLMException, LLMStatusCode
 from ..native import advise_hugepages, populate
+from ..segment_identity import SegmentIdentity
 
 __all__ = ["PAGE", "SegmentIdentity", "SharedSegment", "map_peer_segment", "map_segment_fd"]
 
@@ -27,17 +27,6 @@ _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW",
     fcntl, "F_SEAL_SEAL", 0x0001
 )
 _ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentIdentity:
-    """What a peer needs to map a segment and verify it: owner pid, fd number, inode, device, size."""
-
-    pid: int
-    fd: int
-    inode: int
-    device: int
-    size: int
 
 
 class SharedSegment:

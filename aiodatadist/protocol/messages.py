@@ -11,9 +11,8 @@ directory, ``reads``, the server's ``plane``, its data-connection offer, ...) de
 empty tuple, ``False``) instead of raising, exactly as the readers did: a wrong announcement only costs an
 optimisation.  Absent optional fields decode to their defaults.
 
-The wire format is that of protocol version 3 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`): that of
-version 2 (same keys, same value shapes, same key order) except that a cache geometry carries its data type, END
-may carry a notification (``note``) and NOTIFY (a notification on its own) is new.
+The wire format is that of protocol version 6 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`, whose
+comment lists what each version added); the handshake refuses a peer of any other version.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import numpy.typing as npt
 
 from .._checks import I64_MAX, I64_MIN, U64_LIMIT, U64_MAX
 from ..layout import CacheGeometry, TransferParams
-from ..memory import SegmentIdentity
+from ..segment_identity import SegmentIdentity
 from ..types import Transport
 from .auth import NONCE_BYTES
 from .codec import Kind, ProtocolError, field, int_field, opt_int_list, uint64_array

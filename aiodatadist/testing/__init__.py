@@ -83,9 +83,9 @@ def fill_pattern(cache: Cache, seed: int) -> list[np.ndarray]:
 
 def _device_of(cache: Cache) -> Any:
     owner = cache._owner
-    if owner is None or not hasattr(owner, "device"):
+    if owner is None or not hasattr(owner, "_device"):
         raise LLMException("not a cache of a CacheManager", status_code=LLMStatusCode.LLM_PARAM_INVALID)
-    return owner.device().device
+    return owner._device().device
 
 
 def write_tensor(cache: Cache, index: int, data: np.ndarray) -> None:

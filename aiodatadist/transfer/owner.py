@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from .._checks import require
-from ..control.links import Link, LinkManager
 from ..errors import LLMException, LLMStatusCode
-from ..layout import plan_side_spans, transfer_plan
+from ..layout import transfer_plan
+from ..link.link import Link
+from ..link.manager import LinkManager
 from ..protocol.messages import (
     Abort,
     Begin,
@@ -26,15 +27,12 @@ from ..protocol.messages import (
     EndReply,
     Freed,
     Located,
-    NixlReach,
     Resolve,
     ResolveReply,
 )
 from ..registry import CacheEntry, CacheRegistry, IndexKey
 from ..stats import StatsRecorder
-from ..transport.base import PULL, PUSH
 from .engine import CopyEngine
-from .nixl_caches import NixlCaches
 from .state import Lease, LinkTransfers, TransferStates
 
 __all__ = ["Owner"]
@@ -47,11 +45,9 @@ class Owner:
     """The owner side of every link of one instance."""
 
     def __init__(self, links: LinkManager, registry: CacheRegistry, engine: CopyEngine,
-                 states: TransferStates, deliver: Callable[[int, bytes], object], nixl: NixlCaches,
-                 stats: StatsRecorder) -> None:
+                 states: TransferStates, deliver: Callable[[int, bytes], object], stats: StatsRecorder) -> None:
         self._links = links
         self._stats = stats
-        self._nixl = nixl
         self._deliver = deliver  # a notification from a linked cluster
         self._registry = registry
         self._engine = engine
@@ -72,7 +68,7 @@ class Owner:
         try:
             return self._begin(link, message, started)
         except LLMException as exc:
-            self._stats.served(link.remote_cluster_id, message.params.op, link.plane, time.perf_counter() - started,
+            self._stats.served(link.remote_cluster_id, message.params.op, link.plane.kind, time.perf_counter() - started,
                                0, exc.status_code.name)
             raise
 
@@ -83,9 +79,9 @@ class Owner:
         registry = self._registry
         entry, slot = registry.resolve_wire(key.kind, key.a, key.b)
         require(entry.remote_accessible, f"cache {entry.cache_id} is not remote accessible.")
-        if entry.on_device and link.plane == "tcp":
-            raise LLMException(f"cache {entry.cache_id} is a device cache: it moves only to a process on this host "
-                               "(CUDA IPC), and this link uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
+        refusal = link.plane.refusal(entry.cache_id, entry.on_device)
+        if refusal is not None:
+            raise refusal
         if params.op == "push":
             require(key.kind in ("id", "blocks"), "push addresses the destination by cache id or BlocksCacheKey.")
         plan = transfer_plan(params, peer_geometry, entry.geometry, slot)  # validates the owner's side too
@@ -98,19 +94,14 @@ class Owner:
             self._pulling_keys.add(release_key)
         registry.acquire(entry)
         lease = state.leases[tid] = Lease(entry, release_key, op=params.op, nbytes=plan.total_bytes, started=started)
-        if link.plane == "tcp" and link.data is not None:
-            try:
-                if params.op == "pull":  # start sending now: the requester's receiving end already exists
-                    lease.job = link.data.send(PULL, tid, *plan_side_spans(plan, entry.addrs, "src"))
-                else:
-                    lease.job = link.data.receive(PUSH, tid)
-                    link.data.set_destination(lease.job, *plan_side_spans(plan, entry.addrs, "dst"))
-            except LLMException:
-                del state.leases[tid]
-                registry.release_lease(entry)
-                if release_key is not None:
-                    self._pulling_keys.discard(release_key)
-                raise
+        try:
+            lease.job = link.plane.serve(tid, params.op == "pull", plan, entry.addrs)
+        except LLMException:
+            del state.leases[tid]
+            registry.release_lease(entry)
+            if release_key is not None:
+                self._pulling_keys.discard(release_key)
+            raise
         descriptor = None
         if entry.cache_id not in message.known:  # a cache's layout never changes: described once per requester
             ipc = None
@@ -121,23 +112,16 @@ class Owner:
             shared = entry.shared_segment
             segment = (shared.identity, shared.address) if shared is not None else None
             descriptor = Descriptor(entry.geometry, entry.addrs, segment, ipc, borrowed=not entry.owned,
-                                    nixl=self._nixl_reach(link, state, entry))
-        published = entry.published if link.plane != "tcp" or entry.tcp_readable else None
+                                    nixl=link.plane.reach(entry))
+        published = entry.published if link.plane.publishes(entry.tcp_readable) else None
         return BeginReply(entry.cache_id, slot, published, descriptor).to_wire()
-
-    def _nixl_reach(self, link: Link, state: LinkTransfers, entry: CacheEntry) -> NixlReach | None:
-        """On the nixl plane: how the requester's agent reaches ``entry`` (it is told when the cache is freed)."""
-        if link.plane != "nixl" or self._nixl.plane is None:
-            return None
-        state.nixl_described.add(entry.cache_id)
-        return NixlReach(*self._nixl.reach(entry))
 
     def end(self, link: Link, message: End, req_id: int) -> dict[str, Any] | None:
         """``END`` (request ``req_id``): answered at once, or (a TCP transfer whose owner-side job still runs)
         once it is settled."""
         state = self._states.of(link)
         lease = state.leases.get(message.tid)
-        if lease is not None and lease.job is not None and not lease.job.done:
+        if lease is not None and lease.job is not None and not link.plane.served_done(lease.job):
             self._links.spawn(self._end_streamed(link, state, message, req_id), name="end-streamed")
             return None
         failed = lease is not None and lease.job is not None and lease.job.error is not None
@@ -149,7 +133,7 @@ class Owner:
         lease = state.leases.pop(tid, None)
         if lease is None:
             return  # a second END, or one for a transfer this side never began: no notification either
-        self._stats.served(link.remote_cluster_id, lease.op, link.plane, time.perf_counter() - lease.started,
+        self._stats.served(link.remote_cluster_id, lease.op, link.plane.kind, time.perf_counter() - lease.started,
                            lease.nbytes, None if ok else failure)
         if lease.release_key is not None:
             self._pulling_keys.discard(lease.release_key)
@@ -163,20 +147,17 @@ class Owner:
         """END of a TCP transfer whose owner-side job is still running: a confirmed push waits until every byte
         landed; anything else stops the job.  The lease is released only once no thread touches the cache."""
         tid, ok, confirm, note = message.tid, message.ok, message.confirm, message.note
-        lease, plane = state.leases.get(tid), link.data
-        if lease is None or lease.job is None or plane is None:  # a second END for this transfer: already settled
+        lease, plane = state.leases.get(tid), link.plane
+        if lease is None or lease.job is None:  # a second END for this transfer: already settled
             await link.channel.reply(req_id, EndReply().to_wire())
             return
         code, text, failure = 0, "", "REQUESTER_FAILED"
         started = time.perf_counter()
         settled = False  # every byte moved: the notification may be delivered
         try:
-            if ok and (confirm or lease.job.kind == "send"):
-                await plane.wait(lease.job)
-                settled = True
-            else:
-                plane.cancel(lease.job)
-                await plane.wait_stopped(lease.job)
+            complete = ok and (confirm or lease.op == "pull")  # a pull: the owner's end sends
+            await plane.finish_served(lease.job, complete)
+            settled = complete
         except LLMException as exc:
             code, text, ok, failure = int(exc.status_code), str(exc), False, exc.status_code.name
         finally:
@@ -195,28 +176,23 @@ class Owner:
         freed = Freed(entry.cache_id, (segment.identity.inode, segment.identity.device) if segment is not None
                       else None, tuple(sorted(entry.exported)))
         for link in list(self._links.links.values()):
-            if link.closed:
-                continue
-            described = link.plane == "nixl" and entry.cache_id in self._states.of(link).nixl_described
-            if described:
-                self._states.of(link).nixl_described.discard(entry.cache_id)
-            if described or (mapped and link.caps.same_host):
-                self._links.notify(link, freed)
+            if not link.closed and link.plane.tells_freed(entry.cache_id, mapped):
+                link.channel.notify(freed)
 
     def abort_remote(self, entry: CacheEntry) -> None:
         """Ask requesters whose running transfers use ``entry`` (being released) to stop."""
         for link in self._links.links.values():
             for tid, lease in self._states.of(link).leases.items():
                 if lease.entry is entry:
-                    if lease.job is not None and link.data is not None:
-                        link.data.cancel(lease.job)  # our own I/O threads stop touching it too
-                    self._links.notify(link, Abort(tid))
+                    if lease.job is not None:
+                        link.plane.cancel_served(lease.job)  # our own I/O threads stop touching it too
+                    link.channel.notify(Abort(tid))
 
     def link_closed(self, link: Link, state: LinkTransfers) -> None:
         """Drop the leases of a closed link (its data plane has stopped touching the caches)."""
         for lease in state.leases.values():
-            self._stats.served(link.remote_cluster_id, lease.op, link.plane, time.perf_counter() - lease.started, 0,
-                               "LINK_CLOSED")
+            self._stats.served(link.remote_cluster_id, lease.op, link.plane.kind,
+                               time.perf_counter() - lease.started, 0, "LINK_CLOSED")
             self._registry.release_lease(lease.entry)
             if lease.release_key is not None:
                 self._pulling_keys.discard(lease.release_key)

@@ -11,9 +11,9 @@ import asyncio
 from typing import Any
 
 from .._settings import Settings
-from ..control.links import Link, LinkManager
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
-from ..layout import TransferParams
+from ..link.link import Link
+from ..link.manager import LinkManager
 from ..notifications import NotificationInbox
 from ..protocol.codec import ProtocolError
 from ..protocol.messages import (
@@ -29,10 +29,7 @@ from ..protocol.messages import (
 )
 from ..registry import CacheEntry, CacheRegistry
 from ..stats import OneSided, StatsRecorder
-from ..transport.tcp.native_plane import NativeDataPlane
-from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 from .engine import CopyEngine
-from .nixl_caches import NixlCaches
 from .owner import Owner
 from .requester import Requester
 from .state import LinkTransfers, TransferStates
@@ -44,26 +41,22 @@ class TransferService:
     """Pulls and pushes of one :class:`~aiodatadist.LLMDataDist`, both sides."""
 
     def __init__(self, cluster_id: int, settings: Settings, links: LinkManager, registry: CacheRegistry,
-                 engine: CopyEngine, stats: StatsRecorder, inbox: NotificationInbox, nixl: NixlCaches) -> None:
+                 engine: CopyEngine, stats: StatsRecorder, inbox: NotificationInbox) -> None:
         self._states = TransferStates()
         self._settings = settings
         self._links = links
         self._stats = stats
         self._inbox = inbox
-        self._requester = Requester(cluster_id, settings, links, registry, engine, self._states, stats, nixl)
-        self._owner = Owner(links, registry, engine, self._states, inbox.deliver, nixl, stats)
+        self._requester = Requester(cluster_id, settings, links, registry, self._states, stats)
+        self._owner = Owner(links, registry, engine, self._states, inbox.deliver, stats)
+        self.run = self._requester.run
+        """One pull or push, bounded by ``sync_kv_timeout`` (:meth:`Requester.run`)."""
         links.on_request = self.handle
         links.on_link_closed = self.on_link_closed
 
     def state_of(self, link: Link) -> LinkTransfers:
         """The transfers of ``link`` (for diagnostics and tests)."""
         return self._states.of(link)
-
-    async def run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
-                  params: TransferParams, note: bytes | None = None) -> None:
-        """One pull or push, bounded by ``sync_kv_timeout``; raises ``LLMTimeoutError`` on expiry.  ``note``
-        (checked): a notification the owner receives if the transfer succeeds."""
-        await self._requester.run(key, local, params, note)
 
     async def resolve(self, cluster_id: int, addrs: tuple[int, ...]) -> tuple[Located, ...]:
         """Where cluster ``cluster_id`` holds ``addrs`` (its registered tensors): ``LLM_KV_CACHE_NOT_EXIST`` if an
@@ -141,19 +134,19 @@ class TransferService:
 
     def one_sided_served(self) -> dict[int, tuple[str, OneSided]]:
         """The one-sided reads and writes the live links' I/O threads served: remote cluster -> (plane, counts)."""
-        return {cluster: (link.plane, _one_sided(link.data)) for cluster, link in self._links.links.items()
-                if isinstance(link.data, NativeDataPlane)}
+        served: dict[int, tuple[str, OneSided]] = {}
+        for cluster, link in self._links.links.items():
+            counts = link.plane.served_one_sided()
+            if counts is not None:
+                served[cluster] = (link.plane.kind, counts)
+        return served
 
     async def on_link_closed(self, link: Link, error: LLMException) -> None:
-        """Stop the requester-side copies on this link, then drop the owner-side leases."""
-        if isinstance(link.data, NativeDataPlane):  # its data plane has stopped: these are final
-            self._stats.one_sided_closed(link.remote_cluster_id, link.plane, _one_sided(link.data))
+        """The link's data plane has stopped: record its final counts and drop the owner-side leases."""
+        counts = link.plane.served_one_sided()
+        if counts is not None:  # its data plane has stopped: these are final
+            self._stats.one_sided_closed(link.remote_cluster_id, link.plane.kind, counts)
         state = self._states.pop(link)
-        if state is None:
-            return
-        await self._requester.link_closed(state, error)
-        self._owner.link_closed(link, state)
+        if state is not None:
+            self._owner.link_closed(link, state)
 
-
-def _one_sided(plane: NativeDataPlane) -> OneSided:
-    return plane.served_reads() + plane.served_writes()

@@ -1,26 +1,21 @@
 """What the transfer layer keeps per link, both as requester and as owner.
 
-The control plane's :class:`~aiodatadist.control.links.Link` knows nothing of transfers: this table is keyed by
-the link object and dropped when the link closes.
+A :class:`~aiodatadist.link.link.Link` knows nothing of transfers (its data plane keeps its own running jobs):
+this table is keyed by the link object and dropped when the link closes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..copy.python_pool import CopyJob
 from ..protocol.messages import Descriptor
 from ..registry import CacheEntry, IndexKey
-from ..transport.base import TransferJob
-from ..transport.device import LinkDeviceState
 from ..transport.directory import Resolved
-from ..transport.nixl import NixlJob, RemoteCache
 
 if TYPE_CHECKING:
-    from ..control.links import Link
+    from ..link.link import Link
 
 __all__ = ["Lease", "LinkTransfers", "TransferStates", "transfer_id"]
 
@@ -31,7 +26,7 @@ class Lease:
 
     entry: CacheEntry
     release_key: IndexKey | None  # a pull by CacheKey: the key it consumes once it succeeded
-    job: TransferJob | None = None  # TCP plane: the owner's sending (pull) or receiving (push) end
+    job: Any = None  # the owner's end on the link's data plane (TCP: sending for a pull, receiving for a push)
     op: str = "pull"  # the requester's operation
     nbytes: int = 0  # what the plan moves
     started: float = 0.0  # time.perf_counter() at BEGIN
@@ -44,21 +39,10 @@ class LinkTransfers:
     # owner side
     leases: dict[int, Lease] = field(default_factory=dict)  # by transfer id
     # requester side
-    jobs: dict[int, CopyJob] = field(default_factory=dict)  # same-host copies, by transfer id
-    tcp_jobs: dict[int, TransferJob] = field(default_factory=dict)  # TCP plane, by transfer id
     running: set[int] = field(default_factory=set)  # transfers between BEGIN and their end
     aborted: set[int] = field(default_factory=set)  # ABORTs that came before the copy started
     descriptors: dict[int, Descriptor] = field(default_factory=dict)  # the peer's caches, by cache id
     resolved: dict[IndexKey, Resolved] = field(default_factory=dict)  # keys resolved to published caches
-    device: LinkDeviceState | None = None  # the peer's memory as this GPU reaches it
-    # nixl plane, requester side: the peer's agent, its caches as prepared descriptor lists, running jobs
-    nixl_agent: str | None = None
-    nixl_remote: dict[int, RemoteCache] = field(default_factory=dict)
-    nixl_jobs: dict[int, NixlJob] = field(default_factory=dict)
-    nixl_stale: bool = False  # the peer freed a cache it described: its agent's view here must be rebuilt
-    nixl_rebuilt: asyncio.Future[None] | None = None  # set while that view is being rebuilt
-    # nixl plane, owner side: the caches described to the peer (told when they are freed)
-    nixl_described: set[int] = field(default_factory=set)
 
 
 class TransferStates:

@@ -1,13 +1,16 @@
-"""Argument checks of pull_cache / pull_blocks / push_cache / push_blocks, before any message is sent.
+"""Argument checks of pull_cache / pull_blocks / push_cache / push_blocks / transfer_cache_async, before any
+message is sent.
 
 Each function checks the arguments in the reference's order (``TypeError``, ``ValueError``,
 ``LLMException(LLM_PARAM_INVALID)``), including the bounds that need only the local cache, and returns the
-local cache's entry and the :class:`~aiodatadist.layout.TransferParams` that the transfer service runs.
+local cache's entry and the :class:`~aiodatadist.layout.TransferParams` that the transfer service runs
+(:func:`layer_transfer`: the :class:`LayerTransfer` that ``transfer_cache_async`` walks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .._checks import (
@@ -21,10 +24,11 @@ from .._checks import (
 )
 from ..layout import TransferParams
 from ..registry import CacheEntry
-from ..transfer_configs import TransferConfig, TransferWithCacheKeyConfig
+from ..transfer_configs import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 
-__all__ = ["EntryOf", "layer_transfer_configs", "pull_blocks", "pull_cache", "push_blocks", "push_cache"]
+__all__ = ["EntryOf", "LayerTransfer", "layer_transfer", "layer_transfer_configs", "pull_blocks", "pull_cache",
+           "push_blocks", "push_cache"]
 
 EntryOf = Callable[[str, Any], CacheEntry]
 """The caller's lookup of a user's ``Cache`` argument (by parameter name) to its live entry."""
@@ -157,3 +161,49 @@ def layer_transfer_configs(configs: Any) -> list[TransferWithCacheKeyConfig | Tr
     if len(kinds) > 1:
         raise TypeError("transfer_configs must all be TransferConfig or all be TransferWithCacheKeyConfig.")
     return list(configs)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTransfer:
+    """``transfer_cache_async``'s arguments, checked: what the layer walk needs."""
+
+    entry: CacheEntry  # the source cache
+    configs: list[TransferWithCacheKeyConfig | TransferConfig]  # all of one kind
+    src_blocks: list[int] | None  # src_block_indices
+    dst_blocks: list[int] | None  # dst_block_indices
+    num_layers: int  # of the source cache (2 tensors per layer: K and V)
+
+
+def layer_transfer(entry_of: EntryOf, src_cache: Any, layer_synchronizer: Any, transfer_configs: Any,
+                   src_block_indices: Any, dst_block_indices: Any, dst_block_memory_size: Any) -> LayerTransfer:
+    """``transfer_cache_async``: every argument, before any layer is waited for (each layer's push is checked
+    again like ``push_blocks`` / ``push_cache`` when it runs)."""
+    entry = entry_of("src_cache", src_cache)
+    check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
+    configs = layer_transfer_configs(transfer_configs)
+    src_blocks = None if src_block_indices is None else check_index_list("src_block_indices",
+                                                                         src_block_indices, "uint64")
+    dst_blocks = None if dst_block_indices is None else check_index_list("dst_block_indices",
+                                                                         dst_block_indices, "uint64")
+    if dst_block_memory_size is not None:
+        check_int("dst_block_memory_size", dst_block_memory_size, "uint64")
+    num_tensors = entry.desc.num_tensors
+    require(num_tensors % 2 == 0, f"transfer_cache_async sends 2 tensors per layer: src_cache has {num_tensors}.")
+    num_layers = num_tensors // 2
+    for config in configs:
+        layers = config.src_layer_range
+        require(layers is None or layers.stop <= num_layers,
+                f"src_layer_range {layers} exceeds the {num_layers} layers of src_cache.")
+        if isinstance(config, TransferConfig):
+            wanted = len(layers) if layers is not None else num_layers
+            require(len(config.dst_addrs) == 2 * wanted,
+                    f"dst_addrs must hold 2 addresses per layer sent ({2 * wanted}), got {len(config.dst_addrs)}.")
+        elif isinstance(config.cache_key, BlocksCacheKey):
+            require(dst_blocks is not None, "dst_block_indices is required for a BlocksCacheKey destination.")
+        else:
+            require(dst_blocks is None, "dst_block_indices must be None for a CacheKeyByIdAndIndex destination.")
+    if src_blocks is not None:
+        require(entry.is_blocks, "src_block_indices given, but src_cache is not a blocks cache.")
+        require(dst_blocks is not None and len(dst_blocks) == len(src_blocks),
+                "src_block_indices and dst_block_indices must have the same length.")
+    return LayerTransfer(entry, configs, src_blocks, dst_blocks, num_layers)

@@ -16,7 +16,7 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..copy.completion import wait_through_cancellation
+from .._aio import wait_through_cancellation
 from ..native import KEY_FLAG_SHIFT, StopFlag
 
 __all__ = ["PULL", "PUSH", "PlaneJob", "TransferJob", "WaitingMixin"]

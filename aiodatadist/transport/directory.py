@@ -1,4 +1,4 @@
-"""The cache directory: which of an instance's shared-memory caches are live, readable by same-host peers.
+"""The cache directory, requester side (the owner writes it: :mod:`aiodatadist.publication`): which of an instance's shared-memory caches are live, readable by same-host peers.
 
 An owner publishes each remote-accessible shared-memory cache in a row of a small ``memfd`` table that its
 same-host peers map read-only.  A row holds the cache id, the ``model_id`` the cache currently answers to as a
@@ -20,75 +20,19 @@ into it, and every transfer of it over TCP, still go through the owner, whose le
 from __future__ import annotations
 
 import mmap
-import secrets
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..memory import SegmentIdentity, SharedSegment, map_peer_segment
-from ..native import DIR_WORDS, DirWord, native_pool
+from ..memory import map_peer_segment
+from ..native import DIR_WORDS, DirWord
+from ..segment_identity import SegmentIdentity
 
-__all__ = ["DIRECTORY_ROWS", "CacheDirectory", "DirectoryView", "Resolved"]
+__all__ = ["DirectoryView", "Resolved"]
 
-DIRECTORY_ROWS = 4096
+MAX_DIRECTORY_BYTES = 4096 * DIR_WORDS * 8 * 16  # a bound on what a peer may announce (16x the default table)
 _WORDS = DIR_WORDS  # a row's words: see DirWord (mirrors _net.c)
-_STAMP, _CACHE, _MODEL, _BASE, _SIZE = DirWord.STAMP, DirWord.CACHE, DirWord.MODEL, DirWord.BASE, DirWord.SIZE
-
-
-class CacheDirectory:
-    """Owner side: the table of published caches (written only from the owner's event loop thread)."""
-
-    def __init__(self, rows: int = DIRECTORY_ROWS) -> None:
-        self.segment = SharedSegment(rows * _WORDS * 8, name="aiodatadist-directory")
-        self._words = self.segment.array().view(np.int64)
-        self._free = list(range(rows - 1, -1, -1))
-
-    @property
-    def address(self) -> int:
-        """Where the table is in this process (the native TCP plane validates one-sided reads against it)."""
-        return self.segment.address
-
-    @property
-    def rows(self) -> int:
-        return len(self._words) // _WORDS
-
-    def publish(self, cache_id: int, model_id: int = -1, base: int = 0, size: int = 0) -> tuple[int, int] | None:
-        """Publish a live cache whose memory is ``[base, base + size)``; returns ``(row, stamp)``, or ``None``
-        when the table is full."""
-        if not self._free:
-            return None
-        row = self._free.pop()
-        base_word = row * _WORDS
-        self._words[base_word + _CACHE] = cache_id
-        self._words[base_word + _MODEL] = model_id
-        self._words[base_word + _BASE] = base
-        self._words[base_word + _SIZE] = size
-        stamp = secrets.randbits(62) + 1  # unguessable: a one-sided TCP read must present it
-        self._words[base_word + _STAMP] = stamp  # last: a reader that sees the stamp sees the fields (x86 TSO)
-        return row, stamp
-
-    def set_model(self, row: int, model_id: int) -> None:
-        self._words[row * _WORDS + _MODEL] = model_id
-
-    def withdraw(self, row: int) -> None:
-        """The cache was released: its row stops matching any stamp at once, and this returns only once no
-        native thread serving a peer's one-sided read still reads its memory (at most one frame)."""
-        lib = native_pool()
-        if lib is not None:
-            lib.adt_dir_withdraw(self._words.ctypes.data, row)
-        else:
-            self._words[row * _WORDS + _STAMP] = 0
-        self._free.append(row)
-
-    @property
-    def identity(self) -> SegmentIdentity:
-        """The table's segment, as the handshake announces it to same-host peers (``dir``)."""
-        return self.segment.identity
-
-    def close(self) -> None:
-        self._words = np.empty(0, dtype=np.int64)  # the view would keep the mapping alive
-        self._free.clear()
-        self.segment.close()
+_STAMP, _CACHE, _MODEL = DirWord.STAMP, DirWord.CACHE, DirWord.MODEL
 
 
 class DirectoryView:
@@ -103,7 +47,7 @@ class DirectoryView:
     def from_wire(cls, identity: SegmentIdentity | None, pid: int) -> DirectoryView | None:
         """Map the directory a peer announced (the handshake's ``directory``); ``None`` when it is absent,
         malformed or not mappable."""
-        if identity is None or identity.pid != pid or not 0 < identity.size <= DIRECTORY_ROWS * _WORDS * 8 * 16:
+        if identity is None or identity.pid != pid or not 0 < identity.size <= MAX_DIRECTORY_BYTES:
             return None
         try:
             return cls(identity)

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.data import fill_pattern, tensor_bytes
+from helpers.internals import device_of
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -127,7 +128,7 @@ async def test_concurrent_swaps_share_page_locked_host_memory() -> None:
 
 async def test_register_device_memory_the_caller_owns() -> None:
     async with linked_pair() as (prompt, decoder):
-        device = prompt.cache_manager.device().device
+        device = device_of(prompt.cache_manager).device
         ptrs = [device.alloc(DEV.size) for _ in range(4)]
         try:
             cache = prompt.cache_manager.register_blocks_cache(DEV, ptrs, BlocksCacheKey(1, 0))
@@ -275,7 +276,7 @@ async def test_a_cancelled_device_pull_writes_nothing_after_it_returns(gpu_mode:
     async with linked_pair() as (prompt, decoder):
         src = prompt.cache_manager.allocate_blocks_cache(big, BlocksCacheKey(1, 0))
         dst = decoder.cache_manager.allocate_blocks_cache(big)
-        device = prompt.cache_manager.device().device
+        device = device_of(prompt.cache_manager).device
         for a in src.tensor_addrs:
             device.memset(a, 0x5A, big.size)
         for a in dst.tensor_addrs:

@@ -1,5 +1,5 @@
 """The prompt side of the LLM-DataDist conformance test, written as vllm-ascend's LLMDataDistCMgrConnector drives
-the reference (spec §11.1), against the drop-in module.  Run as a script:
+LLM-DataDist, against the drop-in module.  Run as a script:
 
     python llmdd_prompt.py CLUSTER_ID PORT DECODER_ID LAYERS BLOCKS BLOCK_ELEMS
 
@@ -29,7 +29,7 @@ def rank_table(prompt_port: int) -> str:
 
 
 def worker_init(role: llm_datadist.LLMRole, cluster_id: int, listen_port: int | None = None) -> llm_datadist.LLMDataDist:
-    """An initialized instance, configured as the connector's worker init does it (spec §11.1)."""
+    """An initialized instance, configured as the connector's worker init does it."""
     datadist = llm_datadist.LLMDataDist(role, cluster_id)
     config = llm_datadist.LLMConfig()
     config.device_id = 0

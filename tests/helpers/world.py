@@ -38,6 +38,7 @@ from aiodatadist.cache import Cache
 from aiodatadist.testing import PeerError, PeerProcess, cluster_info, free_port
 from helpers.data import fill_pattern
 from helpers.ids import new_cluster_id
+from helpers.internals import registry_of
 
 __all__ = [
     "SYNC_KV_TIMEOUT_MS",
@@ -321,7 +322,7 @@ class LocalSide(Side):
 
     def busy_caches(self) -> list[int]:
         """Ids of live caches that still hold leases or copy jobs."""
-        return [e.cache_id for e in self.cm.registry.entries() if e.leases or e.jobs]
+        return [e.cache_id for e in registry_of(self.cm).entries() if e.leases or e.jobs]
 
     async def finalize(self) -> None:
         self.handles.clear()
@@ -489,11 +490,8 @@ class World:
         assert links is not None
         link = links.links[peer_id]
         assert local.dd._transfers is not None
-        state = local.dd._transfers.state_of(link)
-        assert not state.jobs, "requester-side copy jobs are still registered on the link"
-        assert not state.tcp_jobs, "requester-side TCP transfers are still registered on the link"
-        if link.data is not None:
-            await eventually(lambda: not link.data._jobs, what="no transfer left on the TCP data plane")
+        assert not local.dd._transfers.state_of(link).running, "requester-side transfers are still running"
+        await eventually(link.plane.idle, what="no transfer left on the link's data plane")
 
     async def cleanup(self) -> None:
         await self.local.cleanup()

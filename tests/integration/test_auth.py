@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from helpers.data import fill_pattern
+from helpers.internals import registry_of
 from helpers.marks import NIXL
 
 from aiodatadist import (
@@ -122,7 +123,7 @@ async def test_an_unauthenticated_peer_is_served_nothing(transport: str) -> None
             begin = await _raw_request(sock, {"k": "begin", "i": 4, "tid": 1, "key": ["blocks", 0, 0]})
             assert begin["code"] == int(S.LLM_NOT_YET_LINK)
             assert server.links() == []
-            assert all(e.leases == 0 for e in server.cache_manager.registry.entries())
+            assert all(e.leases == 0 for e in registry_of(server.cache_manager).entries())
         finally:
             sock.close()
             ctx.term()
@@ -134,7 +135,7 @@ async def test_data_connections_need_the_derived_token() -> None:
     async with instances("s3cret", "s3cret", "tcp") as (server, client, port):
         assert (await client.link_clusters([cluster_info(1, port)], timeout=3000))[0] == S.LLM_SUCCESS
         link = server._links.links[2]
-        before = link.data.connections
+        before = link.plane.connections
         listener = server._links._data_listener
         assert listener is not None
 
@@ -145,7 +146,7 @@ async def test_data_connections_need_the_derived_token() -> None:
                 return intruder.recv(1)
 
         assert await asyncio.to_thread(intrude) == b""  # closed by the server
-        assert link.data.connections == before
+        assert link.plane.connections == before
 
 
 async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
@@ -166,8 +167,8 @@ async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
         listener = server._links._data_listener
         assert listener is not None
         server_link = server._links.links[2]
-        assert server_link.data_token is not None and server_link.data is not None
-        before = server_link.data.connections
+        assert server_link.data_token is not None and server_link.offered is not None
+        before = server_link.offered.connections
 
         def late_connection() -> bytes:
             with socket.create_connection(("127.0.0.1", listener.getsockname()[1])) as sock:
@@ -176,18 +177,18 @@ async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
                 return sock.recv(1)
 
         assert await asyncio.to_thread(late_connection) == b""
-        assert server_link.data.connections == before
+        assert server_link.offered.connections == before
 
         link = client._links.links[1]
-        assert link.data is not None
+        conns = link.plane.conns  # the TCP plane's data connections
         garbage = client.cache_manager.allocate_blocks_cache(big)
         fill_pattern(garbage, 7)
         spans = (np.array(garbage.tensor_addrs, dtype=np.uint64), np.full(2, big.size, dtype=np.uint64))
         for _ in range(4):
-            forged = [link.data.send(PUSH, tid, *spans) for tid in range(1, 9)]
+            forged = [conns.send(PUSH, tid, *spans) for tid in range(1, 9)]
             await client.cache_manager.push_blocks(BlocksCacheKey(1, 0), src, list(range(64)), list(range(64)))
             for job in forged:
-                await link.data.wait(job)
+                await conns.wait(job)
             assert all(np.array_equal(a, b.reshape(-1)) for a, b in zip(data, dst.tensors))
 
         local = (np.array([src.tensor_addrs[0]], dtype=np.uint64), np.array([4096], dtype=np.uint64))
@@ -195,9 +196,9 @@ async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
         mine = src.tensors[0].copy()
         for row in range(4):
             for stamp in range(1, 17):
-                job = link.data.read(10_000 + stamp, row, stamp, dst.cache_id, None, remote, local)
+                job = conns.read(10_000 + stamp, row, stamp, dst.cache_id, None, remote, local)
                 with pytest.raises(LLMException) as info:
-                    await link.data.wait(job)
+                    await conns.wait(job)
                 assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
         assert np.array_equal(mine, src.tensors[0])
         out = client.cache_manager.allocate_blocks_cache(big)

@@ -27,11 +27,11 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist._settings import CurveKeys
+from aiodatadist._curve_keys import CurveKeys
 from aiodatadist.control.sockets import ZAP_DOMAIN, ZapHandler
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION
 from aiodatadist.testing import cluster_info, free_port
-from aiodatadist.tools.soak_proxy import FaultProxy
+from aiodatadist.testing.fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 
@@ -232,30 +232,14 @@ async def test_a_raw_curve_client_gets_only_the_cluster_its_key_is_bound_to(clai
         await _server_still_admits(port)
 
 
-class CapturingProxy(FaultProxy):
-    """The fault proxy, also keeping every byte it forwards (both directions)."""
-
-    def __init__(self, target_port: int) -> None:
-        super().__init__(target_port)
-        self.seen = bytearray()
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(1 << 16):
-                self.seen += data
-                writer.write(data)
-                await writer.drain()
-        finally:
-            writer.transport.abort()
-
-
 @pytest.mark.parametrize("curve", [False, True], ids=["plaintext", "curve"])
 async def test_control_plane_bytes_are_encrypted_only_with_curve(curve: bool) -> None:
     """Through a proxy that records the control connection: a notification's marker, the HELLO's field names and
     the peer's cluster directory are readable on the wire without CURVE and never with it."""
     marker = b"SECRET-MARKER-" + bytes(np.random.default_rng().integers(65, 91, 16, dtype=np.uint8))
     port = free_port()
-    proxy = CapturingProxy(port)
+    forwarded = bytearray()
+    proxy = FaultProxy(port, on_forward=forwarded.extend)
     await proxy.start()
     try:
         server_opts = server_options(port) if curve else options(port=port)
@@ -270,7 +254,7 @@ async def test_control_plane_bytes_are_encrypted_only_with_curve(curve: bool) ->
             assert back is not None and back.message == marker[::-1]
             await assert_pull(server, client, 4)
             await asyncio.sleep(0.1)
-            seen = bytes(proxy.seen)
+            seen = bytes(forwarded)
     finally:
         await proxy.close()
     assert len(seen) > 200
@@ -281,7 +265,7 @@ async def test_control_plane_bytes_are_encrypted_only_with_curve(curve: bool) ->
 
 
 def _zap(peers: str) -> ZapHandler:
-    from aiodatadist.config import parse_curve_peer_keys
+    from aiodatadist._curve_keys import parse_curve_peer_keys
 
     handler = object.__new__(ZapHandler)  # sans-IO: answer() only
     handler.curve = CurveKeys(SERVER_KEYS[1].encode(), SERVER_KEYS[0].encode(), parse_curve_peer_keys(peers))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers.internals import registry_of
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement
 from aiodatadist.cuda import cuda_status
@@ -24,7 +25,7 @@ async def test_device_caches_are_refused_with_the_reason_and_nothing_changes(mon
                 call()
             assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
             assert "CUDA" in str(info.value) or "libcuda" in str(info.value)
-        assert cm.registry.entries() == []
+        assert registry_of(cm).entries() == []
         host = cm.allocate_blocks_cache(CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST),
                                         BlocksCacheKey(1, 0))
         assert host.cache_id == 1  # no id was used up by the refused calls

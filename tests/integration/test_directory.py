@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMException, LLMStatusCode, Placement
+from aiodatadist.publication import CacheDirectory
 from aiodatadist.testing import linked_pair
-from aiodatadist.transport.directory import CacheDirectory, DirectoryView
+from aiodatadist.transport.directory import DirectoryView
 
 NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
@@ -160,15 +161,16 @@ async def test_a_release_during_a_pull_without_round_trip_fails_it(transport: st
         fill_pattern(src, 31)
         dst = dcm.allocate_blocks_cache(big)
         await dcm.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0])  # resolved once through the owner
+        plane = next(iter(decoder._links.links.values())).plane
         link = decoder._transfers.state_of(next(iter(decoder._links.links.values())))
         task = asyncio.ensure_future(dcm.pull_blocks(BlocksCacheKey(1, 9), dst, list(range(16)), list(range(16))))
-        while not (link.jobs or link.tcp_jobs):
+        while not plane.moving():
             await asyncio.sleep(0)
         pcm.deallocate_blocks_cache(src)  # before the pull can look at the directory again
         with pytest.raises(LLMException) as info:
             await task
         assert info.value.status_code == NOT_EXIST
-        assert not link.jobs and not link.tcp_jobs and not link.resolved
+        assert not plane.moving() and not link.resolved
 
         again = pcm.allocate_blocks_cache(big, BlocksCacheKey(1, 9))
         fill_pattern(again, 32)
@@ -193,15 +195,15 @@ async def test_one_sided_reads_outside_the_cache_are_refused() -> None:
         before = [t.copy() for t in dst.tensors]
         local = (np.array([dst.tensor_addrs[0]], dtype=np.uint64), np.array([1024], dtype=np.uint64))
         for bad in ([secret.tensor_addrs[0]], [src.tensor_addrs[0] + 4 * DESC.size - 512]):  # elsewhere / straddling
-            job = link.data.read(10_000, resolved.row, resolved.stamp, resolved.cache_id, None,
+            job = link.plane.conns.read(10_000, resolved.row, resolved.stamp, resolved.cache_id, None,
                                  (np.array(bad, dtype=np.uint64), np.array([1024], dtype=np.uint64)), local)
             with pytest.raises(LLMException) as info:
-                await link.data.wait(job)
+                await link.plane.conns.wait(job)
             assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
-        stale = link.data.read(10_001, resolved.row, resolved.stamp + 1, resolved.cache_id, None,
+        stale = link.plane.conns.read(10_001, resolved.row, resolved.stamp + 1, resolved.cache_id, None,
                                (np.array([src.tensor_addrs[0]], dtype=np.uint64), np.array([1024], np.uint64)), local)
         with pytest.raises(LLMException) as info:
-            await link.data.wait(stale)
+            await link.plane.conns.wait(stale)
         assert info.value.status_code == NOT_EXIST
         assert all(np.array_equal(a, b) for a, b in zip(before, dst.tensors))
         await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [2], [2])  # the link still works
@@ -252,9 +254,10 @@ async def test_a_release_during_a_one_sided_pull_of_registered_memory_fails_it()
         dst = dcm.allocate_blocks_cache(big)
         await dcm.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0])  # resolved once through the owner
         link = decoder._transfers.state_of(next(iter(decoder._links.links.values())))
+        plane = next(iter(decoder._links.links.values())).plane
         assert link.resolved
         task = asyncio.ensure_future(dcm.pull_blocks(BlocksCacheKey(1, 9), dst, list(range(16)), list(range(16))))
-        while not link.jobs:
+        while not plane.moving():
             await asyncio.sleep(0)
         pcm.unregister_cache(src.cache_id)
         for region in regions:  # the caller takes its memory back: the peer's reads now fault
@@ -263,7 +266,7 @@ async def test_a_release_during_a_one_sided_pull_of_registered_memory_fails_it()
         with pytest.raises(LLMException) as info:
             await task
         assert info.value.status_code == NOT_EXIST
-        assert not link.jobs and not link.resolved
+        assert not plane.moving() and not link.resolved
 
         again, _ = registered(pcm, DESC, BlocksCacheKey(1, 9), 62)
         small = dcm.allocate_blocks_cache(DESC)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 from helpers.data import fill_pattern
+from helpers.internals import registry_of
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -28,7 +29,7 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.testing import PeerProcess, cluster_info, free_port
-from aiodatadist.tools.soak_proxy import FaultProxy
+from aiodatadist.testing.fault_proxy import FaultProxy
 
 S = LLMStatusCode
 SMALL = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)
@@ -71,7 +72,7 @@ async def test_a_stalled_network_gives_a_timeout_never_a_hang_and_the_link_recov
         await client.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [2])
         assert np.array_equal(dst.tensors[0].reshape(8, -1)[2], data[0].reshape(8, -1)[1])
         await asyncio.sleep(0.1)
-        assert all(entry.leases == 0 for entry in server.cache_manager.registry.entries())
+        assert all(entry.leases == 0 for entry in registry_of(server.cache_manager).entries())
 
 
 async def test_a_cut_network_fails_fast_with_a_link_error_and_relinking_works() -> None:
@@ -131,7 +132,7 @@ async def test_a_peer_killed_during_a_push_fails_it_fast(transport: str) -> None
             with pytest.raises(LLMException) as info:
                 await dd.cache_manager.push_blocks(BlocksCacheKey(61, 0), src, [1], [1])
             assert info.value.status_code == S.LLM_NOT_YET_LINK
-            assert all(e.leases == 0 and not e.jobs for e in dd.cache_manager.registry.entries())
+            assert all(e.leases == 0 and not e.jobs for e in registry_of(dd.cache_manager).entries())
     finally:
         await peer.close()
 
@@ -172,7 +173,7 @@ async def test_unlink_or_finalize_during_transfers_is_safe(transport: str, actio
             first = [hashlib.sha256(t.tobytes()).digest() for t in dst.tensors]
             await asyncio.sleep(0.2)
             assert [hashlib.sha256(t.tobytes()).digest() for t in dst.tensors] == first  # no late writes
-            assert all(e.leases == 0 and not e.jobs for e in requester.cache_manager.registry.entries())
+            assert all(e.leases == 0 and not e.jobs for e in registry_of(requester.cache_manager).entries())
         if action == "unlink":  # both sides usable: link again and pull
             assert (await requester.link_clusters([cluster_info(1, port)], timeout=3000))[0] == S.LLM_SUCCESS
             await requester.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [5], [6])

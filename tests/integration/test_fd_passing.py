@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 from helpers.data import fill_pattern, pattern
+from helpers.internals import registry_of
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole, LLMStatusCode, Placement
 from aiodatadist.testing import PeerProcess, free_port
@@ -47,7 +48,7 @@ async def test_segments_are_handed_over_and_the_fast_plane_works(pair: tuple[LLM
     link = (await peer.call("links"))[0]
     assert (link["plane"], link["peer"]) == ("shm", "same host (fds)")
     cm = dd.cache_manager
-    first = cm.registry.by_id(1).handle
+    first = registry_of(cm).by_id(1).handle
     assert first is not None
     data = fill_pattern(first, 5)
     later = cm.allocate_blocks_cache(DESC, BlocksCacheKey(OWNER, 1))  # created after the link: handed over on use
@@ -77,7 +78,7 @@ async def test_the_socket_hands_nothing_to_strangers(pair: tuple[LLMDataDist, Pe
     links = dd._links_or_raise()
     name = links._probe.fds
     assert name is not None
-    entry = dd.cache_manager.registry.by_id(1)
+    entry = registry_of(dd.cache_manager).by_id(1)
     shared = entry.shared_segment
     assert shared is not None
     identity = shared.identity

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 from helpers.data import blocks, fill_pattern, pattern
+from helpers.internals import registry_of
 from helpers.requests import count_begins
 
 from aiodatadist import (
@@ -57,7 +58,7 @@ async def test_host_memory_is_shared_zeroed_and_closed_by_its_rules() -> None:
         assert whole[:16].tobytes() == np.array([1, 2, 3, 4], dtype=np.float32).tobytes()  # one memory
 
         cache = register_inside(cm, memory, DESC, BlocksCacheKey(1, 0))
-        entry = cm.registry.by_id(cache.cache_id)  # type: ignore[attr-defined]
+        entry = registry_of(cm).by_id(cache.cache_id)
         assert entry.host_memory is memory and entry.published is not None and not entry.owned
         assert memory.registrations == 1
         with pytest.raises(LLMException) as info:
@@ -74,7 +75,7 @@ async def test_host_memory_is_shared_zeroed_and_closed_by_its_rules() -> None:
         # Straddling the end: plain registered memory (not published); another instance's memory is not ours.
         with cm.allocate_host_memory(DESC.size) as small:
             outside = cm.register_blocks_cache(DESC, [small.address + i * DESC.size for i in range(4)])
-            assert cm.registry.by_id(outside.cache_id).host_memory is None
+            assert registry_of(cm).by_id(outside.cache_id).host_memory is None
             cm.unregister_cache(outside.cache_id)
         assert small.closed
 
@@ -104,7 +105,7 @@ async def test_torch_views_share_the_memory() -> None:
         with pytest.raises(LLMException):
             host_memory_tensor(memory, torch.float32, (2,), offset=2)  # misaligned
         cache = register_blocks_cache_from_tensors(cm, [k, v], BlocksCacheKey(1, 0))
-        assert cm.registry.by_id(cache.cache_id).host_memory is memory
+        assert registry_of(cm).by_id(cache.cache_id).host_memory is memory
         assert torch.equal(tensors_of(cache)[0], k)
 
 
@@ -165,17 +166,18 @@ async def test_unregister_during_a_transfer_aborts_it(op: str) -> None:
         dst = dcm.allocate_blocks_cache(big)
         fill_pattern(dst, 5)
         await dcm.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0])  # resolved once through the owner
+        plane = next(iter(decoder._links.links.values())).plane
         link = decoder._transfers.state_of(next(iter(decoder._links.links.values())))
         every = list(range(64))
         call = dcm.pull_blocks if op == "pull" else dcm.push_blocks
         task = asyncio.ensure_future(call(BlocksCacheKey(1, 9), dst, every, every))
-        while not link.jobs:
+        while not plane.moving():
             await asyncio.sleep(0)
         pcm.unregister_cache(src.cache_id)  # type: ignore[attr-defined]
         with pytest.raises(LLMException) as info:
             await task
         assert info.value.status_code == NOT_EXIST
-        assert not link.jobs and not link.resolved
+        assert not plane.moving() and not link.resolved
         memory.close()  # nothing registered any more
 
         again = pcm.allocate_host_memory(big.size * big.num_tensors)

@@ -17,6 +17,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 from helpers.data import fill_pattern
+from helpers.internals import registry_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -141,7 +142,7 @@ async def scenario(sent: list[tuple[str, Any]]) -> None:
             if 77 not in {link["remote_cluster_id"] for link in server.links()}:
                 break
             await asyncio.sleep(0.02)
-        assert all(entry.leases == 0 for entry in server.cache_manager.registry.entries())
+        assert all(entry.leases == 0 for entry in registry_of(server.cache_manager).entries())
         for t in range(2):
             assert np.array_equal(guard.tensors[t].reshape(-1), guard_bytes[t])
             assert np.array_equal(src.tensors[t].reshape(-1), data[t])

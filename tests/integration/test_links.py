@@ -1,5 +1,5 @@
 """Links between two real processes (ZeroMQ on 127.0.0.1, random ports): link_clusters / unlink_clusters /
-switch_role (reference §6.4-6.6) and how transfers fail, and keep working afterwards, at the edges (§8.2-8.3).
+switch_role, and how transfers fail, and keep working afterwards, at the edges.
 
 One peer process per module runs the remote ``LLMDataDist``; each test re-initializes it with a fresh cluster id
 and port, and creates its in-process instances itself.  After every error both ends must still work: a following
@@ -37,7 +37,7 @@ from helpers.world import (
     start_peer,
 )
 
-import aiodatadist.control.links
+import aiodatadist.link.manager
 from aiodatadist import (
     BlocksCacheKey,
     CacheDesc,
@@ -272,7 +272,7 @@ async def test_no_local_ip_info_is_fine_with_local_comm_res(peer: PeerSide, make
 
 async def test_at_most_512_links_per_server(peer: PeerSide, make_local: MakeLocal) -> None:
     """The real cap: 512 in-process clients link to the peer process, the 513th is refused."""
-    assert aiodatadist.control.links.MAX_LINKS == 512
+    assert aiodatadist.link.manager.MAX_LINKS == 512
     clients = list(await asyncio.gather(*(make_local() for _ in range(512))))
     results = await asyncio.gather(*(link(c, peer, timeout=20000) for c in clients))
     assert all(r == OK for r in results), {str(r) for r in results if r != OK}
@@ -295,7 +295,7 @@ async def _peer_link_count(peer: PeerSide, n: int) -> bool:
 async def test_client_side_link_cap(peer: PeerSide, make_local: MakeLocal, monkeypatch: pytest.MonkeyPatch) -> None:
     """The cap applies to the linking instance too (``MAX_LINKS`` patched to 2 here, so that it needs only
     three servers: the peer process and two in-process servers)."""
-    monkeypatch.setattr(aiodatadist.control.links, "MAX_LINKS", 2)
+    monkeypatch.setattr(aiodatadist.link.manager, "MAX_LINKS", 2)
     local = await make_local()
     first = await make_local(listen=True, role=LLMRole.PROMPT)
     second = await make_local(listen=True, role=LLMRole.PROMPT)
@@ -890,7 +890,7 @@ async def test_a_failed_link_reader_drops_its_link_at_once(monkeypatch: pytest.M
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 async def test_a_server_on_port_0_tells_its_port(transport: str) -> None:
-    """Issue 12: an instance listening on port 0 had no way to tell which port it got.  ``listen_address`` gives
+    """An instance listening on port 0 tells which port it got: ``listen_address`` gives
     the bound address (also after ``switch_role`` listens again), ``links()`` shows the real port, and a client
     linked to it transfers."""
     from aiodatadist import LLMConfig, LLMDataDist

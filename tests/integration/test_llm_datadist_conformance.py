@@ -1,5 +1,5 @@
 """A program written for LLM-DataDist, run on ``aiodatadist.compat.llm_datadist``: the prompt and decoder sides of
-vllm-ascend's ``LLMDataDistCMgrConnector`` (spec §11.1), step by step, in two processes.
+vllm-ascend's ``LLMDataDistCMgrConnector``, step by step, in two processes.
 
 Both sides register caller memory for K and V of every layer as one blocks cache (``register_blocks_cache`` with
 ``BlocksCacheKey(cluster_id=...)``), build the same 2-rank table and call the two-sided ``link`` concurrently, poll

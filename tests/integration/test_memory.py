@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from helpers.data import fill_rows, row_views
 from helpers.ids import new_cluster_id
+from helpers.internals import registry_of
 from helpers.keys import resolve
 
 from aiodatadist import (
@@ -204,7 +205,7 @@ async def test_allocate_creates_no_dev_shm_entries(cache_manager: CacheManager) 
     targets = {os.readlink(f"/proc/self/fd/{fd}") for fd in new}
     assert all(t.startswith("/memfd:aiodatadist") for t in targets), targets
     for cache in caches:
-        seg = cache_manager.registry.by_id(cache.cache_id).segment
+        seg = registry_of(cache_manager).by_id(cache.cache_id).segment
         assert seg is not None and seg.identity.fd in new
         assert seg.size >= desc.size * desc.num_tensors and seg.size % PAGE == 0
         assert all(seg.address <= a < seg.address + seg.size for a in cache.tensor_addrs)
@@ -227,8 +228,8 @@ async def test_finalize_closes_every_segment() -> None:
         data = fill_rows(caches[0], 4)
         arrays = [np.zeros(4 * 8192, np.uint8) for _ in range(2)]
         cm.register_cache(desc, [a.ctypes.data for a in arrays])  # registered memory has no descriptor
-        segments = [cm.registry.by_id(c.cache_id).segment for c in caches]
-        segments.append(resolve(cm.registry, CacheKey(1, 1))[0].segment)
+        segments = [registry_of(cm).by_id(c.cache_id).segment for c in caches]
+        segments.append(resolve(registry_of(cm), CacheKey(1, 1))[0].segment)
         assert len(open_fds()) >= after_init + 6
         assert len({fd_inode(fd) for fd in memfds() - init_memfds}) == 6
         assert {s.identity.inode for s in segments} == {fd_inode(fd) for fd in memfds() - init_memfds}
@@ -257,7 +258,7 @@ async def main():
     cache = cm.allocate_cache(CacheDesc(4, [16, 1 << 20], DataType.DT_UINT8, Placement.HOST))  # 64 MiB
     for t in cache.tensors:
         t[...] = 1
-    ident = cm.registry.by_id(cache.cache_id).segment.identity
+    ident = cm._registry.by_id(cache.cache_id).segment.identity  # a child: no helpers.internals here
     print(os.getpid(), ident.fd, ident.inode, ident.size, flush=True)
     await asyncio.sleep(3600)
 
@@ -341,7 +342,7 @@ async def main():
     rng = np.random.default_rng(777)
     for t in cache.tensors:
         t[...] = rng.integers(1, 256, size=t.shape, dtype=np.uint8)
-    seg = cm.registry.by_id(cache.cache_id).segment
+    seg = cm._registry.by_id(cache.cache_id).segment  # a child: no helpers.internals here
     i = seg.identity
     print(json.dumps({"pid": i.pid, "fd": i.fd, "inode": i.inode, "device": i.device, "size": i.size,
                       "offsets": [a - seg.address for a in cache.tensor_addrs]}), flush=True)

@@ -1,4 +1,4 @@
-"""Notifications (issue 12 point 2): with a successful transfer of every kind on both planes (round trip, published
+"""Notifications: with a successful transfer of every kind on both planes (round trip, published
 and one-sided paths), never with a failed, timed-out or cancelled one; directly with ``notify``; order, the bounded
 queue, refusals before anything is sent, unlinked senders, the blocking API, stats, and a real peer process.
 """
@@ -77,7 +77,7 @@ async def test_each_pull_delivers_one_notification_to_the_owner(plane: str) -> N
             assert await prompt.get_notification(5) == Notification(D, b"blocks %d" % i)
         await dcm.pull_blocks(BlocksCacheKey(P, 3), dst_blocks, [0], [0])  # no notify: none delivered
         await nothing_more(prompt)
-        if decoder.links()[0]["plane"] == "shm" or decoder._links is not None and decoder._links._native_net:
+        if decoder.links()[0]["plane"] == "shm" or decoder._links is not None and decoder._links._planes.native_net:
             assert sent[Kind.BEGIN] == 3 and sent[Kind.NOTIFY] == 2  # the published/one-sided pulls sent NOTIFY
         else:  # the Python TCP plane serves no one-sided reads: every pull asks the owner, and its END carries it
             assert sent[Kind.BEGIN] == 6 and sent.get(Kind.NOTIFY, 0) == 0
@@ -139,11 +139,11 @@ async def test_a_cancelled_pull_delivers_nothing(plane: str, published: bool) ->
         dst = dcm.allocate_blocks_cache(BIG)
         if published:  # resolved once: the next pull has no round trip (directory / one-sided read)
             await dcm.pull_blocks(BlocksCacheKey(P, 9), dst, [0], [0])
-        state = decoder._transfers.state_of(next(iter(decoder._links.links.values())))
+        plane = next(iter(decoder._links.links.values())).plane
         every = list(range(16))
         for _ in range(3):
             task = asyncio.ensure_future(dcm.pull_blocks(BlocksCacheKey(P, 9), dst, every, every, notify=b"no"))
-            while not (state.jobs or state.tcp_jobs) and not task.done():
+            while not plane.moving() and not task.done():
                 await asyncio.sleep(0)
             if not task.done():
                 break

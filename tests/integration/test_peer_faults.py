@@ -8,6 +8,7 @@ import os
 import signal
 
 import pytest
+from helpers.internals import registry_of
 from helpers.marks import NIXL
 
 from aiodatadist import (
@@ -52,7 +53,7 @@ async def test_killed_server_fails_waiting_pull_fast_and_relink_works() -> None:
         assert loop.time() - killed < 3.0, "the broken connection was not noticed promptly"
         assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
         assert dd.links() == []
-        assert all(entry.leases == 0 for entry in dd.cache_manager.registry.entries())
+        assert all(entry.leases == 0 for entry in registry_of(dd.cache_manager).entries())
         await peer.close()
         # the peer is back (a new process, same cluster id): linking and pulling work again
         peer, port = await start_prompt(31)
@@ -100,6 +101,6 @@ async def test_peer_killed_mid_transfer_fails_fast_and_never_reports_success(tra
             assert loop.time() - killed < 3.0, "the broken stream was not noticed promptly"
             assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
             assert dd.links() == []
-            assert all(entry.leases == 0 and not entry.jobs for entry in dd.cache_manager.registry.entries())
+            assert all(entry.leases == 0 and not entry.jobs for entry in registry_of(dd.cache_manager).entries())
     finally:
         await peer.close()

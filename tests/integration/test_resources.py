@@ -25,7 +25,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.control.links import MAX_LINKS
+from aiodatadist.link.manager import MAX_LINKS
 from aiodatadist.testing import PeerProcess, cluster_info, free_port
 
 S = LLMStatusCode
@@ -251,10 +251,9 @@ print("collected", flush=True)
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 @pytest.mark.parametrize("dropped", ["client", "server"])
 def test_a_linked_instance_dropped_without_finalize_does_not_hang_the_process(dropped: str, transport: str) -> None:
-    """Issue 12: garbage-collecting a linked instance that was never finalized hung for ever in the ZeroMQ
-    context's ``term()`` (the collector had cleared pyzmq's weak references to the still open sockets).  Now its
-    sockets are closed with linger 0, the context is terminated off the finalizer, a warning says so, and the
-    process exits."""
+    """Garbage-collecting a linked instance that was never finalized must not hang in the ZeroMQ context's
+    ``term()`` (the collector clears pyzmq's weak references to the still open sockets): its sockets are closed
+    with linger 0, the context is terminated off the finalizer, a warning says so, and the process exits."""
     try:
         proc = subprocess.run([sys.executable, "-c", DROPPED_WITHOUT_FINALIZE, dropped, transport],
                               check=False, capture_output=True, text=True, timeout=20)

@@ -35,6 +35,7 @@ from aiodatadist import (
     LLMStatusCode,
     LLMTimeoutError,
     Placement,
+    _loop_thread,
     sync,
 )
 from aiodatadist import LLMDataDist as AsyncLLMDataDist
@@ -374,7 +375,7 @@ def test_future_cancelled_before_it_started_never_runs() -> None:
         local = decoder.cache_manager.allocate_blocks_cache(_desc())
         fill_rows(local, 1)
         before = _snapshot(local)
-        loop_thread = sync._RUNNER._current
+        loop_thread = _loop_thread.RUNNER._current
         assert loop_thread is not None
         gate = threading.Event()
         loop_thread.loop.call_soon_threadsafe(gate.wait, 10)  # the loop thread is busy: nothing starts

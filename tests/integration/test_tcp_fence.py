@@ -54,9 +54,9 @@ def _owner_memory(dd: LLMDataDist, pid: int, cache_id: int) -> list[bytes]:
 
 
 def _streaming(dd: LLMDataDist) -> bool:
-    transfers = dd._transfers
-    assert transfers is not None
-    return any(st.tcp_jobs for st in transfers._states._by_link.values())
+    links = dd._links
+    assert links is not None
+    return any(link.plane.moving() for link in links.links.values())
 
 
 @pytest.mark.parametrize("one_sided", [False, True], ids=["through-the-owner", "one-sided"])

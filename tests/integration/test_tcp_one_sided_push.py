@@ -34,9 +34,11 @@ from aiodatadist import (
 from aiodatadist.errors import LLMLinkError
 from aiodatadist.native import DIR_WORDS, DirWord, native_pool
 from aiodatadist.testing import PeerProcess
-from aiodatadist.transfer.requester import Requester
 from aiodatadist.transport.base import PUSH
-from aiodatadist.transport.tcp.native_plane import NativeDataPlane
+from aiodatadist.transport.directory import Resolved
+from aiodatadist.transport.plane import Transfer
+from aiodatadist.transport.tcp.native_connections import NativeConnections
+from aiodatadist.transport.tcp.plane import NativeTcpPlane
 
 pytestmark = pytest.mark.skipif(native_pool() is None, reason="needs the native helper")
 
@@ -70,14 +72,15 @@ async def pair(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Pair]:
     async with (prompt_process(PROMPT, "tcp", sync_kv_timeout_ms=10000) as (peer, port),
                 linked_decoder(DECODER, PROMPT, port, "tcp", sync_kv_timeout_ms=10000) as dd):
         result = Pair(peer, dd)
-        original = Requester._write_published
+        original = NativeTcpPlane.move_published
 
-        async def recorded(self: Requester, *args: Any) -> int | None:
-            moved = await original(self, *args)
-            result.one_sided.append(moved is not None)
+        async def recorded(self: NativeTcpPlane, transfer: Transfer, resolved: Resolved) -> bool:
+            moved = await original(self, transfer, resolved)
+            if not transfer.pull:
+                result.one_sided.append(moved)
             return moved
 
-        monkeypatch.setattr(Requester, "_write_published", recorded)
+        monkeypatch.setattr(NativeTcpPlane, "move_published", recorded)
         yield result
 
 
@@ -166,7 +169,7 @@ async def test_caller_owned_cache_goes_through_the_owner(pair: Pair) -> None:
 # -- two data planes in this process, connected over loopback TCP ------------------------------------------------
 
 class Planes:
-    def __init__(self, owner: NativeDataPlane, requester: NativeDataPlane, words: np.ndarray,
+    def __init__(self, owner: NativeConnections, requester: NativeConnections, words: np.ndarray,
                  target: np.ndarray) -> None:
         self.owner, self.requester, self.words, self.target = owner, requester, words, target
         self.stamp = secrets.randbits(62) + 1
@@ -191,8 +194,8 @@ async def planes() -> AsyncIterator[Planes]:
     def broken(_: LLMException) -> None:
         pass
 
-    owner = NativeDataPlane("owner", loop, broken, (words.ctypes.data, 4))
-    requester = NativeDataPlane("requester", loop, broken, None)
+    owner = NativeConnections("owner", loop, broken, (words.ctypes.data, 4))
+    requester = NativeConnections("requester", loop, broken, None)
     with socket.create_server(("127.0.0.1", 0)) as server:
         for _ in range(2):
             client = socket.create_connection(server.getsockname())

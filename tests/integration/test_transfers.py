@@ -107,7 +107,7 @@ async def test_pull_cache_by_req_id_releases_only_that_key(w: World, requester: 
                                                            mems: tuple[str, str]) -> None:
     req, own = ends(w, requester)
     # Owner: 3 slots of 256 bytes as fp16 [3, 16, 8]; requester: 4 slots of 256 bytes as fp16 [4, 128] (the data
-    # types must match since issue 12, the shapes need not).
+    # types must match, the shapes need not).
     oc = own.cluster_id
     src = await own.new_cache(4, (3, 16, 8), dtype="DT_FLOAT16", mem=mems[0], seed=11,
                               keys=[[oc, 100, 5], [oc, 101, 5], [oc, 102, 5]])
@@ -211,7 +211,7 @@ async def test_pull_cache_size_smaller_than_slot(w: World, requester: str, size:
 async def test_pull_blocks_b2b_scattered(w: World, requester: str, mems: tuple[str, str]) -> None:
     req, own = ends(w, requester)
     oc = own.cluster_id
-    # 64-byte blocks on both ends, with different shapes (the same data type: issue 12).
+    # 64-byte blocks on both ends, with different shapes (the same data type).
     src = await own.new_cache(4, (8, 32), dtype="DT_FLOAT16", mem=mems[0], blocks=True, model_id=7, seed=51)
     dst = await req.new_cache(4, (10, 2, 16), dtype="DT_FLOAT16", mem=mems[1], blocks=True, seed=52)
     src_bytes, before = await own.snapshot(src), await req.snapshot(dst)
@@ -348,7 +348,7 @@ PULL_RANGES = {
 
 def layer_pairs(n: int, src_range: Sequence[int] | None, dst_range: Sequence[int] | None,
                 dst_tensors: int) -> list[tuple[int, int]]:
-    """Tensor pairs of a pull per the reference (§8.4): layer L = tensors [L*n, (L+1)*n); only a source range:
+    """Tensor pairs of a pull as in LLM-DataDist: layer L = tensors [L*n, (L+1)*n); only a source range:
     it fills the whole destination; only a destination range: source tensors from 0."""
     if src_range is not None and dst_range is not None:
         s = range(src_range[0] * n, src_range[1] * n)
@@ -424,7 +424,7 @@ async def test_push_layer_ranges(w: World, requester: str, api: str, n: int) -> 
 
 @pytest.mark.parametrize("api", ["cache", "blocks"])
 async def test_pull_empty_layer_ranges_mean_all_layers(w: World, requester: str, api: str) -> None:
-    """An empty range (``range(0, 0)``) selects nothing and therefore means "all" (reference §8.4)."""
+    """An empty range (``range(0, 0)``) selects nothing and therefore means "all", as in LLM-DataDist."""
     req, own = ends(w, requester)
     oc = own.cluster_id
     kw = {"tensor_num_per_layer": 2, "src_layer_range": [0, 0], "dst_layer_range": [0, 0]}
@@ -508,7 +508,8 @@ async def test_released_caches_are_gone_for_peers(w: World, requester: str, mem:
 
 async def test_keys_of_a_released_cache(w: World, requester: str) -> None:
     """An allocated cache stays reachable through its bound keys after ``deallocate_cache`` (reference counting,
-    §8.5) until the key is pulled or removed; a registered cache loses its keys with ``unregister_cache``."""
+    as in LLM-DataDist) until the key is pulled or removed; a registered cache loses its keys with
+    ``unregister_cache``."""
     req, own = ends(w, requester)
     oc = own.cluster_id
     alloc = await own.new_cache(2, (3, 64), seed=151, keys=[[oc, 1500], [oc, 1501], [oc, 1502]])
@@ -619,7 +620,7 @@ async def test_64_concurrent_pull_blocks(w: World, requester: str) -> None:
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 async def test_caches_of_different_data_types_are_refused(transport: str) -> None:
-    """Issue 12: bf16 into float16 (equal bytes per block) was accepted.  Every pull and push between caches whose
+    """bf16 into float16 (equal bytes per block) is refused: every pull and push between caches whose
     data types differ fails with LLM_PARAM_INVALID, on both planes, before a byte moves, whichever side checks
     (the owner from BEGIN's geometry, the requester from a published descriptor); the link keeps working."""
     from aiodatadist import (

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from helpers.internals import registry_of
 
 from aiodatadist import (
     BlocksCacheKey,
@@ -81,7 +82,7 @@ async def _push_started(peer: PeerProcess, source: int, buffers: list[np.ndarray
 async def test_unregistering_during_a_push_returns_once_the_peer_stopped_writing(
         owner: Owner) -> None:
     dd, peer, buffers, cache_id, source = owner
-    entry = dd.cache_manager.registry.by_id(cache_id)
+    entry = registry_of(dd.cache_manager).by_id(cache_id)
     push = await _push_started(peer, source, buffers)
     if push.done():
         pytest.skip("the push ended before the cache could be unregistered")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from helpers.data import fill_rows, row_views
 from helpers.ids import new_cluster_id
+from helpers.internals import engine_of, registry_of
 from helpers.keys import resolve
 
 import aiodatadist.copy.python_pool as executor_module
@@ -156,7 +157,7 @@ async def test_allocate_cache_and_blocks_cache(cache_manager: CacheManager) -> N
     # the views are the cache memory: writes through one handle are seen through a fresh one
     cache.tensors[1][2, 3, 4] = 1.5
     assert cache.tensors[1][2, 3, 4] == 1.5
-    assert resolve(cache_manager.registry, BlocksCacheKey(99, 7))[0].handle is blocks
+    assert resolve(registry_of(cache_manager), BlocksCacheKey(99, 7))[0].handle is blocks
 
 
 @pytest.mark.skipif(HAS_CUDA_DEVICE, reason="a CUDA device is present: DEVICE caches may be supported")
@@ -172,7 +173,7 @@ async def test_device_placement_not_enabled(cache_manager: CacheManager) -> None
     for call in calls:
         with raises_status(LLMStatusCode.LLM_FEATURE_NOT_ENABLED):
             call()
-    assert cache_manager.registry.entries() == []
+    assert registry_of(cache_manager).entries() == []
 
 
 @pytest.mark.parametrize(
@@ -193,7 +194,7 @@ async def test_empty_desc_rejected(cache_manager: CacheManager, num_tensors: int
     for call in calls:
         with raises_status(PARAM_INVALID):
             call()
-    assert cache_manager.registry.entries() == []
+    assert registry_of(cache_manager).entries() == []
 
 
 async def test_register_host_memory(cache_manager: CacheManager) -> None:
@@ -234,7 +235,7 @@ async def test_register_addrs_validation(cache_manager: CacheManager, blocks: bo
             register(desc, addrs)
     with pytest.raises(TypeError):
         register(desc, good, remote_accessible=1)
-    assert cache_manager.registry.entries() == []
+    assert registry_of(cache_manager).entries() == []
     assert register(desc, good).cache_id == 1
 
 
@@ -250,12 +251,12 @@ async def test_register_address_limit(cache_manager: CacheManager) -> None:
     cache_manager.allocate_cache(host_desc(64, [2, 8]))
     cache_manager.register_blocks_cache(host_desc(39, [2, 8]), addrs[cap - 40:cap - 1])
     last = cache_manager.register_cache(host_desc(1, [2, 8]), addrs[cap - 1:cap])  # exactly the cap
-    count = len(cache_manager.registry.entries())
+    count = len(registry_of(cache_manager).entries())
     with raises_status(PARAM_INVALID):
         cache_manager.register_cache(host_desc(1, [2, 8]), addrs[cap:cap + 1])
     with raises_status(PARAM_INVALID):
         cache_manager.register_blocks_cache(host_desc(1, [2, 8]), addrs[cap:cap + 1])
-    assert len(cache_manager.registry.entries()) == count
+    assert len(registry_of(cache_manager).entries()) == count
     # unregistering gives the addresses back
     cache_manager.unregister_cache(last.cache_id)
     cache_manager.register_cache(host_desc(1, [2, 8]), addrs[cap:cap + 1])
@@ -271,7 +272,7 @@ async def test_cache_keys_bind_slots(cache_manager: CacheManager) -> None:
     pad = CacheKey(1, U64_MAX)
     prefix = CacheKey(1, U64_MAX, 0, 55)
     cache = cache_manager.allocate_cache(desc, [k0, pad, k2, prefix])
-    reg = cache_manager.registry
+    reg = registry_of(cache_manager)
     assert resolve(reg, k0) == (reg.by_id(cache.cache_id), 0)
     assert resolve(reg, k2)[1] == 2
     assert resolve(reg, prefix)[1] == 3
@@ -293,7 +294,7 @@ async def test_cache_keys_validation(cache_manager: CacheManager) -> None:
     arrays = [np.zeros(32, np.uint8)]
     addrs = [arrays[0].ctypes.data]
     taken = cache_manager.allocate_cache(desc, [CacheKey(1, 7)])
-    n = len(cache_manager.registry.entries())
+    n = len(registry_of(cache_manager).entries())
     bad_keys = [
         [CacheKey(1, 1), CacheKey(1, 2), CacheKey(1, 3)],  # more keys than the batch size 2
         [CacheKey(1, 1), CacheKey(2, 1)],  # the same (req_id, model_id) twice
@@ -310,16 +311,16 @@ async def test_cache_keys_validation(cache_manager: CacheManager) -> None:
     with pytest.raises(TypeError):
         cache_manager.allocate_cache(desc, CacheKey(1, 9))  # type: ignore[arg-type]
     # nothing was created and no key of a failed call was bound
-    assert len(cache_manager.registry.entries()) == n
+    assert len(registry_of(cache_manager).entries()) == n
     for req in (1, 2, 3, 8):
         with raises_status(NOT_EXIST):
-            resolve(cache_manager.registry, CacheKey(1, req))
-    assert resolve(cache_manager.registry, CacheKey(1, 7))[0].handle is taken
+            resolve(registry_of(cache_manager), CacheKey(1, req))
+    assert resolve(registry_of(cache_manager), CacheKey(1, 7))[0].handle is taken
 
 
 async def test_blocks_cache_model_id_last_wins(cache_manager: CacheManager) -> None:
     desc = host_desc(1, [4, 16])
-    reg = cache_manager.registry
+    reg = registry_of(cache_manager)
     first = cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
     second = cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))  # cluster_id is ignored
     other = cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 1))
@@ -371,7 +372,7 @@ async def test_deallocate_wrong_kind_and_noops(cache_manager: CacheManager) -> N
     cache_manager.remove_cache_key(CacheKey(1, 4242))
     with pytest.raises(TypeError):
         cache_manager.remove_cache_key(BlocksCacheKey(1, 0))  # type: ignore[arg-type]
-    assert cache_manager.registry.entries() == []
+    assert registry_of(cache_manager).entries() == []
 
 
 async def test_released_handle_is_invalid(cache_manager: CacheManager) -> None:
@@ -389,7 +390,7 @@ async def test_released_handle_is_invalid(cache_manager: CacheManager) -> None:
         with raises_status(NOT_EXIST):
             handle.tensors  # noqa: B018
         with raises_status(NOT_EXIST):
-            cache_manager.registry.by_id(handle.cache_id)
+            registry_of(cache_manager).by_id(handle.cache_id)
     with raises_status(NOT_EXIST):
         await cache_manager.copy_blocks(blocks, {0: [1]})
     with raises_status(NOT_EXIST):
@@ -407,7 +408,7 @@ async def test_release_with_outstanding_key_defers_free(cache_manager: CacheMana
     desc = host_desc(2, [4, 1024])
     keys = [CacheKey(1, 10), CacheKey(1, 11)]
     cache = cache_manager.allocate_cache(desc, keys)
-    reg = cache_manager.registry
+    reg = registry_of(cache_manager)
     entry = reg.by_id(cache.cache_id)
     assert entry.segment is not None and not entry.segment.closed
     data = fill_rows(cache, 3)
@@ -440,10 +441,10 @@ async def test_remove_key_of_live_cache_keeps_cache(cache_manager: CacheManager)
     desc = host_desc(1, [2, 64])
     key = CacheKey(1, 5)
     cache = cache_manager.allocate_cache(desc, [key])
-    entry = cache_manager.registry.by_id(cache.cache_id)
+    entry = registry_of(cache_manager).by_id(cache.cache_id)
     cache_manager.remove_cache_key(key)
     with raises_status(NOT_EXIST):
-        resolve(cache_manager.registry, key)
+        resolve(registry_of(cache_manager), key)
     assert not entry.segment.closed and cache.tensor_addrs
     cache_manager.deallocate_cache(cache)
     assert entry.segment.closed
@@ -453,14 +454,14 @@ async def test_release_without_keys_frees_at_once(cache_manager: CacheManager) -
     desc = host_desc(2, [4, 1024])
     cache = cache_manager.allocate_cache(desc)
     blocks = cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 3))
-    entries = [cache_manager.registry.by_id(c.cache_id) for c in (cache, blocks)]
+    entries = [registry_of(cache_manager).by_id(c.cache_id) for c in (cache, blocks)]
     fds = [e.segment.identity.fd for e in entries]
     assert all(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:") for fd in fds)
     cache_manager.deallocate_cache(cache)
     cache_manager.deallocate_blocks_cache(blocks)
     assert all(e.segment.closed for e in entries)
     with raises_status(NOT_EXIST):
-        resolve(cache_manager.registry, BlocksCacheKey(1, 3))
+        resolve(registry_of(cache_manager), BlocksCacheKey(1, 3))
 
 
 async def test_registered_cache_keys_released_with_it(cache_manager: CacheManager) -> None:
@@ -470,7 +471,7 @@ async def test_registered_cache_keys_released_with_it(cache_manager: CacheManage
     cache_manager.unregister_cache(cache.cache_id)
     for req in (1, 2):
         with raises_status(NOT_EXIST):
-            resolve(cache_manager.registry, CacheKey(1, req))
+            resolve(registry_of(cache_manager), CacheKey(1, req))
     cache_manager.register_cache(desc, [arr.ctypes.data], [CacheKey(1, 1)])  # the key is free again
 
 
@@ -829,7 +830,7 @@ async def test_deallocate_during_copy_keeps_memory_alive(cache_manager: CacheMan
     cache = cache_manager.allocate_blocks_cache(big_desc())
     views = row_views(cache)
     block0 = fill_block0(views, 7)
-    entry = cache_manager.registry.by_id(cache.cache_id)
+    entry = registry_of(cache_manager).by_id(cache.cache_id)
     task = spawn(cache_manager.copy_blocks(cache, {0: list(range(1, BIG_BLOCKS))}))
     await wait_until(lambda: views[0][1, 0] != 0)  # the copy has started
     assert not task.done()
@@ -903,7 +904,7 @@ async def test_cancel_running_copy_stops_writes(cache_manager: CacheManager, pac
     await cache_manager.copy_blocks(cache, info)
     for view, row in zip(views, block0, strict=True):
         assert (view == row).all()
-    entry = cache_manager.registry.by_id(cache.cache_id)
+    entry = registry_of(cache_manager).by_id(cache.cache_id)
     cache_manager.deallocate_blocks_cache(cache)
     assert entry.segment.closed  # the cancelled copy left no lease behind
 
@@ -913,7 +914,7 @@ async def test_finalize_during_copy(datadist: LLMDataDist, paced_copier: Any, sp
     cache = cm.allocate_blocks_cache(big_desc())
     views = row_views(cache)
     fill_block0(views, 10)
-    entry = cm.registry.by_id(cache.cache_id)
+    entry = registry_of(cm).by_id(cache.cache_id)
     task = spawn(cm.copy_blocks(cache, {0: list(range(1, BIG_BLOCKS))}))
     await wait_until(lambda: views[0][1, 0] != 0)
     await datadist.finalize()
@@ -992,7 +993,7 @@ class SlowCopier:
 
         monkeypatch.setattr(executor_module, "bind_runner", bind)
         executor = CopyExecutor()
-        monkeypatch.setattr(manager.engine, "_executor", executor)
+        monkeypatch.setattr(engine_of(manager), "_executor", executor)
         return executor
 
 
@@ -1069,7 +1070,7 @@ async def test_deallocate_during_slow_copy(cache_manager: CacheManager, slow_cop
     cache = cache_manager.allocate_blocks_cache(host_desc(*MID_DESC))
     views = row_views(cache)
     block0 = fill_block0(views, 14)
-    entry = cache_manager.registry.by_id(cache.cache_id)
+    entry = registry_of(cache_manager).by_id(cache.cache_id)
     task = spawn(cache_manager.copy_blocks(cache, {0: list(range(1, 64))}))
     await wait_until(slow_copier.started.is_set)
     cache_manager.deallocate_blocks_cache(cache)
@@ -1085,7 +1086,7 @@ async def test_finalize_waits_for_chunks_in_flight(datadist: LLMDataDist, slow_c
     cache = cm.allocate_blocks_cache(host_desc(*MID_DESC))
     views = row_views(cache)
     fill_block0(views, 15)
-    entry = cm.registry.by_id(cache.cache_id)
+    entry = registry_of(cm).by_id(cache.cache_id)
     # another instance keeps the shared worker threads alive, so finalize cannot rely on joining them
     other = LLMDataDist(LLMRole.DECODER, new_cluster_id())
     await other.init(LLMConfig().generate_options())
@@ -1120,7 +1121,7 @@ async def test_finalize_fails_queued_copy_with_llm_exception(monkeypatch: pytest
     await busy.init(LLMConfig().generate_options())
     await victim.init(LLMConfig().generate_options())
     executor = copier.install(monkeypatch, busy.cache_manager)  # one slowed executor for both instances
-    monkeypatch.setattr(victim.cache_manager.engine, "_executor", executor)
+    monkeypatch.setattr(engine_of(victim.cache_manager), "_executor", executor)
     try:
         # occupy every worker of the shared executor with chunks that wait on the gate
         big = busy.cache_manager.allocate_blocks_cache(host_desc(*MID_DESC))

@@ -1,5 +1,5 @@
-"""``aiodatadist.compat.llm_datadist``: the reference module's public names (spec §1) and the signatures of its
-methods (spec §6, §7, §8), blocking (``aiodatadist.sync``)."""
+"""``aiodatadist.compat.llm_datadist``: the public names of LLM-DataDist's module and the signatures of its
+methods, blocking (``aiodatadist.sync``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from aiodatadist import sync
 from aiodatadist.compat import llm_datadist
 
-# Spec §1: the reference's __all__ (TensorDesc, Tensor, KvCache and KvCacheManager belong to the legacy V1 mode).
+# The reference module's __all__ (TensorDesc, Tensor, KvCache and KvCacheManager belong to the legacy V1 mode).
 REFERENCE_ALL = {
     "LLMClusterInfo", "LLMStatusCode", "LLMException", "LLMRole", "LlmConfig", "LLMConfig", "DataType", "Status",
     "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "KvCache", "Cache", "BlocksCacheKey", "LLMDataDist",
@@ -20,7 +20,7 @@ REFERENCE_ALL = {
 }
 V1 = {"KvCache", "TensorDesc", "Tensor", "KvCacheManager"}
 
-# Spec §6 and §8: parameter names and defaults, in order ("*" marks **kwargs).
+# LLMDataDist and CacheManager: parameter names and defaults, in order ("*" marks **kwargs).
 LLMDATADIST = {
     "__init__": [("role", None), ("cluster_id", None)],
     "init": [("options", None)],

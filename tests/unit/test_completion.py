@@ -10,8 +10,9 @@ import struct
 import anyio
 import pytest
 
+from aiodatadist._aio import settle, wait_through_cancellation
 from aiodatadist.control.channel import TaskSet
-from aiodatadist.copy.completion import NotifyPipe, settle, wait_through_cancellation
+from aiodatadist.copy.completion import NotifyPipe
 
 
 async def test_settle_once() -> None:

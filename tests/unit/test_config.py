@@ -1,4 +1,4 @@
-"""LLMConfig (spec llm_datadist_api.md §4.1) and the init option parser (§6.2; aiodatadist.md)."""
+"""LLMConfig, as in LLM-DataDist, and the init option parser."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from aiodatadist.types import Transport
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
 SENTINEL = object()
 
-# Keys that the spec's generate_options() emits, in the spec's order (§4.1 "Ordering inside gen_options").
-SPEC_KEY_ORDER = [
+# Keys that LLM-DataDist's generate_options() emits, in its order.
+REFERENCE_KEY_ORDER = [
     "ge.exec.deviceId",
     "ge.session_device_id",
     "llm.SyncKvCacheWaitTime",
@@ -241,8 +241,8 @@ def test_accepted(prop: str, value: Any, getter: Any, emitted: dict[str, str], a
     for key in absent:
         assert key not in opts
     # Nothing else from the reference's key set sneaks in.
-    spec_keys = {k for k in opts if k in SPEC_KEY_ORDER and k != "llm.MemoryUtilization"}
-    assert spec_keys == {k for k in emitted if k in SPEC_KEY_ORDER}
+    reference_keys = {k for k in opts if k in REFERENCE_KEY_ORDER and k != "llm.MemoryUtilization"}
+    assert reference_keys == {k for k in emitted if k in REFERENCE_KEY_ORDER}
 
 
 @pytest.mark.parametrize(
@@ -307,7 +307,7 @@ def test_ge_options_merged_first_and_overridden() -> None:
 
 def test_ge_options_overridden_by_every_field() -> None:
     cfg = fully_configured()
-    cfg.ge_options = {k: "ge-value" for k in SPEC_KEY_ORDER}
+    cfg.ge_options = {k: "ge-value" for k in REFERENCE_KEY_ORDER}
     opts = cfg.generate_options()
     for key in (
         "ge.exec.deviceId",
@@ -376,12 +376,12 @@ def test_generate_options_full() -> None:
     assert set(opts) - set(expected) <= {"llm.MemoryUtilization"}
 
 
-def test_generate_options_order_follows_spec() -> None:
+def test_generate_options_order_follows_the_reference() -> None:
     opts = fully_configured().generate_options()
     keys = list(opts)
     assert keys[0] == "ge.custom"  # ge_options first
-    present = [k for k in keys if k in SPEC_KEY_ORDER]
-    assert present == sorted(present, key=SPEC_KEY_ORDER.index)
+    present = [k for k in keys if k in REFERENCE_KEY_ORDER]
+    assert present == sorted(present, key=REFERENCE_KEY_ORDER.index)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -523,7 +523,7 @@ def test_pool_cfg_page_shift_accepted(prop: str, page_shift: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Compatibility fields of the reference (spec §4.1 field table): accepted, emitted, otherwise unused
+# Compatibility fields of the reference: accepted, emitted, otherwise unused
 # --------------------------------------------------------------------------------------------------------------
 
 def test_rdma_traffic_class() -> None:
@@ -793,7 +793,7 @@ def test_parse_options_round_trip_from_config() -> None:
 
 
 def test_parse_options_vllm_ascend_minimal_config() -> None:
-    """spec §4.2: the configuration vllm-ascend uses must be accepted."""
+    """The configuration vllm-ascend uses must be accepted."""
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.sync_kv_timeout = 20000
@@ -911,9 +911,9 @@ def test_parse_options_bad_curve(options: dict[str, str], needle: str) -> None:
 
 
 def test_parse_options_curve_needs_libzmq_with_curve(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiodatadist._settings as settings_module
+    import aiodatadist._curve_keys as curve_module
 
-    monkeypatch.setattr(settings_module.zmq, "has", lambda capability: capability != "curve")
+    monkeypatch.setattr(curve_module.zmq, "has", lambda capability: capability != "curve")
     with pytest.raises(LLMException) as info:
         parse_options({"llm.CurveSecretKey": CURVE_SECRET, "llm.CurvePeerKeys": OTHER_PUBLIC})
     assert info.value.status_code is LLMStatusCode.LLM_FEATURE_NOT_ENABLED

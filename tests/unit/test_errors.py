@@ -1,4 +1,4 @@
-"""LLMStatusCode values and LLMException behaviour (spec llm_datadist_api.md §2, §3.6; aiodatadist.md)."""
+"""LLMStatusCode values and LLMException behaviour, as in LLM-DataDist."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from aiodatadist.errors import LLMLinkError, LLMTimeoutError
 
 BASE = 0x5010B000
 
-# Spec §3.6: the complete Python list, name -> native value.
-SPEC_CODES: dict[str, int] = {
+# LLM-DataDist's complete Python list, name -> native value.
+REFERENCE_CODES: dict[str, int] = {
     "LLM_SUCCESS": 0,
     "LLM_FAILED": 0xFFFFFFFF,
     "LLM_WAIT_PROCESS_TIMEOUT": BASE + 0x01,
@@ -49,8 +49,8 @@ SPEC_CODES: dict[str, int] = {
     "LLM_UNKNOWN_ERROR": -1,
 }
 
-# Decimal values quoted in the spec table, as a cross-check of the hex arithmetic above.
-SPEC_DECIMALS = {
+# Decimal values quoted in LLM-DataDist's table, as a cross-check of the hex arithmetic above.
+REFERENCE_DECIMALS = {
     "LLM_FAILED": 4294967295,
     "LLM_WAIT_PROCESS_TIMEOUT": 1343270913,
     "LLM_PARAM_INVALID": 1343270917,
@@ -59,7 +59,7 @@ SPEC_DECIMALS = {
     "LLM_OUT_OF_MEMORY": 1343270940,
 }
 
-# C++-only codes that the Python enum does not map (spec §3.6): they become LLM_FAILED.
+# C++-only codes that the Python enum does not map: they become LLM_FAILED.
 UNMAPPED = [BASE + 0x14, BASE + 0x15, BASE + 0x16, BASE + 0x17, BASE + 0x1D, 1, 12345, 507054, -2, 2**40]
 
 
@@ -73,10 +73,10 @@ def test_status_code_is_int_enum() -> None:
 
 
 def test_status_code_member_set_is_the_spec_list() -> None:
-    assert {m.name for m in LLMStatusCode} == set(SPEC_CODES)
+    assert {m.name for m in LLMStatusCode} == set(REFERENCE_CODES)
 
 
-@pytest.mark.parametrize(("name", "value"), sorted(SPEC_CODES.items()))
+@pytest.mark.parametrize(("name", "value"), sorted(REFERENCE_CODES.items()))
 def test_status_code_value_str_and_from_code(name: str, value: int) -> None:
     member = LLMStatusCode[name]
     assert member.value == value
@@ -87,7 +87,7 @@ def test_status_code_value_str_and_from_code(name: str, value: int) -> None:
     assert LLMStatusCode.from_code(value) is member
 
 
-@pytest.mark.parametrize(("name", "value"), sorted(SPEC_DECIMALS.items()))
+@pytest.mark.parametrize(("name", "value"), sorted(REFERENCE_DECIMALS.items()))
 def test_status_code_decimal_values(name: str, value: int) -> None:
     assert int(LLMStatusCode[name]) == value
 
@@ -106,7 +106,7 @@ def test_from_code_unknown_maps_to_failed(code: int) -> None:
 def test_from_code_total(code: int) -> None:
     result = LLMStatusCode.from_code(code)
     assert isinstance(result, LLMStatusCode)
-    if code in SPEC_CODES.values():
+    if code in REFERENCE_CODES.values():
         assert int(result) == code
     else:
         assert result is LLMStatusCode.LLM_FAILED
@@ -151,7 +151,7 @@ def test_status_code_is_read_only() -> None:
     assert exc.status_code is LLMStatusCode.LLM_PARAM_INVALID
 
 
-@pytest.mark.parametrize("name", sorted(SPEC_CODES))
+@pytest.mark.parametrize("name", sorted(REFERENCE_CODES))
 def test_exception_keeps_every_code(name: str) -> None:
     code = LLMStatusCode[name]
     exc = LLMException("msg", status_code=code)

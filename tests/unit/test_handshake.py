@@ -65,9 +65,9 @@ def first_hello(cn: bytes | None = None) -> Hello:
 
 # -- admission -----------------------------------------------------------------------------------------------------
 def test_constants() -> None:
-    from aiodatadist.control import links
+    from aiodatadist.link import manager as links
 
-    assert PROTOCOL_VERSION == 6  # 3: data types (issue 12); 4: RESOLVE (issue 13); 5: nixl, fds; 6: fence, WRITE
+    assert PROTOCOL_VERSION == 6  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE
     assert MAX_LINKS == 512 == links.MAX_LINKS
     assert ADMITTED == (0, "")
 

@@ -1,7 +1,8 @@
-"""The package's shape: no import cycle, every layer imports only the layers below it.
+"""The package's shape: no import cycle, each part imports only what the architecture allows it to.
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``: a lazy import hides a cycle,
-it does not remove it.  The layers are listed bottom-up in ``LAYERS`` and drawn in docs/design.md.
+it does not remove it.  The parts are grouped in ``GROUPS``, their allowed imports listed in ``ALLOWED`` and the
+pairs that must never import each other named in ``FORBIDDEN``; docs/design.md draws the same picture.
 """
 
 from __future__ import annotations
@@ -18,25 +19,65 @@ import aiodatadist
 
 PACKAGE = Path(aiodatadist.__file__).parent
 
-# Bottom-up: a module may import its own layer (without cycles) and the layers before it, never a later one.
-LAYERS: list[set[str]] = [
-    {"errors", "_checks", "types", "transfer_configs", "rank_table", "config", "layout", "stats"},  # pure values
-    {"native"},  # the compiled helper and its ctypes bindings
-    {"memory", "_settings"},  # shared memory segments; parsed options and environment knobs
-    {"copy"},  # copy executors (native and Python pools)
-    {"cuda"},  # CUDA driver, kernels and the GPU executor
-    {"protocol", "notifications"},  # sans-IO wire protocol: codec, messages, handshake rules, auth; the notification inbox
-    {"transport"},  # data planes: same host, directory, device, TCP
-    {"registry", "cache"},  # caches of an instance; the user's handle
-    {"control"},  # ZeroMQ channels, sockets and links
-    {"transfer"},  # the transfer conversation: requester, owner, copy engine
-    {"cache_manager", "layer_transfer"},  # public facade: caches, local copies, pull/push, layer-wise push
-    {"datadist", "comm_domains"},  # public facade and composition root; two-sided links
-    {"metrics", "testing", "sync", "torch"},  # public helpers built on the facade; the blocking API; torch interop
-    {"integrations", "compat"},  # engine adapters (the vLLM connector); drop-in modules (llm_datadist)
-    {"tools", "__main__", "__init__"},  # CLI and the package's public namespace
+# Each part of the library (a top-level module or package) and the parts it may import.  Parts in one group
+# may import each other (without cycles).  Siblings are parts that never import each other: control and
+# transport, composed only by the link layer; the registry and the links, composed by the transfer layer.
+GROUPS: dict[str, set[str]] = {
+    "values": {"errors", "_checks", "types", "transfer_configs", "rank_table", "config", "layout", "stats",
+               "segment_identity", "_aio",  # pure values and generic helpers: import nothing else
+               "_settings", "_env_knobs", "_curve_keys"},  # parsed options, environment knobs, CURVE keys
+    "native": {"native"},  # the compiled helper and its ctypes bindings
+    "memory": {"memory"},  # shared memory segments
+    "copy": {"copy"},  # copy executors (native and Python pools)
+    "cuda": {"cuda"},  # CUDA driver, kernels and the GPU executor
+    "protocol": {"protocol", "notifications"},  # sans-IO wire protocol; the notification inbox
+    "control": {"control"},  # ZeroMQ channels and sockets
+    "transport": {"transport"},  # data planes: same host, TCP, NIXL, GPU; TCP connection setup, fd passing
+    "registry": {"registry", "cache", "publication"},  # caches of an instance, the user's handle, the directory
+    "link": {"link"},  # a link = a control channel + a data plane; the link table and the handshake's I/O
+    "transfer": {"transfer"},  # the transfer conversation: requester, owner, copy engine
+    "facade": {"cache_manager", "layer_transfer", "datadist", "comm_domains"},  # public facade, composition root
+    "helpers": {"metrics", "testing", "sync", "_loop_thread", "torch"},  # built on the facade
+    "adapters": {"integrations", "compat"},  # engine adapters; drop-in modules
+    "top": {"tools", "__main__", "__init__"},  # CLI and the package's public namespace
+}
+_BASE = {"values"}
+_SYSTEM = _BASE | {"native", "memory"}
+ALLOWED: dict[str, set[str]] = {
+    "values": _BASE,
+    "native": _BASE,
+    "memory": _BASE | {"native"},
+    "copy": _SYSTEM,
+    "cuda": _SYSTEM | {"copy"},
+    "protocol": _BASE,
+    "control": _BASE | {"memory", "protocol"},
+    "transport": _SYSTEM | {"copy", "cuda", "protocol"},
+    "registry": _SYSTEM | {"copy"},
+    "link": _SYSTEM | {"protocol", "control", "transport"},
+    "transfer": _SYSTEM | {"copy", "cuda", "protocol", "transport", "registry", "link"},
+}
+ALLOWED["facade"] = set(ALLOWED) | {"facade"}
+ALLOWED["helpers"] = ALLOWED["facade"] | {"helpers"}
+ALLOWED["adapters"] = ALLOWED["helpers"] | {"adapters"}
+ALLOWED["top"] = set(GROUPS)
+GROUP = {part: group for group, parts in GROUPS.items() for part in parts}
+BELOW_THE_FACADE = {"values", "native", "memory", "copy", "cuda", "protocol", "control", "transport", "registry",
+                    "link", "transfer"}
+FORBIDDEN: list[tuple[str, str, str]] = [
+    ("control", "transport", "control and transport are siblings: only the link layer knows both"),
+    ("transport", "control", "control and transport are siblings: only the link layer knows both"),
+    ("control", "registry", "the control channel knows no caches"),
+    ("registry", "transport", "the registry publishes caches; the planes read what it publishes"),
+    ("registry", "link", "the registry and the links are siblings: the transfer layer composes them"),
+    ("link", "registry", "the registry and the links are siblings: the transfer layer composes them"),
+    ("protocol", "native", "the sans-IO protocol loads no native code"),
+    ("protocol", "memory", "the sans-IO protocol loads no native code"),
+    ("protocol", "copy", "the sans-IO protocol loads no native code"),
+    ("transport", "transfer", "a plane is driven by the transfer layer, never the other way"),
+    ("transport", "link", "a plane knows nothing of the link that holds it"),
+    *[(group, "facade", "nothing below the facade reaches datadist/cache_manager") for group in BELOW_THE_FACADE],
+    *[(group, "top", "the library never imports the tools") for group in set(GROUPS) - {"top"}],
 ]
-RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 
 def _module_name(path: Path) -> str:
@@ -126,9 +167,17 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _group(module: str) -> str:
+    return GROUP[_layer(module)]
+
+
+def _edges() -> list[tuple[str, str]]:
+    return [(module, target) for module, targets in sorted(_graph().items()) for target in sorted(targets)]
+
+
 def test_every_module_belongs_to_a_layer() -> None:
-    unknown = sorted({_layer(m) for m in _modules()} - set(RANK))
-    assert not unknown, f"add these to LAYERS (and to the diagram in docs/design.md): {unknown}"
+    unknown = sorted({_layer(m) for m in _modules()} - set(GROUP))
+    assert not unknown, f"add these to GROUPS (and to the diagram in docs/design.md): {unknown}"
 
 
 def test_no_import_cycle() -> None:
@@ -136,14 +185,30 @@ def test_no_import_cycle() -> None:
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
-def test_layers_import_only_layers_below() -> None:
-    upward = [
-        f"{module} ({_layer(module)}) imports {target} ({_layer(target)})"
-        for module, targets in sorted(_graph().items())
-        for target in sorted(targets)
-        if RANK[_layer(target)] > RANK[_layer(module)]
-    ]
-    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+def test_layers_import_only_what_they_are_allowed_to() -> None:
+    wrong = [f"{module} ({_group(module)}) imports {target} ({_group(target)})" for module, target in _edges()
+             if _group(target) not in ALLOWED[_group(module)] | {_group(module)}]
+    assert not wrong, "imports against the architecture:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(("importer", "imported", "why"), FORBIDDEN, ids=[f"{a}-/->{b}" for a, b, _ in FORBIDDEN])
+def test_forbidden_pairs(importer: str, imported: str, why: str) -> None:
+    assert imported not in ALLOWED[importer], f"ALLOWED contradicts the architecture: {why}"
+    found = [f"{module} imports {target}" for module, target in _edges()
+             if _group(module) == importer and _group(target) == imported]
+    assert not found, f"{why}:\n" + "\n".join(found)
+
+
+def test_the_protocol_loads_no_native_code() -> None:
+    """In a fresh interpreter, the sans-IO protocol imports without the native helper (the package's public
+    names load lazily)."""
+    code = ("import sys, aiodatadist.protocol.messages, aiodatadist.protocol.handshake\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith(('aiodatadist.native', 'aiodatadist.memory',"
+            " 'aiodatadist.copy')))\n"
+            "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("protected", ["aiodatadist.tools", "aiodatadist.datadist", "aiodatadist.cache_manager"])
@@ -178,9 +243,10 @@ def test_the_design_diagram_names_every_layer() -> None:
         pytest.skip("the package is not imported from its source tree")
     design = path.read_text()
     diagram = design.split("```", 2)[1]
-    missing = [name for name in RANK if name not in ("__init__", "__main__") and name not in diagram]
+    missing = [name for name in GROUP if name not in ("__init__", "__main__") and name not in diagram
+               and ((PACKAGE / name).exists() or (PACKAGE / f"{name}.py").exists())]
     assert not missing, f"docs/design.md's diagram does not show: {missing}"
-    for package in ("transfer", "control", "protocol", "transport", "copy", "native", "cuda"):
+    for package in ("transfer", "link", "control", "protocol", "transport", "copy", "native", "cuda"):
         modules = {p.stem for p in (PACKAGE / package).glob("*.py")} - {"__init__"}
         unnamed = sorted(m for m in modules if m not in diagram)
         assert not unnamed, f"docs/design.md's diagram does not name {package}/ modules {unnamed}"

@@ -1,6 +1,6 @@
 """Property-based tests of ``aiodatadist.layout`` (and ``executor.split_spans``) against slow reference models.
 
-Every reference below is written directly from the spec (``llm_datadist_api.md`` §8.2-§8.5, §9.1) with plain
+Every reference below is written directly from LLM-DataDist's documented semantics with plain
 Python loops over layers, tensors, blocks and bytes.  The code under test is vectorised numpy; the two must agree
 on (a) which inputs are rejected with ``LLMException(LLM_PARAM_INVALID)`` and (b) for accepted inputs, exactly
 which destination byte receives which source byte.  Copy spans are executed byte by byte on a simulated address
@@ -47,7 +47,7 @@ HUGE = [2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1]
 
 
 class Invalid(Exception):
-    """Raised by a reference model: the spec says the input must be rejected with LLM_PARAM_INVALID."""
+    """Raised by a reference model: LLM-DataDist rejects the input with LLM_PARAM_INVALID."""
 
 
 def invalid_unless(condition: bool) -> None:
@@ -304,10 +304,10 @@ def check_plan(data, runs: Runs, src_g: CacheGeometry, dst_g: CacheGeometry, pai
     return spans, src_addrs, dst_addrs
 
 
-# -- layer ranges -> tensor indices (§8.4, §8.3) ---------------------------------------------------------------
+# -- layer ranges -> tensor indices (pull, push) ---------------------------------------------------------------
 
 def ref_pull_indices(src_nt: int, dst_nt: int, src_range, dst_range, n: int):
-    """§8.4 pull path (local = destination cache)."""
+    """Pull path (local = destination cache)."""
     invalid_unless(n > 0)
 
     def tensors(layer_range):
@@ -338,7 +338,7 @@ def ref_pull_indices(src_nt: int, dst_nt: int, src_range, dst_range, n: int):
 
 
 def ref_push_indices(src_nt: int, dst_nt: int, src_range, dst_range, n: int):
-    """§8.3 push path (local = source cache): one transfer per layer pair."""
+    """Push path (local = source cache): one transfer per layer pair."""
     invalid_unless(n > 0)
     invalid_unless(src_nt % n == 0)
     for r in (src_range, dst_range):
@@ -408,7 +408,7 @@ def test_all_tensor_indices(src_nt, dst_nt):
     check_indices(compare(ref, lambda: all_tensor_indices(geometry(src_nt, 2, 4), geometry(dst_nt, 3, 4))))
 
 
-# -- block lists and slots -> byte runs (§8.2, §8.5, §9.1) -----------------------------------------------------
+# -- block lists and slots -> byte runs ------------------------------------------------------------------------
 
 def ref_b2b(src_blocks, dst_blocks, src: CacheGeometry, dst: CacheGeometry):
     """Block src_blocks[i] -> block dst_blocks[i] of every selected tensor."""
@@ -425,7 +425,7 @@ def ref_b2b(src_blocks, dst_blocks, src: CacheGeometry, dst: CacheGeometry):
 
 
 def consecutive_runs(src_blocks, dst_blocks) -> int:
-    """§8.2: runs where both indices increase by 1 are coalesced into single transfers."""
+    """Runs where both indices increase by 1 are coalesced into single transfers."""
     return 1 + sum(1 for i in range(len(src_blocks) - 1)
                    if not (src_blocks[i + 1] == src_blocks[i] + 1 and dst_blocks[i + 1] == dst_blocks[i] + 1))
 
@@ -568,7 +568,7 @@ def test_slot_run(data):
 
 
 def ref_copy_cache(g: CacheGeometry, dst_slot, src_slot, offset, size):
-    """§8.5 copy_cache: ``size`` bytes (-1 = rest of the slot) at ``offset`` of a slot, per tensor."""
+    """copy_cache: ``size`` bytes (-1 = rest of the slot) at ``offset`` of a slot, per tensor."""
     invalid_unless(0 <= src_slot < g.slots)
     invalid_unless(0 <= dst_slot < g.slots)
     invalid_unless(0 <= offset < g.stride)
@@ -601,10 +601,10 @@ def test_copy_cache_run(data):
 
 
 def ref_copy_blocks(info: dict, g: CacheGeometry):
-    """§8.5 copy_blocks: each source block to each of its destination blocks, inside one cache.
+    """copy_blocks: each source block to each of its destination blocks, inside one cache.
 
-    Rules beyond the spec's wording (documented by the implementation): at least one destination per source,
-    destinations unique and never a source of the same call (otherwise the result depends on copy order).
+    Rules beyond LLM-DataDist's documentation (documented by the implementation): at least one destination per
+    source, destinations unique and never a source of the same call (otherwise the result depends on copy order).
     """
     invalid_unless(len(info) > 0)
     runs = []
@@ -668,7 +668,7 @@ def test_copy_blocks_runs(inputs, data):
 
 
 def ref_swap_blocks(mapping: dict, src: CacheGeometry, dst: CacheGeometry):
-    """§8.5 swap_blocks: block k of src -> block mapping[k] of dst; equal block size and num_tensors."""
+    """swap_blocks: block k of src -> block mapping[k] of dst; equal block size and num_tensors."""
     invalid_unless(len(mapping) > 0)
     invalid_unless(src.stride == dst.stride)
     invalid_unless(src.num_tensors == dst.num_tensors)
@@ -1008,7 +1008,7 @@ def test_split_spans_of_real_plan(inputs, chunk_piece, data):
 @pytest.mark.parametrize("op", ["pull", "push"])
 @pytest.mark.parametrize("api", ["cache", "blocks"])
 def test_caches_of_different_data_types_have_no_plan(op: str, api: str) -> None:
-    """Issue 12: equal bytes per block were enough, so bf16 (27) went into float16 (1).  The data type must match."""
+    """Equal bytes per block are not enough (bf16, 27, into float16, 1): the data type must match."""
     from aiodatadist.layout import TransferParams, transfer_plan
 
     def geometry(data_type: int) -> CacheGeometry:

@@ -1,15 +1,12 @@
 """The typed wire messages, sans IO: values -> bytes -> values, golden dicts, malformed fields.
 
-The golden dicts are written exactly as the control plane built them inline before the typed messages existed
-(``links.py``'s HELLO body and reply, ``transfer.py``'s BEGIN/END/ABORT/FREED bodies and BEGIN reply, the
-channel's reply envelope): the wire format must not change, down to the key order, except deliberately with a new
-protocol version.  Version 3 (issue 12) changed one thing, on purpose: a cache geometry (BEGIN's ``peer``, a
-descriptor's ``geometry``) carries the cache's data type as a fifth element, so that caches of different data types
-with equal block sizes are refused (``[2, 8 * 4096, 8, True, 1]`` below: 1 = ``DT_FLOAT16``).  Notifications
-(issue 12, same release, still version 3) added two forms, deliberately: END's optional ``note`` (absent when
-there is none, so every END above is unchanged) and the NOTIFY request ``{"note": bytes}``.  Version 4 (issue 13)
-added one request, RESOLVE ``{"addrs": [u64, ...]}``, answered with ``{"at": [[cid, tensor, slot, blocks,
-model], ...]}``; no earlier form changed.
+The golden dicts pin the wire format (the HELLO body and reply, the BEGIN/END/ABORT/FREED bodies and BEGIN reply,
+the channel's reply envelope): it must not change, down to the key order, except deliberately with a new protocol
+version.  A cache geometry (BEGIN's ``peer``, a descriptor's ``geometry``) carries the cache's data type as a fifth
+element, so that caches of different data types with equal block sizes are refused (``[2, 8 * 4096, 8, True, 1]``
+below: 1 = ``DT_FLOAT16``).  END has an optional ``note`` (absent when there is none) and NOTIFY is
+``{"note": bytes}``; RESOLVE is ``{"addrs": [u64, ...]}``, answered with ``{"at": [[cid, tensor, slot, blocks,
+model], ...]}``.
 """
 
 from __future__ import annotations
@@ -117,7 +114,7 @@ def test_hello_golden() -> None:
     assert answered.to_wire() == second and list(answered.to_wire()) == list(second)
     # Channel.request: {**body, "k": kind, "i": req_id}
     assert encode(request_to_wire(answered, 1)) == pack({**second, "k": "hello", "i": 1})
-    assert PROTOCOL_VERSION == 6  # 3: data types (issue 12); 4: RESOLVE (issue 13); 5: nixl, fds; 6: fence, WRITE
+    assert PROTOCOL_VERSION == 6  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE
 
 
 def test_hello_reply_golden() -> None:
@@ -280,9 +277,9 @@ def test_the_host_probe_form_is_what_a_host_probe_announces() -> None:
 def test_bounds_shared_with_other_layers() -> None:
     from aiodatadist.cuda.driver import CU_IPC_HANDLE_SIZE
     from aiodatadist.transport import same_host
-    from aiodatadist.transport.tcp import python_plane
+    from aiodatadist.transport.tcp import python_connections
 
-    assert MAX_DATA_CONNECTIONS == python_plane.MAX_DATA_CONNECTIONS
+    assert MAX_DATA_CONNECTIONS == python_connections.MAX_DATA_CONNECTIONS
     assert IPC_HANDLE_BYTES == CU_IPC_HANDLE_SIZE
     assert MAX_ANNOUNCED_SEGMENTS == same_host.MAX_ANNOUNCED_SEGMENTS
     assert HOST_NONCE_BYTES == same_host.NONCE_BYTES

@@ -1,4 +1,4 @@
-"""Public names of the package (aiodatadist.md "Public names"; llm_datadist_api.md §1)."""
+"""Public names of the package: LLM-DataDist's, and aiodatadist's own (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ import pytest
 
 import aiodatadist
 from aiodatadist import LLMConfig, LLMException, LLMStatusCode
-from aiodatadist import _settings as settings_module
-from aiodatadist._settings import KNOBS, EnvKnobs, Settings, env_knobs, env_knobs_cache_clear, parse_options
+from aiodatadist import _env_knobs as env_module
+from aiodatadist._env_knobs import KNOBS, EnvKnobs, env_knobs, env_knobs_cache_clear
+from aiodatadist._settings import Settings, parse_options
 from aiodatadist.config import MAX_TCP_CONNECTIONS, OptionKey
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
@@ -270,7 +271,7 @@ def test_config_properties_validate(name: str, value: Any, error: type[Exception
 
 
 def test_the_connection_bound_is_the_data_planes() -> None:
-    from aiodatadist.transport.tcp.python_plane import MAX_DATA_CONNECTIONS
+    from aiodatadist.transport.tcp.python_connections import MAX_DATA_CONNECTIONS
 
     assert MAX_TCP_CONNECTIONS == MAX_DATA_CONNECTIONS == 16
 
@@ -337,20 +338,20 @@ def test_no_other_module_reads_an_aiodatadist_variable() -> None:
     readers = set()
     for path in root.rglob("*.py"):
         rel = path.relative_to(root).as_posix()
-        if rel == "_settings.py" or rel.startswith("tools/bench/"):  # bench sets UCX_* for its peers
+        if rel == "_env_knobs.py" or rel.startswith("tools/bench/"):  # bench sets UCX_* for its peers
             continue
         for line in path.read_text().splitlines():
             if re.search(r"(environ|getenv)\b.*(\"AIODATADIST_|ENV_[A-Z]+)", line):
                 readers.add(rel)
     assert not readers, readers
-    assert settings_module.ENV_LIBCUDA == "AIODATADIST_LIBCUDA"
+    assert env_module.ENV_LIBCUDA == "AIODATADIST_LIBCUDA"
 
 
 PINNED_TO_ONE_CPU = """
 import os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # a serving engine's worker pinned to one core
 os.cpu_count = lambda: 16  # on a large host
-from aiodatadist._settings import env_knobs
+from aiodatadist._env_knobs import env_knobs
 from aiodatadist.tools import info
 knobs = env_knobs()
 print("knobs", knobs.copy_threads, knobs.tcp_connections, flush=True)
@@ -360,8 +361,8 @@ sys.exit(info.main([]))
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
 def test_default_copy_threads_and_connections_follow_the_allowed_cpus() -> None:
-    """Issue 12: the defaults were sized by ``os.cpu_count()``, the machine's CPUs, not the ones the process may
-    run on: a worker pinned to one core of a 16-CPU host got 8 copy threads and 4 connections per TCP link."""
+    """The defaults are sized by the CPUs the process may run on, not ``os.cpu_count()``: a worker pinned to one
+    core of a 16-CPU host must not get 8 copy threads and 4 connections per TCP link."""
     import subprocess
     import sys
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers.ids import new_cluster_id
+from helpers.internals import registry_of
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -162,13 +163,13 @@ def test_register_from_tensors(cache_manager: CacheManager) -> None:
     assert cache.is_blocks_cache
     assert cache.cache_desc == CacheDesc(4, (8, 4, 16), DataType.DT_BF16, Placement.HOST)
     assert cache.tensor_addrs == [t.data_ptr() for t in tensors]
-    entry = cache_manager.registry.by_id(cache.cache_id)
+    entry = registry_of(cache_manager).by_id(cache.cache_id)
     assert entry.remote_accessible and not entry.owned
     contiguous = adt.register_cache_from_tensors(cache_manager, kv(2, (4, 32), torch.float32),
                                                  [CacheKey(1, 10), CacheKey(1, 11)], remote_accessible=False)
     assert not contiguous.is_blocks_cache
-    assert not cache_manager.registry.by_id(contiguous.cache_id).remote_accessible
-    assert cache_manager.registry.resolve_wire("req", 11, 0)[1] == 1
+    assert not registry_of(cache_manager).by_id(contiguous.cache_id).remote_accessible
+    assert registry_of(cache_manager).resolve_wire("req", 11, 0)[1] == 1
     # another shape of the same bytes
     flat = adt.register_blocks_cache_from_tensors(
         cache_manager, kv(2, (8, 4, 16)), cache_desc=CacheDesc(2, [8, 64], DataType.DT_BF16, Placement.HOST))
@@ -184,7 +185,7 @@ def test_register_refusals(cache_manager: CacheManager, case: str, tensors: Any,
         else:
             with pytest.raises(error):
                 register(cache_manager, tensors)
-    assert cache_manager.registry.entries() == []
+    assert registry_of(cache_manager).entries() == []
 
 
 def test_register_refuses_a_description_that_does_not_fit(cache_manager: CacheManager) -> None:
@@ -207,7 +208,7 @@ def test_register_refuses_a_description_that_does_not_fit(cache_manager: CacheMa
         adt.register_cache_from_tensors(cache_manager, tensors, cache_keys=[1])
     with pytest.raises(TypeError):
         adt.register_blocks_cache_from_tensors(cache_manager, tensors, remote_accessible=1)
-    assert cache_manager.registry.entries() == []
+    assert registry_of(cache_manager).entries() == []
 
 
 def test_register_with_the_blocking_api() -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._settings import env_knobs
+from ..._env_knobs import env_knobs
 from ...cache import Cache
 from ...config import LLMConfig
 from ...datadist import LLMDataDist

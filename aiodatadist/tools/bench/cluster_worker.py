@@ -26,6 +26,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from ...cache import Cache
 from ...config import LLMConfig
+from ...control.channel import Channel
 from ...datadist import LLMDataDist
 from ...errors import LLMException, LLMStatusCode
 from ...types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
@@ -145,18 +146,14 @@ class Lengths:
 
 # -- worker processes --------------------------------------------------------------------------------------
 def _count_control_messages() -> list[int]:
-    """Count the control-plane messages this process sends (requests, replies, notifications), by wrapping the
-    private ``Channel._post`` through which each one goes: ``LLMDataDist.stats()`` has no message counts."""
-    from ...control.channel import Channel
-
+    """Count the control-plane messages this process sends (requests, replies, notifications) through the
+    ``Channel.on_flush`` hook: ``LLMDataDist.stats()`` has no message counts."""
     counter = [0]
-    post = Channel._post
 
-    def counted(self: Channel, message: dict[str, Any]) -> None:
-        counter[0] += 1
-        post(self, message)
+    def counted(messages: int) -> None:
+        counter[0] += messages
 
-    setattr(Channel, "_post", counted)  # noqa: B010 - a method cannot be assigned under mypy --strict
+    Channel.on_flush = counted
     return counter
 
 

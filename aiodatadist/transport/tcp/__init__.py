@@ -1,2 +1,2 @@
-"""The TCP data plane of a link: :mod:`.frames` (the frame format), :mod:`.native_plane` (the compiled helper's
-I/O threads; serves one-sided reads) and :mod:`.python_plane` (Python threads, the fallback)."""
+"""The TCP data plane of a link: :mod:`.frames` (the frame format), :mod:`.native_connections` (the compiled helper's
+I/O threads; serves one-sided reads) and :mod:`.python_connections` (Python threads, the fallback)."""

@@ -1,7 +1,7 @@
 """The TCP data plane on the native helper (``_net.c``): I/O threads that never take the GIL, and one-sided reads.
 
-Same interface as :class:`~aiodatadist.transport.tcp.python_plane.PythonDataPlane` (``send``/``receive``/``set_destination``/
-``cancel``/``wait``/``aclose``), plus :meth:`NativeDataPlane.read`: a pull by an already-resolved key that the
+Same interface as :class:`~aiodatadist.transport.tcp.python_connections.PythonConnections` (``send``/``receive``/``set_destination``/
+``cancel``/``wait``/``aclose``), plus :meth:`NativeConnections.read`: a pull by an already-resolved key that the
 owner's native threads serve straight from its cache directory, without its event loop and without a
 control-plane round trip.  Job ends arrive through a pipe watched by the event loop, as for the copy pool.
 """
@@ -18,13 +18,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ...copy.completion import NotifyPipe, settle
+from ..._aio import settle
+from ...copy.completion import NotifyPipe
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...native import ANY_MODEL, KEY_FLAG_SHIFT, TID_MASK, JobState, OwnerStatus, native_pool
+from ...stats import OneSided
 from ..base import PULL, PUSH, TransferJob, WaitingMixin
 from .frames import FRAME_BYTES
 
-__all__ = ["NativeDataPlane"]
+__all__ = ["NativeConnections"]
 
 UInt64Array = npt.NDArray[np.uint64]
 S = LLMStatusCode
@@ -46,7 +48,7 @@ def _u64(values: Any) -> UInt64Array:
     return np.ascontiguousarray(values, dtype=np.uint64)
 
 
-class NativeDataPlane(WaitingMixin[TransferJob]):
+class NativeConnections(WaitingMixin[TransferJob]):
     """One link's data connections, served by the helper's threads."""
 
     serves_reads = True
@@ -86,6 +88,15 @@ class NativeDataPlane(WaitingMixin[TransferJob]):
         bytes, refused frames)."""
         counts = self._counts()
         return counts[3], counts[4], counts[5]
+
+    @property
+    def running(self) -> int:
+        """Jobs not yet finished (either end)."""
+        return len(self._jobs)
+
+    def served_one_sided(self) -> OneSided:
+        """:meth:`served_reads` then :meth:`served_writes`."""
+        return self._counts()
 
     def _counts(self) -> tuple[int, int, int, int, int, int]:
         if not self._net:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from ...copy.completion import settle
+from ..._aio import settle
 from ...copy.spans import split_spans
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...layout import Spans
@@ -46,7 +46,7 @@ from .frames import (
     send_frame,
 )
 
-__all__ = ["MAX_DATA_CONNECTIONS", "PythonDataPlane"]
+__all__ = ["MAX_DATA_CONNECTIONS", "PythonConnections"]
 
 log = logging.getLogger("aiodatadist.tcp")
 UInt64Array = npt.NDArray[np.uint64]
@@ -54,7 +54,7 @@ SCRATCH_BYTES = 1 << 20
 JOIN_TIMEOUT = 5.0  # seconds aclose() waits for each I/O thread (they end at once once their socket is shut down)
 
 
-class PythonDataPlane(WaitingMixin[TransferJob]):
+class PythonConnections(WaitingMixin[TransferJob]):
     """The data connections of one link and the transfers running on them (Python I/O threads: the fallback
     where the native helper is not built; it does not serve one-sided reads)."""
 
@@ -78,6 +78,14 @@ class PythonDataPlane(WaitingMixin[TransferJob]):
         return len(self._socks)
 
     # -- connections -----------------------------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        """Jobs not yet finished (either end)."""
+        return len(self._jobs)
+
+    def served_one_sided(self) -> None:
+        """Python threads serve no one-sided reads or writes."""
+
     def attach(self, sock: socket.socket) -> None:
         """Start moving frames on a connected socket (this plane owns it from now on)."""
         sock.setblocking(True)

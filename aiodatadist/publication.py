@@ -1,0 +1,81 @@
+"""Publication of an owner's caches: the cache directory that same-host peers map read-only.
+
+An owner publishes each remote-accessible cache in a row of a small ``memfd`` table (its layout is the native
+helper's, :class:`~aiodatadist.native.DirWord`), read by same-host peers (:class:`~aiodatadist.transport.directory.
+DirectoryView`) and by this process's native TCP threads serving one-sided reads and writes.  A row holds the cache
+id, the ``model_id`` it answers to as a ``BlocksCacheKey`` (-1 if none), its memory span and a *stamp*: a random
+62-bit number drawn afresh each time a cache is published and 0 once it was released.  See
+:mod:`aiodatadist.transport.directory` for how requesters use it.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+
+from .memory import SharedSegment
+from .native import DIR_WORDS, DirWord, native_pool
+from .segment_identity import SegmentIdentity
+
+__all__ = ["DIRECTORY_ROWS", "CacheDirectory"]
+
+DIRECTORY_ROWS = 4096
+_WORDS = DIR_WORDS
+_STAMP, _CACHE, _MODEL, _BASE, _SIZE = DirWord.STAMP, DirWord.CACHE, DirWord.MODEL, DirWord.BASE, DirWord.SIZE
+
+
+class CacheDirectory:
+    """Owner side: the table of published caches (written only from the owner's event loop thread)."""
+
+    def __init__(self, rows: int = DIRECTORY_ROWS) -> None:
+        self.segment = SharedSegment(rows * _WORDS * 8, name="aiodatadist-directory")
+        self._words = self.segment.array().view(np.int64)
+        self._free = list(range(rows - 1, -1, -1))
+
+    @property
+    def address(self) -> int:
+        """Where the table is in this process (the native TCP plane validates one-sided reads against it)."""
+        return self.segment.address
+
+    @property
+    def rows(self) -> int:
+        return len(self._words) // _WORDS
+
+    def publish(self, cache_id: int, model_id: int = -1, base: int = 0, size: int = 0) -> tuple[int, int] | None:
+        """Publish a live cache whose memory is ``[base, base + size)``; returns ``(row, stamp)``, or ``None``
+        when the table is full."""
+        if not self._free:
+            return None
+        row = self._free.pop()
+        base_word = row * _WORDS
+        self._words[base_word + _CACHE] = cache_id
+        self._words[base_word + _MODEL] = model_id
+        self._words[base_word + _BASE] = base
+        self._words[base_word + _SIZE] = size
+        stamp = secrets.randbits(62) + 1  # unguessable: a one-sided TCP read must present it
+        self._words[base_word + _STAMP] = stamp  # last: a reader that sees the stamp sees the fields (x86 TSO)
+        return row, stamp
+
+    def set_model(self, row: int, model_id: int) -> None:
+        self._words[row * _WORDS + _MODEL] = model_id
+
+    def withdraw(self, row: int) -> None:
+        """The cache was released: its row stops matching any stamp at once, and this returns only once no
+        native thread serving a peer's one-sided read still reads its memory (at most one frame)."""
+        lib = native_pool()
+        if lib is not None:
+            lib.adt_dir_withdraw(self._words.ctypes.data, row)
+        else:
+            self._words[row * _WORDS + _STAMP] = 0
+        self._free.append(row)
+
+    @property
+    def identity(self) -> SegmentIdentity:
+        """The table's segment, as the handshake announces it to same-host peers (``dir``)."""
+        return self.segment.identity
+
+    def close(self) -> None:
+        self._words = np.empty(0, dtype=np.int64)  # the view would keep the mapping alive
+        self._free.clear()
+        self.segment.close()

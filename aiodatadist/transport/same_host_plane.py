@@ -1,0 +1,187 @@
+"""The same-host data plane: the requester copies between its cache and the peer's memory itself.
+
+The peer's memory is reached through :class:`~aiodatadist.transport.same_host.PeerMemory`, per cache: its shared
+segment mapped here (``map``, or handed over with ``fds``), or ``process_vm_readv``/``writev`` (``pvm``) for
+caller-registered memory outside any segment.  Device caches, on either side, are copied by this process's GPU
+(CUDA IPC for the peer's device memory, its host segment page-locked otherwise): one link moves host caches on
+the copy threads and device caches on the GPU, so the mechanism is chosen per transfer, inside this one plane.
+With the peer's cache directory mapped (``llm.Directory``), a transfer on a cache the owner published before
+skips the round trip: the directory says whether it is still live, before and after the copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._checks import U64_LIMIT
+from ..copy.spans import STREAMING_THRESHOLD
+from ..errors import LLMException, LLMLinkError, LLMStatusCode
+from ..layout import CacheGeometry
+from ..protocol.messages import Descriptor, Freed, IpcAllocation
+from ..segment_identity import SegmentIdentity
+from .device import LinkDeviceState
+from .directory import DirectoryView, Resolved
+from .plane import Copies, DataPlane, OnUntrusted, Route, Transfer, UInt64Array
+from .same_host import PeerCapabilities, PeerMemory
+
+__all__ = ["SameHostPlane"]
+
+S = LLMStatusCode
+
+
+class SameHostPlane(DataPlane):
+    """A link to a process on this host: copies by this side's threads or GPU, no data connection."""
+
+    kind = "shm"
+
+    def __init__(self, peer: int, name: str, caps: PeerCapabilities, on_untrusted: OnUntrusted, copies: Copies,
+                 fd_token: bytes | None) -> None:
+        super().__init__(peer, name, caps, on_untrusted)
+        self._copies = copies
+        self.memory = PeerMemory(caps)
+        self.memory.fd_token = fd_token  # what the peer's fd socket asks of this side
+        self.directory: DirectoryView | None = None  # the peer's cache directory, when mappable
+        self._device: LinkDeviceState | None = None  # the peer's memory as this GPU reaches it
+
+    def adopt_announced(self, directory: SegmentIdentity | None, enabled: bool,
+                        segments: Sequence[tuple[SegmentIdentity, int]]) -> list[asyncio.Task[Any]]:
+        """Map the peer's cache directory (not with handed-over segments) and its caches; returns the page-table
+        population tasks."""
+        if enabled and self.caps.can_map and not self.caps.fds:
+            self.directory = DirectoryView.from_wire(directory, self.caps.pid)
+        return self.memory.premap(segments)
+
+    # -- requester side --------------------------------------------------------------------------------------
+    def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool) -> Route:
+        if self.directory is None or descriptor is None:
+            return Route.OWNER
+        if not self.directory.live(resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id):
+            return Route.STALE  # released or re-keyed: ask the owner again
+        if not pull and descriptor.borrowed:
+            return Route.OWNER  # caller-owned memory: a push goes through the owner, so unregistering aborts it
+        return Route.ONE_SIDED
+
+    def remembers(self, model_id: int) -> bool:
+        return self.directory is not None
+
+    async def move_published(self, transfer: Transfer, resolved: Resolved) -> bool:
+        failure: LLMLinkError | None = None
+        try:
+            await self.move(transfer)
+        except LLMLinkError as exc:  # process_vm_readv of caller memory the owner released meanwhile: EFAULT
+            failure = exc
+        directory = self.directory
+        assert directory is not None
+        if self.closed is not None:  # dropped meanwhile: its directory view reads as empty, which says nothing
+            raise failure or LLMLinkError(f"the link to cluster {self.peer} was dropped during the "
+                                          "transfer")
+        live = directory.live(resolved.row, resolved.stamp, resolved.cache_id, None)
+        if failure is not None and live:
+            raise failure
+        if not live or failure is not None:
+            raise LLMException(f"cluster {self.peer} released cache {resolved.cache_id} during the transfer",
+                               status_code=S.LLM_KV_CACHE_NOT_EXIST)
+        return True
+
+    async def move(self, transfer: Transfer) -> None:
+        """Copy the bytes (the caller holds a lease on the local cache); closing the link cancels the copy."""
+        descriptor, local, plan, pull = transfer.descriptor, transfer.local, transfer.plan, transfer.pull
+        segment, ipc = descriptor.segment, list(descriptor.ipc) if descriptor.ipc is not None else None
+        if segment is not None and self.caps.fds:  # a peer under another user hands its segments over (once)
+            try:
+                await self.memory.ensure(segment[0])
+            except OSError as exc:
+                raise LLMLinkError(f"cluster {self.peer} did not hand over its cache: {exc}") from exc
+        # The peer may free this cache meanwhile (FREED): its mapping here stays until the copy is done.
+        held = self.memory.hold(segment[0]) if segment is not None else None
+        device = None
+        copies = self._copies
+        try:
+            if ipc is not None:
+                device = self._link_device()
+                device.hold(ipc)
+            if local.on_device or ipc is not None:  # the GPU copies (see aiodatadist.transport.device)
+                remote = self._device_view(descriptor.geometry, descriptor.addrs, segment, ipc)
+                mine = copies.device_addrs(local)
+                src, dst = (remote, mine) if pull else (mine, remote)
+                job = copies.start_job(plan, src, dst, None, (local,), on_device=True)
+            else:
+                copy = self.memory.copier(remote_is_src=pull, segment=segment,
+                                          streaming=plan.total_bytes >= STREAMING_THRESHOLD)
+                src, dst = (descriptor.addrs, local.addrs) if pull else (local.addrs, descriptor.addrs)
+                job = copies.start_job(plan, src, dst, copy, (local,))
+            self._jobs[transfer.tid] = job
+            try:
+                await copies.wait_job(job, (local,))
+            finally:
+                self._jobs.pop(transfer.tid, None)
+        except OSError as exc:
+            if isinstance(exc, LLMException):  # LLMTimeoutError / LLMLinkError are OSErrors too
+                raise
+            raise LLMLinkError(f"copy with cluster {self.peer} failed: {exc}") from exc
+        finally:
+            if held is not None:
+                self.memory.release(held)
+            if device is not None and ipc is not None:
+                device.release(ipc)
+
+    def abort(self, tid: int, error: LLMException) -> bool:
+        job = self._jobs.get(tid)
+        if job is None:
+            return False
+        self._copies.cancel_job(job, error)
+        return True
+
+    def freed(self, message: Freed) -> None:
+        device = self._device
+        if message.seg is not None:
+            self.memory.forget(message.seg, device.forget_pinned if device is not None else lambda _: None)
+        if device is not None:
+            for handle in message.ipc:
+                device.forget_handle(handle)
+
+    def _link_device(self) -> LinkDeviceState:
+        if self._device is None:
+            self._device = LinkDeviceState(self._copies.device(), self.caps.pid == os.getpid())
+        return self._device
+
+    def _device_view(self, geometry: CacheGeometry, remote_addrs: UInt64Array,
+                     segment: tuple[SegmentIdentity, int] | None, ipc: list[IpcAllocation] | None) -> UInt64Array:
+        """The peer's tensors as this process's GPU reaches them: its device memory through IPC, its host
+        cache through the mapped segment, page-locked."""
+        device = self._link_device()
+        if ipc is not None:
+            return device.remote_delta(ipc, remote_addrs, geometry.tensor_size)
+        if segment is None or not self.caps.can_map:
+            raise LLMException(f"a GPU copy needs the host cache of cluster {self.peer} mapped in this process: "
+                               "allocate it with allocate_cache/allocate_blocks_cache (caller-registered host "
+                               "memory is reachable only by process_vm_readv/writev)",
+                               status_code=S.LLM_FEATURE_NOT_ENABLED)
+        identity, remote_base = segment
+        local_base = self.memory.local_base(identity)
+        delta = device.pinned_delta(local_base, identity.size)
+        return remote_addrs + np.uint64((local_base - remote_base + delta) % U64_LIMIT)
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    async def stop(self, error: LLMException) -> None:
+        await super().stop(error)
+        jobs = list(self._jobs.values())
+        for job in jobs:
+            self._copies.cancel_job(job, error)
+        for job in jobs:
+            await self._copies.wait_stopped(job)
+
+    async def close(self) -> None:
+        if self._device is not None:  # no GPU copy uses the peer's memory any more
+            self._device.close()
+            self._device = None
+        try:
+            await self.memory.close()
+        finally:
+            if self.directory is not None:
+                self.directory.close()

@@ -1,0 +1,235 @@
+"""The TCP data planes of a link: two-sided transfers over the link's data connections, and one-sided ones.
+
+:class:`TcpPlane` moves every transfer through the owner: the owner's end sends (pull) or receives (push) on
+the data connections once it accepted ``BEGIN``; a push ends with ``END(confirm)``, answered once every byte
+landed.  It runs on either connection set (the native helper's threads or the Python fallback).
+
+:class:`NativeTcpPlane` (both ends run the native helper's threads) adds what those threads serve without the
+owner's event loop: one-sided reads and writes of caches the owner published before (validated against its
+cache directory), and the fence of a cut-short push (FENCE/FENCE_ACK on every connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..._aio import wait_through_cancellation
+from ..._checks import I64_MAX
+from ...errors import LLMException, LLMLinkError, LLMStatusCode
+from ...layout import CopyPlan, plan_side_spans
+from ...protocol.messages import Descriptor
+from ...stats import OneSided
+from ..base import PULL, PUSH, TransferJob
+from ..directory import Resolved
+from ..plane import DataPlane, LocalCache, OnUntrusted, Route, Transfer, UInt64Array
+from ..same_host import PeerCapabilities
+from .native_connections import NativeConnections
+from .python_connections import PythonConnections
+
+__all__ = ["STOP_ACK_TIMEOUT", "NativeTcpPlane", "TcpPlane"]
+
+STOP_ACK_TIMEOUT = 1.0  # a cut-short push waits this long for the owner to stop writing, then drops the link
+S = LLMStatusCode
+Connections = NativeConnections | PythonConnections
+
+
+class TcpPlane(DataPlane):
+    """Transfers through the owner on the link's data connections."""
+
+    kind = "tcp"
+    confirms_push = True
+
+    def __init__(self, peer: int, name: str, caps: PeerCapabilities, on_untrusted: OnUntrusted,
+                 conns: Connections) -> None:
+        super().__init__(peer, name, caps, on_untrusted)
+        self.conns = conns
+
+    @property
+    def connections(self) -> int:
+        return self.conns.connections
+
+    # -- requester side --------------------------------------------------------------------------------------
+    def check_local(self, local: LocalCache, cluster_id: int) -> None:
+        if local.on_device:
+            raise LLMException(f"device caches move only between processes on one host (CUDA IPC); the link to "
+                               f"cluster {cluster_id} uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
+
+    def expect(self, tid: int, pull: bool) -> TransferJob | None:
+        # A pull's receiving end exists before BEGIN: the owner starts sending as soon as it accepts.
+        return self.conns.receive(PULL, tid) if pull else None
+
+    async def move(self, transfer: Transfer) -> None:
+        conns, local = self.conns, transfer.local
+        if transfer.pull:
+            job = transfer.pending
+            assert job is not None
+            conns.set_destination(job, *plan_side_spans(transfer.plan, local.addrs, "dst"))
+        else:
+            job = transfer.job = conns.send(PUSH, transfer.tid, *plan_side_spans(transfer.plan, local.addrs, "src"))
+        self._jobs[transfer.tid] = job
+        try:
+            await self._await(transfer, job)
+        finally:
+            self._jobs.pop(transfer.tid, None)
+
+    async def _await(self, transfer: Transfer, job: TransferJob) -> None:
+        await self.conns.wait(job)
+
+    async def discard(self, pending: Any) -> None:
+        if isinstance(pending, TransferJob) and not pending.done:
+            self.conns.cancel(pending)  # BEGIN failed or was cancelled: drop what may still come
+            await self.conns.wait_stopped(pending)
+
+    def needs_fence(self, transfer: Transfer) -> bool:
+        job = transfer.job
+        return not transfer.pull and job is not None and not job.fenced
+
+    def abort(self, tid: int, error: LLMException) -> bool:
+        job = self._jobs.get(tid)
+        if job is None:
+            return False
+        self.conns.cancel(job, error)
+        return True
+
+    # -- owner side ------------------------------------------------------------------------------------------
+    def refusal(self, cache_id: int, on_device: bool) -> LLMException | None:
+        if on_device:
+            return LLMException(f"cache {cache_id} is a device cache: it moves only to a process on this host "
+                                "(CUDA IPC), and this link uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
+        return None
+
+    def serve(self, tid: int, pull: bool, plan: CopyPlan, addrs: UInt64Array) -> TransferJob:
+        if pull:  # start sending now: the requester's receiving end already exists
+            return self.conns.send(PULL, tid, *plan_side_spans(plan, addrs, "src"))
+        job = self.conns.receive(PUSH, tid)
+        self.conns.set_destination(job, *plan_side_spans(plan, addrs, "dst"))
+        return job
+
+    async def finish_served(self, job: Any, complete: bool) -> None:
+        if complete:
+            await self.conns.wait(job)
+        else:
+            self.conns.cancel(job)
+            await self.conns.wait_stopped(job)
+
+    def cancel_served(self, job: Any) -> None:
+        self.conns.cancel(job)
+
+    def served_done(self, job: Any) -> bool:
+        return bool(job.done)
+
+    def publishes(self, tcp_readable: bool) -> bool:
+        return tcp_readable
+
+    # -- lifetime and diagnostics ----------------------------------------------------------------------------
+    def idle(self) -> bool:
+        return super().idle() and not self.conns.running
+
+    def served_one_sided(self) -> OneSided | None:
+        return self.conns.served_one_sided()
+
+    async def stop(self, error: LLMException) -> None:
+        await super().stop(error)
+        await self.conns.aclose(error)
+
+
+class NativeTcpPlane(TcpPlane):
+    """Both ends run the native helper's I/O threads: one-sided reads and writes, fenced pushes."""
+
+    conns: NativeConnections
+
+    def _fenceable(self) -> bool:
+        return self.conns.closed is None
+
+    # -- requester side --------------------------------------------------------------------------------------
+    def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool) -> Route:
+        if descriptor is None:
+            return Route.OWNER
+        if pull:
+            return Route.ONE_SIDED
+        # A push goes one-sided into aiodatadist's memory only: a caller-owned cache goes through the owner, so
+        # that unregistering it stops the push.
+        return Route.ONE_SIDED if not descriptor.borrowed and self._fenceable() else Route.OWNER
+
+    def remembers(self, model_id: int) -> bool:
+        return model_id <= I64_MAX
+
+    async def move_published(self, transfer: Transfer, resolved: Resolved) -> bool:
+        conns, plan, descriptor, local = self.conns, transfer.plan, transfer.descriptor, transfer.local
+        where = (resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id)
+        if transfer.pull:
+            job = conns.read(transfer.tid, *where, plan_side_spans(plan, descriptor.addrs, "src"),
+                             plan_side_spans(plan, local.addrs, "dst"))
+        else:
+            job = transfer.job = conns.write(transfer.tid, *where, plan_side_spans(plan, descriptor.addrs, "dst"),
+                                             plan_side_spans(plan, local.addrs, "src"))
+        self._jobs[transfer.tid] = job
+        try:
+            if transfer.pull:
+                await conns.wait(job)
+            else:
+                await self._await_written(transfer, job)
+        except LLMException as exc:
+            if exc.status_code == S.LLM_KV_CACHE_NOT_EXIST and (transfer.pull or self.closed is None):
+                return False  # released or re-keyed (nothing of it was written): ask the owner again
+            raise
+        finally:
+            self._jobs.pop(transfer.tid, None)
+        return True
+
+    async def _await_written(self, transfer: Transfer, job: TransferJob) -> None:
+        try:
+            await self._await_send(transfer, job)
+        except BaseException:
+            # Frames of it may still be in socket buffers: fence them before returning or asking again.
+            if not job.fenced and self._fenceable():
+                await wait_through_cancellation(self._fence(transfer.tid))
+            raise
+
+    async def _await(self, transfer: Transfer, job: TransferJob) -> None:
+        if job.kind == "send" and self._fenceable():
+            await self._await_send(transfer, job)
+        else:
+            await self.conns.wait(job)
+
+    async def _await_send(self, transfer: Transfer, job: TransferJob) -> None:
+        """Await a push's send or one-sided write job.  Cancelled, the job stops with its fence armed in the same
+        step, and this returns once the owner's I/O threads confirmed that nothing of it is written any more
+        (``job.fenced``), with one wake-up of this loop, whatever the owner's loop is doing."""
+        try:
+            await asyncio.shield(job.future)
+        except asyncio.CancelledError:
+            armed = self.conns.cancel_fenced(job)
+            if armed or self._fenceable():
+                await wait_through_cancellation(self._fence(transfer.tid, job if armed else None))
+                job.fenced = True
+            else:  # the link is closed: nothing is written any more once the job ended
+                await self.conns.wait_stopped(job)
+            raise
+
+    async def cut_short(self, transfer: Transfer) -> bool:
+        if not self._fenceable():
+            return False
+        await wait_through_cancellation(self._fence(transfer.tid))
+        return True
+
+    async def _fence(self, tid: int, job: TransferJob | None = None) -> None:
+        """A cut-short push: returns once the owner's I/O threads confirmed on every data connection that
+        nothing of it is written any more, whatever its event loop is doing; drops the link if that does not
+        come within :data:`STOP_ACK_TIMEOUT`.  ``job``: its send job, stopped with the fence armed
+        (:meth:`NativeConnections.cancel_fenced`); None: it has ended, and a fence job of its own is sent."""
+        conns = self.conns
+        if job is None:
+            job = conns.fence(PUSH, tid)
+        try:
+            async with asyncio.timeout(STOP_ACK_TIMEOUT):
+                await asyncio.shield(job.future)
+            return
+        except (LLMException, TimeoutError):
+            pass
+        if self.closed is None:  # it may still write what it receives: the link cannot be trusted any more
+            await self.untrusted(LLMLinkError(
+                f"cluster {self.peer} did not confirm the end of a cut-short push; link dropped"))
+        await conns.wait_stopped(job)  # the job ends with the link (a send job may still have a frame going out)
+
