@@ -127,6 +127,8 @@ class CacheManager:
             if src.on_device or dst.on_device:
                 job = engine.start_job(plan, engine.device_addrs(src), engine.device_addrs(dst), None, entries,
                                        on_device=True)
+            elif engine.copy_now(plan, src.addrs, dst.addrs, None):
+                return
             else:
                 job = engine.start_job(plan, src.addrs, dst.addrs, None, entries)
             await engine.wait_job(job, entries)

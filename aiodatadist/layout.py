@@ -7,6 +7,7 @@ loop per block.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -417,8 +418,30 @@ def _type_name(value: int) -> str:
         return f"data type {value}"
 
 
+PLAN_CACHE_SIZE = 1024
+"""Transfer plans kept (least recently used first out): a call that repeats a recent transfer's block lists and
+geometries reuses its plan, on both ends."""
+
+
 def transfer_plan(params: TransferParams, requester: CacheGeometry, owner: CacheGeometry, owner_slot: int) -> CopyPlan:
-    """The validated plan of a pull or push; requester and owner compute the same plan independently."""
+    """The validated plan of a pull or push; requester and owner compute the same plan independently.
+
+    Plans are cached by their arguments: a plan holds no address, only tensor indices and byte offsets, so it is
+    right for any memory of these geometries (caches re-registered elsewhere included), and its arrays are
+    read-only.  Invalid arguments raise every time (errors are not cached)."""
+    return _cached_plan(params, requester, owner, owner_slot)
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _cached_plan(params: TransferParams, requester: CacheGeometry, owner: CacheGeometry, owner_slot: int) -> CopyPlan:
+    plan = _transfer_plan(params, requester, owner, owner_slot)
+    for array in (plan.src_tensor, plan.dst_tensor, plan.runs.src_offset, plan.runs.dst_offset, plan.runs.length):
+        array.flags.writeable = False
+    return plan
+
+
+def _transfer_plan(params: TransferParams, requester: CacheGeometry, owner: CacheGeometry,
+                   owner_slot: int) -> CopyPlan:
     require(params.op in ("pull", "push") and params.api in ("cache", "blocks"), "unknown transfer kind.")
     if requester.data_type != owner.data_type:  # (the message names the types: built only when it is raised)
         param_invalid(f"data type mismatch: the local cache holds {_type_name(requester.data_type)}, the remote "

@@ -109,6 +109,11 @@ class ExecutorBase:
     def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> Any:
         raise NotImplementedError
 
+    def copy_now(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec) -> bool:
+        """Copy a small plan on the calling thread instead of queueing a job; False (nothing copied): queue it.
+        Only the native pool does (:func:`~aiodatadist.copy.spans.copy_grid_now`)."""
+        return False
+
     def start_plan(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec, *,
                    chunk_bytes: int | None = None) -> Any:
         """Queue the copy of a plan between two caches' tensors (``copier`` translates and streams)."""

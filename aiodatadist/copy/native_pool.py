@@ -22,7 +22,7 @@ from ..layout import CopyPlan, Spans
 from ..native import CopySpec, JobState, native_pool
 from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
 from .completion import NotifyPipe
-from .spans import PIECE, split_spans
+from .spans import PIECE, copy_grid_now, split_spans
 
 __all__ = ["NativeExecutor", "NativeJob"]
 
@@ -105,6 +105,9 @@ class NativeExecutor(ExecutorBase):
                 old.close()
             notifier = self._notifiers[loop] = _Notifier(self, loop)
         return notifier
+
+    def copy_now(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec) -> bool:
+        return copy_grid_now(plan, src_addrs, dst_addrs, copier)
 
     def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> NativeJob:
         """Queue a job (from the event loop thread); await it with :meth:`wait`."""

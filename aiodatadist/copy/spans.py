@@ -7,8 +7,11 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from ..layout import Spans
-from ..native import CopySpec, local_copier
+import os
+from typing import Any
+
+from ..layout import CopyPlan, Spans
+from ..native import CopySpec, local_copier, native_pool
 
 __all__ = [
     "MAX_CHUNK",
@@ -16,8 +19,10 @@ __all__ = [
     "PIECE",
     "SINGLE_CHUNK",
     "SMALL",
+    "INLINE_BYTES",
     "STREAMING_THRESHOLD",
     "copier_for_local",
+    "copy_grid_now",
     "split_spans",
 ]
 
@@ -31,6 +36,32 @@ SMALL = 4 << 20
 MIN_CHUNK = 4 << 20
 MAX_CHUNK = 16 << 20
 STREAMING_THRESHOLD = 1 << 20  # transfers this large bypass the CPU caches (non-temporal stores)
+INLINE_BYTES = 64 << 10
+"""Host copies up to this size run on the calling thread, in one native call (:func:`copy_grid_now`): waking a copy
+worker and reading its announcement back on the event loop costs tens of microseconds, copying 64 KiB a few."""
+
+
+def copy_grid_now(plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: CopySpec) -> bool:
+    """Copy a host plan of at most :data:`INLINE_BYTES` on this thread, in one native call (the grid's spans are
+    built, merged and copied in C); False, having copied nothing, when the plan is bigger or the native helper is
+    not built.  Raises ``OSError`` as a copy job would fail (e.g. ``EFAULT``: a remote range is not mapped)."""
+    if plan.total_bytes > INLINE_BYTES:
+        return False
+    lib = native_pool()
+    if lib is None:
+        return False
+    runs = plan.runs
+    src = np.ascontiguousarray(src_addrs[plan.src_tensor], dtype=np.uint64)
+    dst = np.ascontiguousarray(dst_addrs[plan.dst_tensor], dtype=np.uint64)
+    run_src = np.ascontiguousarray(runs.src_offset).view(np.uint64)
+    run_dst = np.ascontiguousarray(runs.dst_offset).view(np.uint64)
+    run_len = np.ascontiguousarray(runs.length).view(np.uint64)
+    err = lib.adt_copy_grid(src.ctypes.data, dst.ctypes.data, len(src), run_src.ctypes.data, run_dst.ctypes.data,
+                            run_len.ctypes.data, len(run_len), copier.src_delta, copier.dst_delta, copier.mode,
+                            copier.pid)
+    if err:
+        raise OSError(err, f"copy failed: {os.strerror(err)}")
+    return True
 
 
 def copier_for_local(total_bytes: int) -> CopySpec:

@@ -415,6 +415,59 @@ void *adt_job_submit_grid(void *pool, const uint64_t *src_base, const uint64_t *
     return submit((adt_pool *)pool, j);
 }
 
+/* A (tensor x run) grid as adt_job_submit_grid describes it, copied on the calling thread (no worker, no
+ * announcement): for transfers so small that a worker's wake-up and the event loop's pipe read would cost more than
+ * the copy.  Spans that continue each other are merged.  Returns 0, or an errno (EFAULT: a remote range is not
+ * mapped, or not any more). */
+typedef struct { struct iovec local[PVM_BATCH], remote[PVM_BATCH]; size_t k, want; int mode, pid; } pvm_batch;
+
+static int pvm_flush(pvm_batch *b)
+{
+    if (b->k == 0) return 0;
+    ssize_t got = b->mode == 1 ? process_vm_readv(b->pid, b->local, b->k, b->remote, b->k, 0)
+                               : process_vm_writev(b->pid, b->local, b->k, b->remote, b->k, 0);
+    size_t want = b->want;
+    b->k = 0; b->want = 0;
+    if (got < 0) return errno ? errno : EIO;
+    return (size_t)got == want ? 0 : EFAULT;
+}
+
+static int grid_copy_one(pvm_batch *b, uint64_t s, uint64_t d, uint64_t l)
+{
+    if (b->mode == 0) { memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, (size_t)l); return 0; }
+    uint64_t local = b->mode == 1 ? d : s, remote = b->mode == 1 ? s : d;
+    b->local[b->k].iov_base = (void *)(uintptr_t)local;
+    b->remote[b->k].iov_base = (void *)(uintptr_t)remote;
+    b->local[b->k].iov_len = b->remote[b->k].iov_len = (size_t)l;
+    b->want += (size_t)l;
+    return ++b->k == PVM_BATCH ? pvm_flush(b) : 0;
+}
+
+int adt_copy_grid(const uint64_t *src_base, const uint64_t *dst_base, size_t nt, const uint64_t *run_src,
+                  const uint64_t *run_dst, const uint64_t *run_len, size_t nr, uint64_t src_delta, uint64_t dst_delta,
+                  int mode, int pid)
+{
+    pvm_batch *b = malloc(sizeof *b);
+    if (!b) return ENOMEM;
+    b->k = 0; b->want = 0; b->mode = mode; b->pid = pid;
+    uint64_t cs = 0, cd = 0, cl = 0;
+    int err = 0;
+    for (size_t t = 0; t < nt && !err; t++) {
+        uint64_t sb = src_base[t] + src_delta, db = dst_base[t] + dst_delta;
+        for (size_t r = 0; r < nr && !err; r++) {
+            uint64_t s = sb + run_src[r], d = db + run_dst[r], l = run_len[r];
+            if (l == 0) continue;
+            if (cl && cs + cl == s && cd + cl == d) { cl += l; continue; }
+            if (cl) err = grid_copy_one(b, cs, cd, cl);
+            cs = s; cd = d; cl = l;
+        }
+    }
+    if (!err && cl) err = grid_copy_one(b, cs, cd, cl);
+    if (!err) err = pvm_flush(b);
+    free(b);
+    return err;
+}
+
 /* Stop a job: no new chunk starts and running ones stop at their next span; the end is announced as usual
  * (by the worker that meets the job next, or that finishes its running chunk). */
 void adt_job_cancel(void *pool, void *job)

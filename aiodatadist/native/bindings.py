@@ -124,6 +124,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_job_submit_grid.argtypes = [vp, vp, vp, sz, vp, vp, vp, sz, u64, u64, u64, u64, c_int, c_int, c_int,
                                         c_int]
     lib.adt_job_submit_grid.restype = vp
+    lib.adt_copy_grid.argtypes = [vp, vp, sz, vp, vp, vp, sz, u64, u64, c_int, c_int]
+    lib.adt_copy_grid.restype = c_int
     lib.adt_send_frame.argtypes = [c_int, vp, sz, vp, vp, i64, i64]
     lib.adt_send_frame.restype = c_int
     lib.adt_recv_frame.argtypes = [c_int, vp, vp, vp, sz, u64, u64, vp, vp, sz, c_int, vp]

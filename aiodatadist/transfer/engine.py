@@ -67,6 +67,13 @@ class CopyEngine:
             entry.device_addrs = entry.addrs + np.array(deltas, dtype=np.uint64)[which]
         return entry.device_addrs
 
+    def copy_now(self, plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: CopySpec | None) -> bool:
+        """Copy a small host plan on this thread (:func:`~aiodatadist.copy.spans.copy_grid_now`); False, having
+        copied nothing, when it is not small enough (start a job instead)."""
+        if self._closed:
+            raise LLMNotInitializedError()
+        return self._executor.copy_now(plan, src_addrs, dst_addrs, copier or copier_for_local(plan.total_bytes))
+
     def start_job(self, plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: CopySpec | None,
                   entries: tuple[CacheEntry, ...], *, on_device: bool = False) -> CopyJob:
         """Queue the copy of ``plan`` from tensors at ``src_addrs`` to ``dst_addrs``, touching ``entries``

@@ -146,7 +146,11 @@ class Requester:
             if route is Route.STALE:
                 del st.resolved[index]
             return None
-        plan = transfer_plan(params, local.geometry, descriptor.geometry, resolved.slot)
+        try:
+            plan = transfer_plan(params, local.geometry, descriptor.geometry, resolved.slot)
+        except LLMException:  # against what was resolved, which may be gone: the owner has the last word
+            del st.resolved[index]
+            return None
         transfer = Transfer(transfer_id(st.running), params.op == "pull", plan, local, descriptor, resolved.cache_id)
         with self._registry.lease(local):
             try:

@@ -114,6 +114,8 @@ class SameHostPlane(DataPlane):
                 copy = self.memory.copier(remote_is_src=pull, segment=segment,
                                           streaming=plan.total_bytes >= STREAMING_THRESHOLD)
                 src, dst = (descriptor.addrs, local.addrs) if pull else (local.addrs, descriptor.addrs)
+                if copies.copy_now(plan, src, dst, copy):
+                    return
                 job = copies.start_job(plan, src, dst, copy, (local,))
             self._jobs[transfer.tid] = job
             try:

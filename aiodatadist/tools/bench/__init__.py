@@ -10,7 +10,10 @@ the same bytes between two processes for ``tcp``.  The prompt runs in its own pr
 * ``whole``: ``pull_cache`` / ``push_cache`` of a 64 x 4 MiB contiguous cache (256 MiB);
 * ``small``: a 2 MiB transfer (1 block x 64 tensors), latency percentiles;
 * ``concurrent``: ``--concurrency`` (64) concurrent 4 MiB ``pull_blocks`` / ``push_blocks``, aggregate throughput
-  against the single paged figure.
+  against the single paged figure;
+* ``calls``: what a call costs around its bytes: ``pull_blocks`` / ``push_blocks`` of tiny 64-byte blocks of a
+  64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), per-call p50/p99, and the marginal
+  cost of a span.
 
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
 aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
@@ -60,7 +63,9 @@ BLOCK_BYTES = 32 << 10
 MOVED_BLOCKS = 128
 SLOT_BYTES = 4 * MIB
 BIG = TENSORS * MOVED_BLOCKS * BLOCK_BYTES  # 256 MiB
-WORKLOADS = ("local", "paged", "whole", "small", "concurrent")
+WORKLOADS = ("local", "paged", "whole", "small", "concurrent", "calls")
+TINY_BYTES = 64  # the calls workload: blocks this small measure the call, not the copy
+CALL_SPANS = (64, 8192)
 ALIASES = {"pull": "paged"}  # the name of the paged workload in earlier versions
 PROMPT, DECODER = 1, 2
 COUNTERPART = {"shm": "nixl-ucx", "tcp": "nixl-ucx-tcp", "nixl": "nixl-ucx"}  # the NIXL harness each is compared to
@@ -71,6 +76,10 @@ Progress = Callable[[str], None]
 
 def _blocks_desc() -> CacheDesc:
     return CacheDesc(TENSORS, (BLOCKS, BLOCK_BYTES), DataType.DT_UINT8, Placement.HOST)
+
+
+def _tiny_desc() -> CacheDesc:
+    return CacheDesc(TENSORS, (BLOCKS, TINY_BYTES), DataType.DT_UINT8, Placement.HOST)
 
 
 def _slot_desc() -> CacheDesc:
@@ -110,8 +119,9 @@ class _Session:
     """A prompt process and a decoder here, linked over one transport, with paged and contiguous caches."""
 
     def __init__(self, peer: PeerProcess, dd: LLMDataDist, blocks: Cache, slots: Cache, remote_slots: int,
-                 buffers: list[np.ndarray]) -> None:
+                 buffers: list[np.ndarray], tiny: Cache | None) -> None:
         self.peer, self.dd, self.blocks, self.slots, self.remote_slots = peer, dd, blocks, slots, remote_slots
+        self.tiny = tiny  # 64-byte blocks (the calls workload)
         self.buffers = buffers  # registered memory (nixl): alive as long as the caches
 
     @classmethod
@@ -128,6 +138,9 @@ class _Session:
             await peer.call("fill", cache_id=blocks["cache_id"], seed=3)
             slots = await peer.call(make, num_tensors=TENSORS, shape=[1, SLOT_BYTES])
             await peer.call("fill", cache_id=slots["cache_id"], seed=4)
+            tiny = await peer.call(make, blocks=True, num_tensors=TENSORS, shape=[BLOCKS, TINY_BYTES],
+                                   blocks_key=[PROMPT, 1])
+            await peer.call("fill", cache_id=tiny["cache_id"], seed=7)
             dd = LLMDataDist(LLMRole.DECODER, DECODER)
             cfg = LLMConfig()
             cfg.sync_kv_timeout = 120000
@@ -147,18 +160,29 @@ class _Session:
             addrs = [int(b.ctypes.data) for b in buffers]
             local_blocks = cm.register_blocks_cache(_blocks_desc(), addrs[:TENSORS], BlocksCacheKey(DECODER, 0))
             local_slots = cm.register_cache(_slot_desc(), addrs[TENSORS:])
+            local_tiny = None
         else:
             local_blocks = cm.allocate_blocks_cache(_blocks_desc(), BlocksCacheKey(DECODER, 0))
             local_slots = cm.allocate_cache(_slot_desc())
+            local_tiny = cm.allocate_blocks_cache(_tiny_desc(), BlocksCacheKey(DECODER, 1))
+            fill_pattern(local_tiny, 8)
         fill_pattern(local_blocks, 5)
         fill_pattern(local_slots, 6)
-        return cls(peer, dd, local_blocks, local_slots, int(slots["cache_id"]), buffers)
+        return cls(peer, dd, local_blocks, local_slots, int(slots["cache_id"]), buffers, local_tiny)
 
     def paged(self, direction: str, src: list[int], dst: list[int]) -> Awaitable[None]:
         cm, key = self.dd.cache_manager, BlocksCacheKey(PROMPT, 0)
         if direction == "pull":
             return cm.pull_blocks(key, self.blocks, src, dst)
         return cm.push_blocks(key, self.blocks, src, dst)
+
+    def call(self, direction: str, src: list[int], dst: list[int]) -> Awaitable[None]:
+        """A transfer of tiny blocks: its time is the call's, not the copy's."""
+        cm, key = self.dd.cache_manager, BlocksCacheKey(PROMPT, 1)
+        assert self.tiny is not None
+        if direction == "pull":
+            return cm.pull_blocks(key, self.tiny, src, dst)
+        return cm.push_blocks(key, self.tiny, src, dst)
 
     def whole(self, direction: str) -> Awaitable[None]:
         key = CacheKeyByIdAndIndex(PROMPT, self.remote_slots, 0)
@@ -212,6 +236,8 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
         lat = sorted(t * 1e3 for t in await _times(lambda: session.paged(direction, [7], [9]), runs, 5))
         row("small", TENSORS * BLOCK_BYTES, p50_ms=statistics.median(lat),
             p99_ms=lat[max(0, int(len(lat) * 0.99) - 1)], runs=runs)
+    if "calls" in workloads and session.tiny is not None:
+        rows.extend(await _measure_calls(session, str(plane), direction, repeat, progress))
     if "concurrent" in workloads and single is not None:
         progress(f"{plane} {direction} {concurrency} concurrent 4 MiB")
         pairs = [rng.permutation(BLOCKS)[:2].tolist() for _ in range(concurrency)]
@@ -223,6 +249,26 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
         agg = _gbps(per * concurrency, statistics.median(await _times(burst, repeat)))
         row("concurrent", per * concurrency, gbps=agg, baseline="single paged transfer", baseline_gbps=single,
             ratio=agg / single, concurrency=concurrency)
+    return rows
+
+
+async def _measure_calls(session: _Session, plane: str, direction: str, repeat: int,
+                         progress: Progress) -> list[dict[str, Any]]:
+    """Per-call latency of 64 and 8192 spans of 64 bytes; the 8192-span row also gives the marginal cost of a span
+    (its p50 minus the 64-span p50, per extra span)."""
+    runs = max(500, repeat * 100)
+    rows: list[dict[str, Any]] = []
+    p50s: dict[int, float] = {}
+    for spans in CALL_SPANS:
+        blocks = list(range(0, 2 * (spans // TENSORS), 2))  # every other block: no two spans coalesce
+        progress(f"{plane} {direction} calls of {spans} spans x {runs}")
+        lat = sorted(t * 1e6 for t in await _times(lambda: session.call(direction, blocks, blocks), runs, 20))
+        p50s[spans] = statistics.median(lat)
+        row = {"workload": "calls", "transport": plane, "direction": direction, "bytes": spans * TINY_BYTES,
+               "spans": spans, "p50_us": p50s[spans], "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs}
+        if spans != CALL_SPANS[0]:
+            row["ns_per_extra_span"] = (p50s[spans] - p50s[CALL_SPANS[0]]) * 1e3 / (spans - CALL_SPANS[0])
+        rows.append(row)
     return rows
 
 
@@ -298,6 +344,10 @@ def _format(r: dict[str, Any]) -> str:
             text += f"   {r['baseline']}: {r['baseline_gbps']:6.2f} GB/s   ratio {r['ratio']:.2f}"
         if "limit" in r:
             text += f"   {r['limit']}: {r['limit_gbps']:6.2f} GB/s   ratio {r['limit_ratio']:.2f}"
+    elif "p50_us" in r:
+        text = f"{head} {r['spans']:>5} spans  p50 {r['p50_us']:7.1f} us  p99 {r['p99_us']:7.1f} us ({r['runs']} runs)"
+        if "ns_per_extra_span" in r:
+            text += f"   {r['ns_per_extra_span']:.1f} ns per extra span"
     else:
         text = f"{head} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms ({r['runs']} runs)"
     if "vs_peer" in r:

@@ -1,0 +1,97 @@
+"""Small host copies on the calling thread (``copy_grid_now``): the same bytes as a queued job would move, the
+same errors, and nothing at all for a plan above the threshold or without the native helper."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiodatadist.copy.spans import INLINE_BYTES, copy_grid_now
+from aiodatadist.layout import CacheGeometry, TransferParams, transfer_plan
+from aiodatadist.native import CopyMode, CopySpec, native_available
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="the native helper is not built")
+
+TENSORS, BLOCKS = 4, 16
+
+
+def _caches(block: int, seed: int) -> tuple[list[np.ndarray[Any, Any]], list[np.ndarray[Any, Any]]]:
+    rng = np.random.default_rng(seed)
+    src = [rng.integers(1, 256, BLOCKS * block, dtype=np.uint8) for _ in range(TENSORS)]
+    dst = [rng.integers(1, 256, BLOCKS * block, dtype=np.uint8) for _ in range(TENSORS)]
+    return src, dst
+
+
+def _addrs(arrays: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+    return np.array([a.ctypes.data for a in arrays], dtype=np.uint64)
+
+
+def _plan(block: int, src_blocks: list[int], dst_blocks: list[int]) -> Any:
+    geometry = CacheGeometry(TENSORS, BLOCKS * block, BLOCKS, True, 4)
+    params = TransferParams("pull", "blocks", tuple(src_blocks), tuple(dst_blocks), None, None, 2, -1, 0)
+    return transfer_plan(params, geometry, geometry, 0)
+
+
+def _expected(src: list[np.ndarray[Any, Any]], dst: list[np.ndarray[Any, Any]], block: int,
+              src_blocks: list[int], dst_blocks: list[int]) -> list[np.ndarray[Any, Any]]:
+    out = [d.copy().reshape(BLOCKS, block) for d in dst]
+    for t in range(TENSORS):
+        out[t][dst_blocks] = src[t].reshape(BLOCKS, block)[src_blocks]
+    return [o.reshape(-1) for o in out]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([8, 64, 512]), st.lists(st.tuples(st.integers(0, BLOCKS - 1), st.integers(0, BLOCKS - 1)),
+                                                 min_size=1, max_size=BLOCKS, unique_by=(lambda p: p[0], lambda p: p[1])),
+       st.sampled_from([CopyMode.MEMCPY, CopyMode.PVM_READ, CopyMode.PVM_WRITE]))
+def test_inline_copy_moves_exactly_the_planned_blocks(block: int, pairs: list[tuple[int, int]],
+                                                      mode: CopyMode) -> None:
+    """Every mode (memcpy, process_vm_readv/writev on this process) lands the planned blocks byte-exact and
+    touches no other byte; adjacent blocks are merged into one span, which must not change the result."""
+    src, dst = _caches(block, len(pairs) * 7 + block)
+    src_blocks, dst_blocks = [s for s, _ in pairs], [d for _, d in pairs]
+    expected = _expected(src, dst, block, src_blocks, dst_blocks)
+    plan = _plan(block, src_blocks, dst_blocks)
+    assert copy_grid_now(plan, _addrs(src), _addrs(dst), CopySpec(mode, pid=os.getpid()))
+    for got, want in zip(dst, expected):
+        assert np.array_equal(got, want)
+
+
+def test_deltas_translate_both_sides() -> None:
+    """``src_delta``/``dst_delta`` (a peer's segment mapped here) shift the addresses as a queued job does."""
+    block = 64
+    src, dst = _caches(block, 3)
+    shift = 4096
+    bases_src = _addrs(src) - np.uint64(shift)
+    bases_dst = _addrs(dst) + np.uint64(shift)
+    expected = _expected(src, dst, block, [1, 2, 9], [0, 5, 6])
+    assert copy_grid_now(_plan(block, [1, 2, 9], [0, 5, 6]), bases_src, bases_dst,
+                         CopySpec(src_delta=shift, dst_delta=(1 << 64) - shift))
+    assert all(np.array_equal(g, w) for g, w in zip(dst, expected))
+
+
+def test_a_plan_above_the_threshold_is_left_to_a_job() -> None:
+    block = INLINE_BYTES // (TENSORS * 2) + 64  # two blocks per tensor exceed the threshold
+    src, dst = _caches(block, 5)
+    before = [d.copy() for d in dst]
+    assert not copy_grid_now(_plan(block, [0, 1], [2, 3]), _addrs(src), _addrs(dst), CopySpec())
+    assert all(np.array_equal(a, b) for a, b in zip(before, dst))
+
+
+def test_an_unmapped_remote_range_fails_with_efault() -> None:
+    """process_vm_readv of a range that is not mapped (a peer's memory that went away) fails as a job would,
+    with ``EFAULT``, and the local destination keeps what it had where nothing was read."""
+    block = 64
+    region = mmap.mmap(-1, mmap.PAGESIZE)
+    base = np.frombuffer(region, dtype=np.uint8).ctypes.data  # a valid address, then one that is not
+    src = np.array([base] * (TENSORS - 1) + [base + (1 << 46)], dtype=np.uint64)
+    _, dst = _caches(block, 9)
+    with pytest.raises(OSError) as info:
+        copy_grid_now(_plan(block, [0], [1]), src, _addrs(dst), CopySpec(CopyMode.PVM_READ, pid=os.getpid()))
+    assert info.value.errno == 14  # EFAULT
