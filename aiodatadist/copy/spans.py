@@ -4,22 +4,22 @@ takes at once), and which copier suits a local transfer of a given size.
 
 from __future__ import annotations
 
-import numpy as np
-import numpy.typing as npt
-
 import os
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from ..layout import CopyPlan, Spans
 from ..native import CopySpec, local_copier, native_pool
 
 __all__ = [
+    "INLINE_BYTES",
     "MAX_CHUNK",
     "MIN_CHUNK",
     "PIECE",
     "SINGLE_CHUNK",
     "SMALL",
-    "INLINE_BYTES",
     "STREAMING_THRESHOLD",
     "copier_for_local",
     "copy_grid_now",

@@ -33,6 +33,7 @@ decode vLLM engines with NixlConnector and with aiodatadist's connector (:mod:`.
 from __future__ import annotations
 
 import argparse
+import functools
 import asyncio
 import json
 import statistics
@@ -262,7 +263,7 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
     for spans in CALL_SPANS:
         blocks = list(range(0, 2 * (spans // TENSORS), 2))  # every other block: no two spans coalesce
         progress(f"{plane} {direction} calls of {spans} spans x {runs}")
-        lat = sorted(t * 1e6 for t in await _times(lambda: session.call(direction, blocks, blocks), runs, 20))
+        lat = sorted(t * 1e6 for t in await _times(functools.partial(session.call, direction, blocks, blocks), runs, 20))
         p50s[spans] = statistics.median(lat)
         row = {"workload": "calls", "transport": plane, "direction": direction, "bytes": spans * TINY_BYTES,
                "spans": spans, "p50_us": p50s[spans], "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs}
