@@ -33,8 +33,8 @@ decode vLLM engines with NixlConnector and with aiodatadist's connector (:mod:`.
 from __future__ import annotations
 
 import argparse
-import functools
 import asyncio
+import functools
 import json
 import statistics
 import sys
