@@ -1,0 +1,80 @@
+"""The TCP frame functions move a transfer's byte stream between scattered spans whatever their sizes: spans
+shorter than 2 KiB go through a bounce buffer (gathered on send, scattered on receive), longer ones in place, and
+a frame may start and end anywhere inside a span."""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiodatadist.native import native_available
+from aiodatadist.transport.tcp.frames import recv_frame, send_frame
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="the native helper is not built")
+
+sizes = st.lists(st.one_of(st.integers(0, 300), st.integers(1500, 2600), st.integers(60_000, 140_000)),
+                 min_size=1, max_size=300)
+
+
+def _spans(lengths: list[int], seed: int) -> tuple[list[np.ndarray[Any, Any]], np.ndarray[Any, Any],
+                                                   np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    buffers = [rng.integers(1, 256, max(n, 1), dtype=np.uint8) for n in lengths]
+    addr = np.array([b.ctypes.data for b in buffers], dtype=np.uint64)
+    return buffers, addr, np.array(lengths, dtype=np.uint64)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes, sizes, st.integers(0, 3), st.data())
+def test_a_stream_crosses_any_span_layout(send_sizes: list[int], recv_sizes: list[int], cuts: int,
+                                          data: st.DataObject) -> None:
+    """The sender's spans, cut into frames at arbitrary byte offsets, land byte-exact in receiver spans of
+    another layout (the stream is the concatenation of the spans in order); nothing beyond them is touched."""
+    total = min(sum(send_sizes), sum(recv_sizes))
+    send_sizes = _clip(send_sizes, total)
+    recv_sizes = _clip(recv_sizes, total)
+    src, saddr, slen = _spans(send_sizes, 1)
+    dst, daddr, dlen = _spans(recv_sizes, 2)
+    guard = [d.copy() for d in dst]
+    expected = np.concatenate([s[:n] for s, n in zip(src, send_sizes)] + [np.zeros(0, np.uint8)])
+    ends = np.cumsum(dlen, dtype=np.uint64)
+    bounds = sorted({0, len(send_sizes), *data.draw(st.lists(st.integers(0, len(send_sizes)), max_size=cuts))})
+    a, b = socket.socketpair()
+    scratch = ctypes.create_string_buffer(1 << 20)
+    stop = ctypes.c_int32(0)
+    try:
+        offsets = np.concatenate(([0], np.cumsum(slen, dtype=np.uint64))).tolist()
+
+        def sender() -> None:
+            for lo, hi in zip(bounds, bounds[1:]):
+                send_frame(a, b"", saddr, slen, lo, hi)
+
+        thread = threading.Thread(target=sender)
+        thread.start()
+        for lo, hi in zip(bounds, bounds[1:]):
+            nbytes = int(offsets[hi] - offsets[lo])
+            got, consumed = recv_frame(b, daddr, dlen, ends, int(offsets[lo]), nbytes, ctypes.addressof(stop), scratch)
+            assert got == nbytes and consumed == nbytes
+        thread.join()
+    finally:
+        a.close()
+        b.close()
+    landed = np.concatenate([d[:n] for d, n in zip(dst, recv_sizes)] + [np.zeros(0, np.uint8)])
+    assert np.array_equal(landed, expected)
+    for d, g, n in zip(dst, guard, recv_sizes):
+        assert np.array_equal(d[n:], g[n:])  # (a zero-length span's buffer keeps its byte)
+
+
+def _clip(lengths: list[int], total: int) -> list[int]:
+    out, left = [], total
+    for n in lengths:
+        out.append(min(n, left))
+        left -= out[-1]
+    return out
