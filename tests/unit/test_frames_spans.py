@@ -5,6 +5,7 @@ a frame may start and end anywhere inside a span."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import socket
 import threading
 from typing import Any
@@ -53,12 +54,12 @@ def test_a_stream_crosses_any_span_layout(send_sizes: list[int], recv_sizes: lis
         offsets = np.concatenate(([0], np.cumsum(slen, dtype=np.uint64))).tolist()
 
         def sender() -> None:
-            for lo, hi in zip(bounds, bounds[1:]):
+            for lo, hi in itertools.pairwise(bounds):
                 send_frame(a, b"", saddr, slen, lo, hi)
 
         thread = threading.Thread(target=sender)
         thread.start()
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             nbytes = int(offsets[hi] - offsets[lo])
             got, consumed = recv_frame(b, daddr, dlen, ends, int(offsets[lo]), nbytes, ctypes.addressof(stop), scratch)
             assert got == nbytes and consumed == nbytes
