@@ -124,7 +124,9 @@ typedef struct adt_job {
     int done;                          /* published with release semantics once no worker touches the job */
     struct adt_job *next;              /* ready list (workers' mutex) */
     struct adt_job *next_in;           /* incoming stack (lock-free) */
-    void *owned;                       /* span arrays built here (adt_job_submit_grid), freed with the job */
+    void *owned;                       /* memory of this job's own, freed with it (its grid) */
+    struct grid *grid;                 /* a grid job: chunks are byte ranges of the grid's stream (bounds unused) */
+    uint64_t chunk;                    /* a grid job's bytes per chunk */
 } adt_job;
 
 typedef struct adt_pool {
@@ -287,11 +289,14 @@ static void *worker(void *arg)
         if (more && __atomic_load_n(&p->idle, __ATOMIC_SEQ_CST) > 0) sem_post(&p->work);
 
         int err = 0;
-        int64_t lo = j->bounds[c], hi = j->bounds[c + 1];
-        if (j->mode == 0)
-            adt_copy_spans(j->dst + lo, j->src + lo, j->len + lo, (size_t)(hi - lo), j->streaming, &j->stop);
-        else
-            err = run_pvm(j, lo, hi);
+        if (j->grid) err = run_grid_chunk(j, c);
+        else {
+            int64_t lo = j->bounds[c], hi = j->bounds[c + 1];
+            if (j->mode == 0)
+                adt_copy_spans(j->dst + lo, j->src + lo, j->len + lo, (size_t)(hi - lo), j->streaming, &j->stop);
+            else
+                err = run_pvm(j, lo, hi);
+        }
 
         pthread_mutex_lock(&p->lock);
         j->inflight--;
@@ -365,21 +370,118 @@ void *adt_job_submit(void *pool, const uint64_t *dst, const uint64_t *src, const
     return submit((adt_pool *)pool, j);
 }
 
-/* A job from a (tensor x run) grid, built here so that the caller does no per-span work: span (t, r) copies
- * run_len[r] bytes from src_base[t] + run_src[r] + src_delta to dst_base[t] + run_dst[r] + dst_delta, tensor-major.
- * Spans that continue each other on both sides are merged, then cut into pieces of at most `piece` bytes (the
- * stop flag is polled between pieces) and grouped into chunks of about `chunk` bytes. */
-typedef struct { uint64_t *src, *dst, *len; int64_t *bounds; size_t n, nb; uint64_t acc, chunk, piece; } grid_out;
+/* A (tensor x run) grid: span (t, r) copies run_len[r] bytes from src_base[t] + run_src[r] + src_delta to
+ * dst_base[t] + run_dst[r] + dst_delta, tensor-major.  Its spans in that order form a byte stream; a grid job's
+ * chunks are byte ranges of it, which workers walk themselves (no span list is built: the caller does no per-span
+ * work and submitting costs the same for 64 spans or 8192).  Spans that continue each other on both sides are
+ * merged, runs longer than `piece` are copied piece by piece, and the stop flag is polled between pieces. */
+typedef struct grid {
+    const uint64_t *src_base, *dst_base, *run_src, *run_dst, *run_len;   /* kept alive by the caller */
+    uint64_t *prefix;                  /* nr + 1 running sums of run_len (owned by the job) */
+    size_t nt, nr;
+    uint64_t src_delta, dst_delta, per_tensor, total, piece;
+} grid;
 
-static void grid_emit(grid_out *o, uint64_t s, uint64_t d, uint64_t l)
+typedef struct {
+    struct iovec local[PVM_BATCH], remote[PVM_BATCH];
+    size_t k, want;
+    int mode, pid, streaming;
+    const volatile int32_t *stop;
+} copier;
+
+static int pvm_flush(copier *c)
+{
+    if (c->k == 0) return 0;
+    ssize_t got = c->mode == 1 ? process_vm_readv(c->pid, c->local, c->k, c->remote, c->k, 0)
+                               : process_vm_writev(c->pid, c->local, c->k, c->remote, c->k, 0);
+    size_t want = c->want;
+    c->k = 0; c->want = 0;
+    if (got < 0) return errno ? errno : EIO;
+    return (size_t)got == want ? 0 : EFAULT;   /* a remote range is not mapped (any more) */
+}
+
+/* One merged span, in pieces of at most `piece` bytes; 0, an errno, or -1 when stopped. */
+static int copy_span(copier *c, uint64_t s, uint64_t d, uint64_t l, uint64_t piece)
 {
     while (l > 0) {
-        uint64_t k = l < o->piece ? l : o->piece;
-        o->src[o->n] = s; o->dst[o->n] = d; o->len[o->n] = k; o->n++;
+        if (c->stop && *c->stop) return -1;
+        uint64_t k = l < piece ? l : piece;
+        if (c->mode == 0) {
+            if (c->streaming && k >= 4096) stream_copy((char *)(uintptr_t)d, (const char *)(uintptr_t)s, (size_t)k);
+            else memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, (size_t)k);
+        } else {
+            uint64_t local = c->mode == 1 ? d : s, remote = c->mode == 1 ? s : d;
+            c->local[c->k].iov_base = (void *)(uintptr_t)local;
+            c->remote[c->k].iov_base = (void *)(uintptr_t)remote;
+            c->local[c->k].iov_len = c->remote[c->k].iov_len = (size_t)k;
+            c->want += (size_t)k;
+            if (++c->k == PVM_BATCH || c->want >= PVM_BYTES) {
+                int err = pvm_flush(c);
+                if (err) return err;
+            }
+        }
         s += k; d += k; l -= k;
-        o->acc += k;
-        if (o->acc >= o->chunk) { o->bounds[o->nb++] = (int64_t)o->n; o->acc = 0; }
     }
+    return 0;
+}
+
+/* Copy bytes [b0, b1) of the grid's stream: 0, an errno, or -1 when stopped. */
+static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
+{
+    if (b0 >= b1 || g->per_tensor == 0) return 0;
+    size_t t = (size_t)(b0 / g->per_tensor);
+    uint64_t rem = b0 - (uint64_t)t * g->per_tensor;
+    size_t lo = 0, hi = g->nr;   /* the run holding byte `rem` of the tensor: the last r with prefix[r] <= rem */
+    while (hi - lo > 1) { size_t mid = lo + (hi - lo) / 2; if (g->prefix[mid] <= rem) lo = mid; else hi = mid; }
+    size_t r = lo;
+    uint64_t off = rem - g->prefix[r], pos = b0, cs = 0, cd = 0, cl = 0;
+    int err = 0;
+    while (pos < b1 && t < g->nt) {
+        uint64_t l = g->run_len[r] - off;
+        if (l > b1 - pos) l = b1 - pos;
+        if (l) {
+            uint64_t s = g->src_base[t] + g->src_delta + g->run_src[r] + off;
+            uint64_t d = g->dst_base[t] + g->dst_delta + g->run_dst[r] + off;
+            if (cl && cs + cl == s && cd + cl == d) cl += l;
+            else {
+                if (cl && (err = copy_span(c, cs, cd, cl, g->piece))) return err;
+                cs = s; cd = d; cl = l;
+            }
+        }
+        pos += l; off = 0;
+        if (++r == g->nr) { r = 0; t++; }
+    }
+    if (cl && (err = copy_span(c, cs, cd, cl, g->piece))) return err;
+    if (c->mode != 0 && (c->stop == NULL || !*c->stop)) return pvm_flush(c);
+    return 0;
+}
+
+static grid *grid_new(const uint64_t *src_base, const uint64_t *dst_base, size_t nt, const uint64_t *run_src,
+                      const uint64_t *run_dst, const uint64_t *run_len, size_t nr, uint64_t src_delta,
+                      uint64_t dst_delta, uint64_t piece)
+{
+    grid *g = malloc(sizeof *g + (nr + 1) * sizeof(uint64_t));
+    if (!g) return NULL;
+    g->prefix = (uint64_t *)(g + 1);
+    g->prefix[0] = 0;
+    for (size_t r = 0; r < nr; r++) g->prefix[r + 1] = g->prefix[r] + run_len[r];
+    *g = (grid){src_base, dst_base, run_src, run_dst, run_len, g->prefix, nt, nr, src_delta, dst_delta,
+                g->prefix[nr], g->prefix[nr] * (uint64_t)nt, piece ? piece : (1u << 20)};
+    return g;
+}
+
+/* Runs chunk c of a grid job (a worker, without the mutex): 0 or an errno. */
+static int run_grid_chunk(adt_job *j, size_t c)
+{
+    copier *cp = malloc(sizeof *cp);
+    if (!cp) return ENOMEM;
+    cp->k = 0; cp->want = 0; cp->mode = j->mode; cp->pid = j->pid; cp->streaming = j->streaming;
+    cp->stop = &j->stop;
+    uint64_t b0 = (uint64_t)c * j->chunk, b1 = b0 + j->chunk < j->grid->total ? b0 + j->chunk : j->grid->total;
+    int err = grid_copy_range(j->grid, b0, b1, cp);
+    if (j->mode == 0 && j->streaming) STREAM_FENCE();
+    free(cp);
+    return err < 0 ? 0 : err;
 }
 
 void *adt_job_submit_grid(void *pool, const uint64_t *src_base, const uint64_t *dst_base, size_t nt,
@@ -388,83 +490,29 @@ void *adt_job_submit_grid(void *pool, const uint64_t *src_base, const uint64_t *
                           int mode, int pid, int streaming, int notify_fd)
 {
     if (piece == 0 || chunk == 0) return NULL;
-    size_t per_tensor = 0;
-    for (size_t r = 0; r < nr; r++) per_tensor += (size_t)((run_len[r] + piece - 1) / piece);
-    size_t cap = nt * per_tensor;   /* merging never needs more pieces than its parts */
     adt_job *j = calloc(1, sizeof *j);
-    char *mem = malloc(cap * 3 * sizeof(uint64_t) + (cap + 1) * sizeof(int64_t) + 8);
-    if (!j || !mem) { free(j); free(mem); return NULL; }
-    grid_out o = {(uint64_t *)mem, (uint64_t *)mem + cap, (uint64_t *)mem + 2 * cap,
-                  (int64_t *)((uint64_t *)mem + 3 * cap), 0, 1, 0, chunk, piece};
-    o.bounds[0] = 0;
-    uint64_t cs = 0, cd = 0, cl = 0;
-    for (size_t t = 0; t < nt; t++) {
-        uint64_t sb = src_base[t] + src_delta, db = dst_base[t] + dst_delta;
-        for (size_t r = 0; r < nr; r++) {
-            uint64_t s = sb + run_src[r], d = db + run_dst[r], l = run_len[r];
-            if (l == 0) continue;
-            if (cl && cs + cl == s && cd + cl == d) { cl += l; continue; }
-            if (cl) grid_emit(&o, cs, cd, cl);
-            cs = s; cd = d; cl = l;
-        }
-    }
-    if (cl) grid_emit(&o, cs, cd, cl);
-    if (o.bounds[o.nb - 1] != (int64_t)o.n) o.bounds[o.nb++] = (int64_t)o.n;
-    j->src = o.src; j->dst = o.dst; j->len = o.len; j->bounds = o.bounds; j->nchunks = o.nb - 1;
-    j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd; j->owned = mem;
+    grid *g = grid_new(src_base, dst_base, nt, run_src, run_dst, run_len, nr, src_delta, dst_delta, piece);
+    if (!j || !g) { free(j); free(g); return NULL; }
+    j->grid = g; j->owned = g; j->chunk = chunk;
+    j->nchunks = g->total ? (size_t)((g->total + chunk - 1) / chunk) : 0;
+    j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd;
     return submit((adt_pool *)pool, j);
 }
 
-/* A (tensor x run) grid as adt_job_submit_grid describes it, copied on the calling thread (no worker, no
- * announcement): for transfers so small that a worker's wake-up and the event loop's pipe read would cost more than
- * the copy.  Spans that continue each other are merged.  Returns 0, or an errno (EFAULT: a remote range is not
- * mapped, or not any more). */
-typedef struct { struct iovec local[PVM_BATCH], remote[PVM_BATCH]; size_t k, want; int mode, pid; } pvm_batch;
-
-static int pvm_flush(pvm_batch *b)
-{
-    if (b->k == 0) return 0;
-    ssize_t got = b->mode == 1 ? process_vm_readv(b->pid, b->local, b->k, b->remote, b->k, 0)
-                               : process_vm_writev(b->pid, b->local, b->k, b->remote, b->k, 0);
-    size_t want = b->want;
-    b->k = 0; b->want = 0;
-    if (got < 0) return errno ? errno : EIO;
-    return (size_t)got == want ? 0 : EFAULT;
-}
-
-static int grid_copy_one(pvm_batch *b, uint64_t s, uint64_t d, uint64_t l)
-{
-    if (b->mode == 0) { memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, (size_t)l); return 0; }
-    uint64_t local = b->mode == 1 ? d : s, remote = b->mode == 1 ? s : d;
-    b->local[b->k].iov_base = (void *)(uintptr_t)local;
-    b->remote[b->k].iov_base = (void *)(uintptr_t)remote;
-    b->local[b->k].iov_len = b->remote[b->k].iov_len = (size_t)l;
-    b->want += (size_t)l;
-    return ++b->k == PVM_BATCH ? pvm_flush(b) : 0;
-}
-
+/* A grid copied on the calling thread (no worker, no announcement): for transfers so small that a worker's
+ * wake-up and the event loop's pipe read would cost more than the copy.  Returns 0, or an errno (EFAULT: a remote
+ * range is not mapped, or not any more). */
 int adt_copy_grid(const uint64_t *src_base, const uint64_t *dst_base, size_t nt, const uint64_t *run_src,
                   const uint64_t *run_dst, const uint64_t *run_len, size_t nr, uint64_t src_delta, uint64_t dst_delta,
                   int mode, int pid)
 {
-    pvm_batch *b = malloc(sizeof *b);
-    if (!b) return ENOMEM;
-    b->k = 0; b->want = 0; b->mode = mode; b->pid = pid;
-    uint64_t cs = 0, cd = 0, cl = 0;
-    int err = 0;
-    for (size_t t = 0; t < nt && !err; t++) {
-        uint64_t sb = src_base[t] + src_delta, db = dst_base[t] + dst_delta;
-        for (size_t r = 0; r < nr && !err; r++) {
-            uint64_t s = sb + run_src[r], d = db + run_dst[r], l = run_len[r];
-            if (l == 0) continue;
-            if (cl && cs + cl == s && cd + cl == d) { cl += l; continue; }
-            if (cl) err = grid_copy_one(b, cs, cd, cl);
-            cs = s; cd = d; cl = l;
-        }
-    }
-    if (!err && cl) err = grid_copy_one(b, cs, cd, cl);
-    if (!err) err = pvm_flush(b);
-    free(b);
+    grid *g = grid_new(src_base, dst_base, nt, run_src, run_dst, run_len, nr, src_delta, dst_delta, 0);
+    copier *cp = malloc(sizeof *cp);
+    if (!g || !cp) { free(g); free(cp); return ENOMEM; }
+    cp->k = 0; cp->want = 0; cp->mode = mode; cp->pid = pid; cp->streaming = 0; cp->stop = NULL;
+    int err = grid_copy_range(g, 0, g->total, cp);
+    free(cp);
+    free(g);
     return err;
 }
 

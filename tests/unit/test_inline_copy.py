@@ -3,6 +3,7 @@ same errors, and nothing at all for a plan above the threshold or without the na
 
 from __future__ import annotations
 
+import asyncio
 import mmap
 import os
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aiodatadist.copy.native_pool import NativeExecutor
 from aiodatadist.copy.spans import INLINE_BYTES, copy_grid_now
 from aiodatadist.layout import CacheGeometry, TransferParams, transfer_plan
 from aiodatadist.native import CopyMode, CopySpec, native_available
@@ -95,3 +97,31 @@ def test_an_unmapped_remote_range_fails_with_efault() -> None:
     with pytest.raises(OSError) as info:
         copy_grid_now(_plan(block, [0], [1]), src, _addrs(dst), CopySpec(CopyMode.PVM_READ, pid=os.getpid()))
     assert info.value.errno == 14  # EFAULT
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([8, 64, 512]), st.lists(st.tuples(st.integers(0, BLOCKS - 1), st.integers(0, BLOCKS - 1)),
+                                                 min_size=1, max_size=BLOCKS, unique_by=(lambda p: p[0], lambda p: p[1])),
+       st.sampled_from([CopyMode.MEMCPY, CopyMode.PVM_READ, CopyMode.PVM_WRITE]), st.integers(1, 5000),
+       st.booleans())
+def test_a_grid_job_cut_anywhere_moves_the_same_bytes(block: int, pairs: list[tuple[int, int]], mode: CopyMode,
+                                                      chunk: int, streaming: bool) -> None:
+    """A queued grid job's workers walk the grid themselves, chunk by chunk (byte ranges of its stream, cut
+    anywhere, inside spans too) and piece by piece (pieces of at most the chunk): the result is the planned
+    blocks, byte for byte, and nothing else."""
+    src, dst = _caches(block, len(pairs) * 13 + chunk)
+    src_blocks, dst_blocks = [s for s, _ in pairs], [d for _, d in pairs]
+    expected = _expected(src, dst, block, src_blocks, dst_blocks)
+    plan = _plan(block, src_blocks, dst_blocks)
+    executor = NativeExecutor(workers=2)
+
+    async def copy() -> None:
+        copier = CopySpec(mode, pid=os.getpid(), streaming=streaming)
+        await executor.wait(executor.start_plan(plan, _addrs(src), _addrs(dst), copier, chunk_bytes=chunk))
+
+    try:
+        asyncio.run(copy())
+    finally:
+        executor.shutdown()
+    for got, want in zip(dst, expected):
+        assert np.array_equal(got, want)
