@@ -2,8 +2,15 @@
 
 A job is enqueued on the executor's stream without blocking: one ``cuMemcpyAsync`` for a single span, else
 one launch of the pointer-list kernel (``adt_copy_spans``) for all spans, its descriptors copied to the device
-on the same stream.  A stream callback enqueued after the copy tells the job's event loop that the GPU is done
-(``call_soon_threadsafe``): no polling, no thread blocked per job.
+on the same stream.
+
+How the event loop learns that the GPU is done: an event recorded after the copy, which the loop itself queries
+(``cuEventQuery``, well under a microsecond).  It sleeps on a loop timer for most of the copy's expected duration
+(its bytes at the rate this executor has seen, :data:`POLL_AT`), then polls once per loop iteration, yielding to
+every other task; a copy still running :data:`POLL_FOR_S` past its expected end is waited for in a thread
+(``cuEventSynchronize``).  The driver's callback thread and the cross-thread wake-up cost 80-130 us per copy on an
+H100; a polled event costs nothing measurable.  Blocking waits (:meth:`CudaExecutor.run_sync`) and a job whose
+event cannot be recorded use a stream callback instead.
 
 A launched copy cannot be aborted.  :meth:`CudaExecutor.cancel` only records an error;
 :meth:`ExecutorBase.wait <aiodatadist.copy.base.ExecutorBase.wait>` of a cancelled caller still waits until the
@@ -17,6 +24,7 @@ import ctypes
 import itertools
 import logging
 import threading
+import time
 from typing import Final, Self
 
 import numpy as np
@@ -24,7 +32,7 @@ import numpy as np
 from ..copy.base import ExecutorBase, resolve_job
 from ..errors import LLMException, LLMStatusCode
 from ..layout import Spans
-from .driver import CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device
+from .driver import CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device
 from .kernels import KERNEL_NAME, choose_piece, launch_geometry, ptx_text, split_long_spans
 
 __all__ = ["CudaExecutor", "CudaJob"]
@@ -33,6 +41,10 @@ log = logging.getLogger("aiodatadist.cuda")
 
 MIN_DESCRIPTORS: Final = 4096  # spans a descriptor buffer holds at least (96 KiB device + pinned host)
 MAX_SPANS: Final = 2**32 - 1  # the kernel's span count is an unsigned int
+CUDA_ERROR_NOT_READY: Final = 600
+POLL_AT: Final = 0.8  # a job's event is first queried after this share of its expected duration
+POLL_FOR_S: Final = 0.002  # then queried every loop iteration until this long past the expected end
+FIRST_RATE: Final = 20e9  # bytes/s expected before the executor has seen a copy end
 
 
 class _Work:
@@ -51,12 +63,16 @@ class _Work:
 
     def _gpu_done(self, status: int) -> None:
         """On the driver's callback thread (no CUDA calls allowed there), or inline after a failed enqueue."""
+        self._stopped(status)
+        self._notify()
+
+    def _stopped(self, status: int) -> None:
+        """The GPU no longer touches the job's memory (``status``: how its stream ended)."""
         self._status = status
         desc, self._desc = self._desc, None
         if desc is not None and self._executor is not None:
             self._executor._release(desc)
         self.stopped.set()
-        self._notify()
 
     def _take_status(self) -> None:
         """Turn a failure the stream reported into :attr:`error` (off the callback thread: it calls CUDA)."""
@@ -90,6 +106,11 @@ class CudaJob(_Work):
     def _resolve(self) -> None:
         self._take_status()
         resolve_job(self)
+
+    def _gpu_done_here(self, status: int) -> None:
+        """On the job's loop: the GPU is done (its event completed with ``status``)."""
+        self._stopped(status)
+        self._resolve()
 
 
 # Stream callbacks find their work by id: userData is an integer, never a pointer to a Python object.
@@ -149,6 +170,8 @@ class CudaExecutor(ExecutorBase):
         self._free: list[_Descriptors] = []
         self._all: list[_Descriptors] = []
         self._closed = False
+        self._events: list[ctypes.c_void_p] = []  # recorded after a job's copy, reused once it completed
+        self._rate = FIRST_RATE  # bytes/s: how fast this executor's copies have ended (a moving average)
         drv = device.driver
         device.make_current()
         stream = ctypes.c_void_p()
@@ -246,6 +269,8 @@ class CudaExecutor(ExecutorBase):
                          None)
         except CudaError as exc:
             work.error = exc  # still completed through the stream, after whatever was enqueued
+        if isinstance(work, CudaJob) and self._watch(work, int(length.sum())):
+            return
         key = next(_ids)
         with _pending_lock:
             _pending[key] = work
@@ -259,6 +284,31 @@ class CudaExecutor(ExecutorBase):
             if enqueued:  # the descriptors may still be read: reuse them only after the stream drained
                 self._drain_quietly()
             work._gpu_done(0)
+
+    # -- completion by event -------------------------------------------------------------------------------
+
+    def _watch(self, job: CudaJob, nbytes: int) -> bool:
+        """Record an event after ``job``'s copy and have its loop poll it (see the module's docstring); False
+        if the event cannot be recorded (the caller adds a stream callback instead)."""
+        drv = self.device.driver
+        event = self._events.pop() if self._events else None
+        try:
+            if event is None:
+                event = ctypes.c_void_p()
+                drv.call("cuEventCreate", ctypes.byref(event), CU_EVENT_DISABLE_TIMING)
+            drv.call("cuEventRecord", event, self._stream)
+        except CudaError as exc:
+            log.debug("no event after a copy (%s): a stream callback completes it", exc)
+            if event is not None and event.value:
+                self._events.append(event)
+            return False
+        _EventWatch(self, job, event, nbytes)
+        return True
+
+    def _event_done(self, event: ctypes.c_void_p, nbytes: int, took: float) -> None:
+        self._events.append(event)
+        if took > 0 and nbytes >= 1 << 20:  # small copies say more about latency than about the rate
+            self._rate = 0.8 * self._rate + 0.2 * (nbytes / took)
 
     # -- descriptor buffers -------------------------------------------------------------------------------
 
@@ -303,6 +353,9 @@ class CudaExecutor(ExecutorBase):
                 desc.free(self.device)
             except CudaError as exc:
                 log.warning("freeing CUDA descriptor buffers: %s", exc)
+        events, self._events = self._events, []
+        for event in events:
+            drv.fn("cuEventDestroy_v2")(event)
         for name, handle in (("cuModuleUnload", self._module), ("cuStreamDestroy_v2", self._stream)):
             result = drv.fn(name)(handle)
             if result:
@@ -317,3 +370,53 @@ class CudaExecutor(ExecutorBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _EventWatch:
+    """The loop's side of a job's completion event: a timer for most of the expected duration, then a query per
+    loop iteration, then (a copy far past its expected end) a thread blocked in ``cuEventSynchronize``."""
+
+    __slots__ = ("event", "executor", "job", "nbytes", "started", "until")
+
+    def __init__(self, executor: CudaExecutor, job: CudaJob, event: ctypes.c_void_p, nbytes: int) -> None:
+        self.executor, self.job, self.event, self.nbytes = executor, job, event, nbytes
+        self.started = time.perf_counter()
+        expected = nbytes / executor._rate
+        self.until = self.started + expected + POLL_FOR_S
+        self._later(expected * POLL_AT)
+
+    def _later(self, delay: float) -> None:
+        loop = self.job._loop
+        if delay > 100e-6:  # a timer for the bulk of the copy; shorter ones poll from the next iteration
+            loop.call_later(delay, self._poll)
+        else:
+            loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        try:
+            self.executor.device.make_current()
+            result = int(self.executor.device.driver.fn("cuEventQuery")(self.event))
+        except Exception as exc:  # noqa: BLE001 - e.g. the device was released: wait in a thread instead
+            log.debug("cuEventQuery: %s", exc)
+            result = CUDA_ERROR_NOT_READY
+            self.until = 0.0
+        if result != CUDA_ERROR_NOT_READY:
+            self._done(result)
+        elif time.perf_counter() < self.until:
+            self.job._loop.call_soon(self._poll)
+        else:
+            waited = self.job._loop.run_in_executor(None, self._synchronize)
+            waited.add_done_callback(lambda f: self._done(f.result() if not f.cancelled() else 0))
+
+    def _synchronize(self) -> int:
+        """In a thread: block until the event completed; its status (never raises)."""
+        try:
+            self.executor.device.make_current()
+            return int(self.executor.device.driver.fn("cuEventSynchronize")(self.event))
+        except Exception:  # noqa: BLE001 - a status of its own: the job fails, and it ends
+            log.exception("cuEventSynchronize failed")
+            return 999  # CUDA_ERROR_UNKNOWN
+
+    def _done(self, status: int) -> None:
+        self.executor._event_done(self.event, self.nbytes, time.perf_counter() - self.started)
+        self.job._gpu_done_here(status)

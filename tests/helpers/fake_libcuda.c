@@ -67,7 +67,7 @@ int fake_set_current_calls;
 enum { OP_COPY, OP_KERNEL, OP_CALLBACK, OP_HOSTFN, OP_EVENT };
 typedef struct op { int kind; uintptr_t a, b, c; unsigned n; void *fn, *user; struct op *next; } op;
 typedef struct stream { pthread_mutex_t mu; pthread_cond_t cv; op *head, *tail; int busy, stop; pthread_t th; } stream;
-typedef struct event { volatile int done; double t; } event;
+typedef struct event { volatile int done; int status; double t; } event;
 static stream *streams[256];
 static int nstreams;
 static pthread_mutex_t smu = PTHREAD_MUTEX_INITIALIZER;
@@ -95,7 +95,7 @@ static void run(stream *s, op *o) {
     } else if (o->kind == OP_HOSTFN) {
         if (!sticky) ((CUhostFn)o->fn)(o->user);
     } else if (o->kind == OP_EVENT) {
-        event *e = (event *)o->user; e->t = now(); e->done = 1;
+        event *e = (event *)o->user; e->t = now(); e->status = sticky; e->done = 1;
     }
 }
 static void *worker(void *arg) {
@@ -267,9 +267,14 @@ CUresult cuStreamAddCallback(void *st, CUstreamCallback fn, void *user, unsigned
 CUresult cuLaunchHostFunc(void *st, CUhostFn fn, void *user) { NEED_CTX; return enqueue(st, OP_HOSTFN, 0, 0, 0, 0, (void *)fn, user); }
 CUresult cuEventCreate(void **e, unsigned flags) { NEED_CTX; *e = calloc(1, sizeof(event)); return 0; }
 CUresult cuEventDestroy_v2(void *e) { free(e); return 0; }
-CUresult cuEventRecord(void *e, void *st) { NEED_CTX; ((event *)e)->done = 0; return enqueue(st, OP_EVENT, 0, 0, 0, 0, 0, e); }
-CUresult cuEventQuery(void *e) { return ((event *)e)->done ? 0 : 600; }
-CUresult cuEventSynchronize(void *e) { while (!((event *)e)->done) usleep(100); return 0; }
+CUresult cuEventRecord(void *e, void *st) {
+    NEED_CTX;
+    if (env_int("FAKE_CUDA_FAIL_EVENT", 0)) return 1;
+    ((event *)e)->done = 0;
+    return enqueue(st, OP_EVENT, 0, 0, 0, 0, 0, e);
+}
+CUresult cuEventQuery(void *e) { return ((event *)e)->done ? ((event *)e)->status : 600; }
+CUresult cuEventSynchronize(void *e) { while (!((event *)e)->done) usleep(100); return ((event *)e)->status; }
 CUresult cuEventElapsedTime(float *ms, void *a, void *b) { *ms = (float)((((event *)b)->t - ((event *)a)->t) * 1e3); return 0; }
 CUresult cuModuleLoadData(void **m, const void *image) {
     NEED_CTX;

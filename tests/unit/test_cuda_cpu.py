@@ -592,7 +592,8 @@ async def test_launch_errors_fail_the_job_without_leaking(dev: Device, executor:
         assert info.value.status_code == LLMStatusCode.LLM_DEVICE_MEM_ERROR
         assert len(executor._free) == len(executor._all) == 1
         monkeypatch.delenv("FAKE_CUDA_FAIL_LAUNCH")
-        monkeypatch.setenv("FAKE_CUDA_FAIL_CALLBACK", "1")
+        monkeypatch.setenv("FAKE_CUDA_FAIL_EVENT", "1")  # no completion event: a stream callback instead
+        monkeypatch.setenv("FAKE_CUDA_FAIL_CALLBACK", "1")  # nor that
         for spans in (arena.spans([0, 10], [100, 200], [10, 10]), arena.spans([0], [300], [10])):
             job = executor.start(spans)
             assert job.stopped.is_set()  # no callback: finished (after draining the stream) at once
@@ -600,6 +601,9 @@ async def test_launch_errors_fail_the_job_without_leaking(dev: Device, executor:
                 await executor.wait(job)
         assert len(executor._free) == len(executor._all) == 1
         monkeypatch.delenv("FAKE_CUDA_FAIL_CALLBACK")
+        for spans in (arena.spans([0, 10], [100, 200], [10, 10]), arena.spans([0], [300], [10])):
+            await executor.run(spans)  # without an event, completed by the stream callback
+        monkeypatch.delenv("FAKE_CUDA_FAIL_EVENT")
         with pytest.raises(CudaError, match="cuLaunchKernel"):
             monkeypatch.setenv("FAKE_CUDA_FAIL_LAUNCH", "1")
             executor.run_sync(arena.spans([0, 10], [100, 200], [10, 10]))
@@ -720,3 +724,27 @@ def test_kernel_alignments_emulated(emulated_kernel: Callable[..., None]) -> Non
                 at += -at % 16
     assert at + 32 < nbytes
     run_emulated(emulated_kernel, src, dst, model, s_off, d_off, lengths, sm_count=2)
+
+
+async def test_the_loop_learns_the_end_from_an_event(dev: Device, executor: CudaExecutor,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An awaited copy registers no stream callback: the loop queries an event recorded after it (a timer for
+    most of its expected duration, then a query per loop iteration, then a thread for a late copy); the event
+    is reused, and copies of 1 MiB and more teach the executor its rate."""
+    from aiodatadist.cuda import executor as executor_module
+
+    arena = Arena(dev, 4 << 20, 10)
+    try:
+        monkeypatch.setenv("FAKE_CUDA_DELAY_US", "20000")
+        job = executor.start(arena.spans([0], [1 << 20], [2 << 20]))
+        assert not executor_module._pending  # no callback is waiting for the driver's thread
+        await executor.wait(job)
+        assert job.stopped.is_set() and len(executor._events) == 1
+        assert executor._rate != executor_module.FIRST_RATE
+        monkeypatch.delenv("FAKE_CUDA_DELAY_US")
+        for i in range(4):  # back to back: the same event each time
+            await executor.run(arena.spans([i * 1000, 10_000 + i], [3 << 20, (3 << 20) + 8192], [1000, 3000]))
+        assert len(executor._events) == 1
+        arena.check()
+    finally:
+        arena.free()
