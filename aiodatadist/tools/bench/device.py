@@ -7,6 +7,8 @@
   baselines: ``cuMemcpyHtoD`` / ``cuMemcpyDtoH`` of 256 MiB from / to page-locked host memory.
 * ``host->dev pull``: the decoder's device cache pulls the blocks from the prompt's *host* cache (no baseline
   ratio target; shown against the pinned host-to-device copy).
+* ``d2d pull 2 MiB``: what a call costs around a small device copy: one block of each of the 64 tensors, pulled
+  from the prompt's device cache, p50/p99 over ``max(200, 20 x repeat)`` calls.
 
 GB/s = bytes copied / second; medians over ``--repeat``.  Every transfer is checked byte-exact once.
 """
@@ -57,6 +59,18 @@ async def _median_async(fn: Callable[[], Awaitable[Any]], repeat: int) -> float:
         await fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+async def _latencies(fn: Callable[[], Awaitable[Any]], runs: int, warmup: int = 10) -> list[float]:
+    """Microseconds per call of ``fn`` (after ``warmup`` calls)."""
+    for _ in range(warmup):
+        await fn()
+    out = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        await fn()
+        out.append((time.perf_counter() - started) * 1e6)
+    return out
 
 
 def baselines(ordinal: int, repeat: int) -> dict[str, float]:
@@ -127,6 +141,12 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
             progress("d2d pull: 64 x 128 scattered 32 KiB blocks from another process's device cache")
             row("d2d pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(0), repeat)), "d2d")
             await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
+            runs = max(200, 20 * repeat)
+            progress(f"d2d pull 2 MiB x {runs}: one block of each tensor")
+            one = ([src_blocks[0]], [dst_blocks[0]])
+            lat = sorted(await _latencies(lambda: cm.pull_blocks(BlocksCacheKey(1, 0), dst, *one), runs))
+            rows.append({"name": "d2d pull 2 MiB", "p50_us": statistics.median(lat),
+                         "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
 
             async def push() -> None:
                 await cm.push_blocks(BlocksCacheKey(1, 0), dst, dst_blocks, src_blocks)
@@ -163,5 +183,8 @@ async def _check(prompt: PeerProcess, cache_id: int, dst: Any, src_blocks: list[
 def print_rows(rows: list[dict[str, Any]]) -> None:
     sys.stdout.write(f"{'workload':<16} {'GB/s':>8}  {'baseline':<10} {'GB/s':>8}  ratio\n")
     for r in rows:
+        if "p50_us" in r:
+            sys.stdout.write(f"{r['name']:<16} p50 {r['p50_us']:.1f} us  p99 {r['p99_us']:.1f} us ({r['runs']} calls)\n")
+            continue
         sys.stdout.write(f"{r['name']:<16} {r['gbps']:8.1f}  {r['baseline']:<10} {r['baseline_gbps']:8.1f}  "
                          f"{r['ratio']:.2f}x\n")
