@@ -5,6 +5,7 @@ takes at once), and which copier suits a local transfer of a given size.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,25 +44,34 @@ worker and reading its announcement back on the event loop costs tens of microse
 
 def copy_grid_now(plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: CopySpec) -> bool:
     """Copy a host plan of at most :data:`INLINE_BYTES` on this thread, in one native call (the grid's spans are
-    built, merged and copied in C); False, having copied nothing, when the plan is bigger or the native helper is
+    walked, merged and copied in C); False, having copied nothing, when the plan is bigger or the native helper is
     not built.  Raises ``OSError`` as a copy job would fail (e.g. ``EFAULT``: a remote range is not mapped)."""
-    if plan.total_bytes > INLINE_BYTES:
-        return False
-    lib = native_pool()
-    if lib is None:
+    if plan.total_bytes > INLINE_BYTES or _copy_grid is None:
         return False
     runs = plan.runs
-    src = np.ascontiguousarray(src_addrs[plan.src_tensor], dtype=np.uint64)
-    dst = np.ascontiguousarray(dst_addrs[plan.dst_tensor], dtype=np.uint64)
-    run_src = np.ascontiguousarray(runs.src_offset).view(np.uint64)
-    run_dst = np.ascontiguousarray(runs.dst_offset).view(np.uint64)
-    run_len = np.ascontiguousarray(runs.length).view(np.uint64)
-    err = lib.adt_copy_grid(src.ctypes.data, dst.ctypes.data, len(src), run_src.ctypes.data, run_dst.ctypes.data,
-                            run_len.ctypes.data, len(run_len), copier.src_delta, copier.dst_delta, copier.mode,
-                            copier.pid)
+    err = _copy_grid(_u64(src_addrs), _u64(dst_addrs), plan.src_tensor, plan.dst_tensor, runs.src_offset,
+                     runs.dst_offset, runs.length, copier.src_delta, copier.dst_delta, int(copier.mode), copier.pid)
     if err:
         raise OSError(err, f"copy failed: {os.strerror(err)}")
     return True
+
+
+def _u64(addrs: Any) -> Any:
+    return addrs if type(addrs) is np.ndarray and addrs.dtype == np.uint64 and addrs.flags.c_contiguous \
+        else np.ascontiguousarray(addrs, dtype=np.uint64)
+
+
+def _native_copy_grid() -> Callable[..., int] | None:
+    if native_pool() is None:
+        return None
+    try:
+        from ..native._native import copy_grid  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:  # an older build: the ctypes helper alone
+        return None
+    return copy_grid  # type: ignore[no-any-return, unused-ignore]
+
+
+_copy_grid = _native_copy_grid()
 
 
 def copier_for_local(total_bytes: int) -> CopySpec:

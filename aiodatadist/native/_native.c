@@ -243,6 +243,8 @@ static int spin_for_work(adt_pool *p)
     return found;
 }
 
+static int run_grid_chunk(adt_job *j, size_t c);
+
 static void *worker(void *arg)
 {
     adt_pool *p = (adt_pool *)arg;
@@ -762,6 +764,66 @@ long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uin
     return got;
 }
 
-/* Importable as a module so that the build and the loader can find it; the work is done through ctypes. */
-static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native", "aiodatadist span copier", -1, NULL};
+/* copy_grid(src_addrs, dst_addrs, src_tensor, dst_tensor, run_src, run_dst, run_len, src_delta, dst_delta, mode,
+ * pid) -> errno: adt_copy_grid for a plan, called as a Python function (one call, buffers taken as they are)
+ * rather than through ctypes, whose argument conversion costs more than a small copy.  The address arrays are
+ * indexed by the plan's tensor indices here.  Arrays: C-contiguous, 8-byte items. */
+static int grid_buffers(PyObject *const *args, Py_buffer *b)
+{
+    for (int i = 0; i < 7; i++) {
+        if (PyObject_GetBuffer(args[i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            while (--i >= 0) PyBuffer_Release(&b[i]);
+            return -1;
+        }
+        if (b[i].itemsize != 8) {
+            PyErr_SetString(PyExc_ValueError, "copy_grid takes arrays of 8-byte integers");
+            for (; i >= 0; i--) PyBuffer_Release(&b[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *py_copy_grid(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 11) { PyErr_SetString(PyExc_TypeError, "copy_grid takes 11 arguments"); return NULL; }
+    uint64_t src_delta = PyLong_AsUnsignedLongLongMask(args[7]), dst_delta = PyLong_AsUnsignedLongLongMask(args[8]);
+    long mode = PyLong_AsLong(args[9]), pid = PyLong_AsLong(args[10]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer b[7];
+    if (grid_buffers(args, b) < 0) return NULL;
+    size_t na = (size_t)(b[0].len / 8), nb = (size_t)(b[1].len / 8), nt = (size_t)(b[2].len / 8);
+    size_t nr = (size_t)(b[4].len / 8);
+    const uint64_t *sa = b[0].buf, *da = b[1].buf;
+    const int64_t *st = b[2].buf, *dt = b[3].buf;
+    int err = 0;
+    uint64_t *bases = NULL;
+    if ((size_t)(b[3].len / 8) != nt || (size_t)(b[5].len / 8) != nr || (size_t)(b[6].len / 8) != nr) err = -1;
+    else if (nt && !(bases = malloc(2 * nt * sizeof *bases))) err = ENOMEM;
+    for (size_t t = 0; !err && t < nt; t++) {
+        if (st[t] < 0 || dt[t] < 0 || (size_t)st[t] >= na || (size_t)dt[t] >= nb) { err = -1; break; }
+        bases[t] = sa[st[t]];
+        bases[nt + t] = da[dt[t]];
+    }
+    if (!err) {
+        Py_BEGIN_ALLOW_THREADS
+        err = adt_copy_grid(bases, bases + nt, nt, b[4].buf, b[5].buf, b[6].buf, nr, src_delta, dst_delta,
+                            (int)mode, (int)pid);
+        Py_END_ALLOW_THREADS
+    }
+    free(bases);
+    for (int i = 0; i < 7; i++) PyBuffer_Release(&b[i]);
+    if (err < 0) { PyErr_SetString(PyExc_ValueError, "copy_grid: inconsistent plan arrays"); return NULL; }
+    return PyLong_FromLong(err);
+}
+
+static PyMethodDef native_methods[] = {
+    {"copy_grid", (PyCFunction)(void (*)(void))py_copy_grid, METH_FASTCALL, "A small plan copied on this thread."},
+    {NULL, NULL, 0, NULL},
+};
+
+/* Importable as a module so that the build and the loader can find it; the rest is used through ctypes. */
+static struct PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native", "aiodatadist span copier", -1,
+                                           native_methods};
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

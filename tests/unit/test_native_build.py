@@ -1,0 +1,34 @@
+"""The native helper is an optional extension (no compiler: the package falls back to Python), so a build that
+fails where a compiler exists would go unnoticed but for this check: with a C compiler on the machine, the helper
+must be built from the current source and load with every function the package binds."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+import aiodatadist.native as native
+
+
+def _compiler() -> str | None:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc) or shutil.which("cc") or shutil.which("gcc")
+
+
+def test_the_helper_is_built_from_the_current_source_where_a_compiler_exists() -> None:
+    if _compiler() is None:
+        pytest.skip("no C compiler: the Python fallback is the expected build")
+    assert native.native_available(), "a C compiler exists but the native helper did not build (see pip's output)"
+    from aiodatadist.native import _native  # type: ignore[attr-defined]
+
+    assert hasattr(_native, "copy_grid"), "the built helper predates its source: rebuild it"
+    lib = native.native_pool()
+    assert lib is not None and hasattr(lib, "adt_copy_grid") and hasattr(lib, "adt_job_submit_grid")
+    here = Path(native.__file__).parent
+    if (here.parent.parent / "pyproject.toml").exists():  # a source tree (editable install): compare the files
+        built = Path(_native.__file__).stat().st_mtime
+        for name in ("_native.c", "_net.c"):
+            assert built >= (here / name).stat().st_mtime, f"the built helper is older than {name}: rebuild it"
