@@ -8,6 +8,8 @@ loop per block.
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -378,18 +380,48 @@ def plan_to_spans(plan: CopyPlan, src_addrs: npt.ArrayLike, dst_addrs: npt.Array
     return Spans(s.astype(np.uint64, copy=False), d.astype(np.uint64, copy=False), n.astype(np.uint64, copy=False))
 
 
+SIDE_SPANS_CACHE = 64
+"""One end's span lists kept (least recently used first out), for plans of at most :data:`SIDE_SPANS_MAX_SPANS`
+spans: a TCP transfer repeating a recent one (same plan, same tensors) reuses its lists on both ends."""
+SIDE_SPANS_MAX_SPANS = 16384
+_side_spans: OrderedDict[tuple[int, bytes, str], tuple[CopyPlan, UInt64Array, UInt64Array]] = OrderedDict()
+_side_spans_lock = threading.Lock()  # instances on event loops of several threads share it
+
+
 def plan_side_spans(plan: CopyPlan, tensor_addrs: npt.ArrayLike, side: str) -> tuple[UInt64Array, UInt64Array]:
     """One end's spans of a plan (``side`` "src" or "dst"): addresses and lengths in plan order, merged where
     that end's memory continues.  Merging never reorders bytes, so both ends agree on every byte's offset in the
-    transfer's stream even though each merges differently."""
+    transfer's stream even though each merges differently.
+
+    The lists are cached by the plan (whose entry keeps it alive, so its ``id`` names it) and the tensors'
+    addresses, and are read-only: memory re-registered elsewhere has other addresses, hence other lists."""
     addrs = np.asarray(tensor_addrs, dtype=np.uint64)
+    if plan.num_spans > SIDE_SPANS_MAX_SPANS:
+        return _plan_side_spans(plan, addrs, side)
+    key = (id(plan), addrs.tobytes(), side)
+    with _side_spans_lock:
+        found = _side_spans.get(key)
+        if found is not None and found[0] is plan:
+            _side_spans.move_to_end(key)
+            return found[1], found[2]
+    start, length = _plan_side_spans(plan, addrs, side)
+    start.flags.writeable = False
+    length.flags.writeable = False
+    with _side_spans_lock:
+        _side_spans[key] = (plan, start, length)
+        if len(_side_spans) > SIDE_SPANS_CACHE:
+            _side_spans.popitem(last=False)
+    return start, length
+
+
+def _plan_side_spans(plan: CopyPlan, addrs: UInt64Array, side: str) -> tuple[UInt64Array, UInt64Array]:
     tensors, offsets = (plan.src_tensor, plan.runs.src_offset) if side == "src" else (
         plan.dst_tensor, plan.runs.dst_offset)
     start = (addrs[tensors][:, None] + offsets.view(np.uint64)[None, :]).ravel()
     length = np.empty((len(tensors), len(offsets)), dtype=np.uint64)
     length[:] = plan.runs.length.view(np.uint64)
     merged, _, lengths = coalesce(start, start, length.ravel())
-    return merged.astype(np.uint64, copy=False), lengths.astype(np.uint64, copy=False)
+    return merged.astype(np.uint64, copy=True), lengths.astype(np.uint64, copy=True)
 
 
 # -- transfers between two caches -----------------------------------------------------------------------------

@@ -413,7 +413,7 @@ class _EventWatch:
         try:
             self.executor.device.make_current()
             return int(self.executor.device.driver.fn("cuEventSynchronize")(self.event))
-        except Exception:  # noqa: BLE001 - a status of its own: the job fails, and it ends
+        except Exception:
             log.exception("cuEventSynchronize failed")
             return 999  # CUDA_ERROR_UNKNOWN
 

@@ -55,3 +55,22 @@ def test_cached_plans_are_read_only_and_errors_are_not_cached() -> None:
             transfer_plan(bad, geometry, geometry, 0)
     other = CacheGeometry(2, 16 * 128, 16, True, 4)  # same lists, other block size: another plan
     assert transfer_plan(params, other, other, 0).total_bytes == 2 * 2 * 128
+
+
+def test_side_spans_are_cached_by_plan_and_addresses() -> None:
+    """One end's span lists are reused for the same plan and tensor addresses, never for other addresses."""
+    from aiodatadist.layout import plan_side_spans
+
+    geometry = CacheGeometry(2, 16 * 64, 16, True, 4)
+    plan = transfer_plan(TransferParams("pull", "blocks", (1, 5), (3, 9), None, None, 2, -1, 0), geometry, geometry, 0)
+    here = np.array([1 << 20, 2 << 20], dtype=np.uint64)
+    first = plan_side_spans(plan, here, "src")
+    again = plan_side_spans(plan, here.copy(), "src")
+    assert again[0] is first[0] and again[1] is first[1]
+    with pytest.raises(ValueError):
+        first[0][0] = 0
+    elsewhere = plan_side_spans(plan, here + np.uint64(4096), "src")
+    assert np.array_equal(elsewhere[0], first[0] + np.uint64(4096))
+    assert list(first[0]) == [(1 << 20) + 64, (1 << 20) + 5 * 64, (2 << 20) + 64, (2 << 20) + 5 * 64]
+    assert list(plan_side_spans(plan, here, "dst")[0]) == [(1 << 20) + 3 * 64, (1 << 20) + 9 * 64,
+                                                           (2 << 20) + 3 * 64, (2 << 20) + 9 * 64]
