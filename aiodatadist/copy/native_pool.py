@@ -122,7 +122,7 @@ class NativeExecutor(ExecutorBase):
 
     def start_plan(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec, *,
                    chunk_bytes: int | None = None) -> NativeJob:
-        """Queue a plan's copy; the helper builds the spans itself (no per-span work in Python)."""
+        """Queue a plan's copy; the helper's workers walk its grid themselves (no span list is built)."""
         runs = plan.runs
         arrays = (np.ascontiguousarray(src_addrs[plan.src_tensor], dtype=np.uint64),
                   np.ascontiguousarray(dst_addrs[plan.dst_tensor], dtype=np.uint64),
