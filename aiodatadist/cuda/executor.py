@@ -5,10 +5,12 @@ one launch of the pointer-list kernel (``adt_copy_spans``) for all spans, its de
 on the same stream.
 
 How the event loop learns that the GPU is done: an event recorded after the copy, which the loop itself queries
-(``cuEventQuery``, well under a microsecond).  It sleeps on a loop timer for most of the copy's expected duration
-(its bytes at the rate this executor has seen, :data:`POLL_AT`), then polls once per loop iteration, yielding to
-every other task; a copy still running :data:`POLL_FOR_S` past its expected end is waited for in a thread
-(``cuEventSynchronize``).  The driver's callback thread and the cross-thread wake-up cost 80-130 us per copy on an
+(``cuEventQuery``, well under a microsecond).  A copy expected to take 2.5 ms or more (its bytes at the rate this
+executor has seen) first sleeps on a loop timer for most of that time (:data:`POLL_AT`; the loop's timers round
+up to a millisecond, so shorter copies never use one); then the loop queries the event once per iteration,
+yielding to every other task, and a copy still running :data:`POLL_FOR_S` past its expected end is waited for in
+a thread (``cuEventSynchronize``).  A copy found complete at the first query after a timer may have ended long
+before, so it only raises the expected rate (doubling it), never lowers it.  The driver's callback thread and the cross-thread wake-up cost 80-130 us per copy on an
 H100; a polled event costs nothing measurable.  Blocking waits (:meth:`CudaExecutor.run_sync`) and a job whose
 event cannot be recorded use a stream callback instead.
 
@@ -44,7 +46,10 @@ MAX_SPANS: Final = 2**32 - 1  # the kernel's span count is an unsigned int
 CUDA_ERROR_NOT_READY: Final = 600
 POLL_AT: Final = 0.8  # a job's event is first queried after this share of its expected duration
 POLL_FOR_S: Final = 0.002  # then queried every loop iteration until this long past the expected end
+TIMER_MIN_S: Final = 0.002  # shorter waits poll from the next iteration: the loop's timers round up to 1 ms
+TIMER_SLACK_S: Final = 0.001  # (epoll's timeout is in milliseconds, rounded up)
 FIRST_RATE: Final = 20e9  # bytes/s expected before the executor has seen a copy end
+MAX_RATE: Final = 5e12  # bytes/s: no copy is expected to be faster
 
 
 class _Work:
@@ -305,10 +310,17 @@ class CudaExecutor(ExecutorBase):
         _EventWatch(self, job, event, nbytes)
         return True
 
-    def _event_done(self, event: ctypes.c_void_p, nbytes: int, took: float) -> None:
+    def _event_done(self, event: ctypes.c_void_p, nbytes: int, took: float, at_first_query: bool) -> None:
+        """``took``: from the enqueue to the query that saw the event complete.  Done at the first query after a
+        timer, the copy may have ended long before: its rate is only a lower bound, so the expectation is halved
+        (the next timer is shorter), never lowered by it."""
         self._events.append(event)
-        if took > 0 and nbytes >= 1 << 20:  # small copies say more about latency than about the rate
-            self._rate = 0.8 * self._rate + 0.2 * (nbytes / took)
+        if nbytes < 1 << 20 or took <= 0:  # small copies say more about latency than about the rate
+            return
+        if at_first_query:
+            self._rate = min(MAX_RATE, max(self._rate * 2, nbytes / took))
+        else:
+            self._rate = min(MAX_RATE, 0.8 * self._rate + 0.2 * (nbytes / took))
 
     # -- descriptor buffers -------------------------------------------------------------------------------
 
@@ -376,23 +388,23 @@ class _EventWatch:
     """The loop's side of a job's completion event: a timer for most of the expected duration, then a query per
     loop iteration, then (a copy far past its expected end) a thread blocked in ``cuEventSynchronize``."""
 
-    __slots__ = ("event", "executor", "job", "nbytes", "started", "until")
+    __slots__ = ("event", "executor", "job", "nbytes", "queries", "slept", "started", "until")
 
     def __init__(self, executor: CudaExecutor, job: CudaJob, event: ctypes.c_void_p, nbytes: int) -> None:
         self.executor, self.job, self.event, self.nbytes = executor, job, event, nbytes
         self.started = time.perf_counter()
+        self.queries = 0
         expected = nbytes / executor._rate
         self.until = self.started + expected + POLL_FOR_S
-        self._later(expected * POLL_AT)
-
-    def _later(self, delay: float) -> None:
-        loop = self.job._loop
-        if delay > 100e-6:  # a timer for the bulk of the copy; shorter ones poll from the next iteration
-            loop.call_later(delay, self._poll)
-        else:
-            loop.call_soon(self._poll)
+        delay = expected * POLL_AT
+        self.slept = delay >= TIMER_MIN_S
+        if self.slept:  # a timer for the bulk of a long copy
+            job._loop.call_later(delay - TIMER_SLACK_S, self._poll)
+        else:  # shorter ones are polled from the next loop iteration on
+            job._loop.call_soon(self._poll)
 
     def _poll(self) -> None:
+        self.queries += 1
         try:
             self.executor.device.make_current()
             result = int(self.executor.device.driver.fn("cuEventQuery")(self.event))
@@ -418,5 +430,6 @@ class _EventWatch:
             return 999  # CUDA_ERROR_UNKNOWN
 
     def _done(self, status: int) -> None:
-        self.executor._event_done(self.event, self.nbytes, time.perf_counter() - self.started)
+        took = time.perf_counter() - self.started
+        self.executor._event_done(self.event, self.nbytes, took, self.slept and self.queries == 1)
         self.job._gpu_done_here(status)

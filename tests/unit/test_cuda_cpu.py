@@ -748,3 +748,26 @@ async def test_the_loop_learns_the_end_from_an_event(dev: Device, executor: Cuda
         arena.check()
     finally:
         arena.free()
+
+
+def test_the_expected_rate_is_only_raised_by_copies_found_done_after_a_timer(executor: CudaExecutor) -> None:
+    """A copy seen complete at the first query after a timer may have ended long before: its apparent rate is a
+    lower bound, so it doubles the expectation (or takes the apparent rate if higher) and never lowers it; a
+    copy that had to be polled measures the rate within a loop iteration and moves the average; small copies and
+    the cap leave it alone."""
+    from aiodatadist.cuda import executor as executor_module
+
+    event = ctypes.c_void_p(0)
+    executor._rate = 10e9
+    executor._event_done(event, 256 << 20, 0.1, True)  # apparent 2.7 GB/s, slower than expected: no lowering
+    assert executor._rate == 20e9
+    executor._event_done(event, 256 << 20, (256 << 20) / 1e12, True)
+    assert executor._rate == pytest.approx(1e12)
+    executor._event_done(event, 256 << 20, (256 << 20) / 0.5e12, False)  # polled: an honest measurement
+    assert executor._rate == pytest.approx(0.8 * 1e12 + 0.2 * 0.5e12)
+    executor._event_done(event, 4096, 1e-9, False)  # small: says nothing about the rate
+    assert executor._rate == pytest.approx(0.9e12)
+    for _ in range(10):
+        executor._event_done(event, 256 << 20, 1e-9, True)
+    assert executor._rate == executor_module.MAX_RATE
+    executor._events.clear()  # (the null event handles above are not the executor's)
