@@ -109,12 +109,15 @@ class NixlLinkPlane(DataPlane):
             self._rebuilt = None
             rebuilt.set_result(None)
 
-    def abort(self, tid: int, error: LLMException) -> bool:
-        job, plane = self._jobs.get(tid), self._agent.plane
-        if job is None or plane is None:
-            return False
-        plane.cancel(job, error)
-        return True
+    def _cancel(self, job: Any, error: LLMException) -> None:
+        plane = self._agent.plane
+        if plane is not None:
+            plane.cancel(job, error)
+
+    async def _wait_stopped(self, job: Any) -> None:
+        plane = self._agent.plane
+        if plane is not None:
+            await plane.wait_stopped(job)
 
     def freed(self, message: Freed) -> None:
         remote = self._remote.pop(message.cid, None)
@@ -138,14 +141,7 @@ class NixlLinkPlane(DataPlane):
     # -- lifetime --------------------------------------------------------------------------------------------
     async def stop(self, error: LLMException) -> None:
         await super().stop(error)
-        plane = self._agent.plane
-        if plane is None:
-            return
-        jobs = list(self._jobs.values())
-        for job in jobs:
-            plane.cancel(job, error)
-        for job in jobs:
-            await plane.wait_stopped(job)
+        await self._stop_jobs(error)
 
     async def close(self) -> None:
         plane = self._agent.plane

@@ -158,7 +158,24 @@ class DataPlane:
 
     def abort(self, tid: int, error: LLMException) -> bool:
         """The owner released the cache of running transfer ``tid``: stop it; False if it is not running here."""
-        return False
+        job = self._jobs.get(tid)
+        if job is None:
+            return False
+        self._cancel(job, error)
+        return True
+
+    def _cancel(self, job: Any, error: LLMException) -> None:
+        """Stop one of :attr:`_jobs` (its waiter gets ``error``)."""
+
+    async def _wait_stopped(self, job: Any) -> None:
+        """Return once no thread touches a job stopped by :meth:`_cancel`."""
+
+    async def _stop_jobs(self, error: LLMException) -> None:
+        jobs = list(self._jobs.values())
+        for job in jobs:
+            self._cancel(job, error)
+        for job in jobs:
+            await self._wait_stopped(job)
 
     def freed(self, message: Freed) -> None:
         """The peer freed a cache: let go of what reaches it here (once idle)."""

@@ -132,12 +132,11 @@ class SameHostPlane(DataPlane):
             if device is not None and ipc is not None:
                 device.release(ipc)
 
-    def abort(self, tid: int, error: LLMException) -> bool:
-        job = self._jobs.get(tid)
-        if job is None:
-            return False
+    def _cancel(self, job: Any, error: LLMException) -> None:
         self._copies.cancel_job(job, error)
-        return True
+
+    async def _wait_stopped(self, job: Any) -> None:
+        await self._copies.wait_stopped(job)
 
     def freed(self, message: Freed) -> None:
         device = self._device
@@ -172,11 +171,7 @@ class SameHostPlane(DataPlane):
     # -- lifetime --------------------------------------------------------------------------------------------
     async def stop(self, error: LLMException) -> None:
         await super().stop(error)
-        jobs = list(self._jobs.values())
-        for job in jobs:
-            self._copies.cancel_job(job, error)
-        for job in jobs:
-            await self._copies.wait_stopped(job)
+        await self._stop_jobs(error)
 
     async def close(self) -> None:
         if self._device is not None:  # no GPU copy uses the peer's memory any more

@@ -54,6 +54,7 @@ from ...testing import PeerProcess, cluster_info, fill_pattern, free_port
 from ...types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 from .baselines import copyto_gbps, socket_stream_gbps, stream_copy_gbps
 from .baselines import gbps as _gbps
+from .timing import times as _times
 
 __all__ = ["main", "run_bench"]
 
@@ -85,17 +86,6 @@ def _tiny_desc() -> CacheDesc:
 
 def _slot_desc() -> CacheDesc:
     return CacheDesc(TENSORS, (1, SLOT_BYTES), DataType.DT_UINT8, Placement.HOST)
-
-
-async def _times(fn: Callable[[], Awaitable[Any]], repeat: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        await fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        await fn()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def _scattered(rng: np.random.Generator) -> tuple[list[int], list[int]]:

@@ -16,6 +16,7 @@ GB/s = bytes copied / second; medians over ``--repeat``.  Every transfer is chec
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import statistics
 import sys
@@ -27,6 +28,7 @@ import numpy as np
 
 from ... import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
 from ...testing import PeerProcess, cluster_info, free_port, tensor_bytes
+from .timing import times as _times
 
 __all__ = ["run_device_bench"]
 
@@ -59,18 +61,6 @@ async def _median_async(fn: Callable[[], Awaitable[Any]], repeat: int) -> float:
         await fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
-
-
-async def _latencies(fn: Callable[[], Awaitable[Any]], runs: int, warmup: int = 10) -> list[float]:
-    """Microseconds per call of ``fn`` (after ``warmup`` calls)."""
-    for _ in range(warmup):
-        await fn()
-    out = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        await fn()
-        out.append((time.perf_counter() - started) * 1e6)
-    return out
 
 
 def baselines(ordinal: int, repeat: int) -> dict[str, float]:
@@ -144,7 +134,8 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
             runs = max(200, 20 * repeat)
             progress(f"d2d pull 2 MiB x {runs}: one block of each tensor")
             one = ([src_blocks[0]], [dst_blocks[0]])
-            lat = sorted(await _latencies(lambda: cm.pull_blocks(BlocksCacheKey(1, 0), dst, *one), runs))
+            call = functools.partial(cm.pull_blocks, BlocksCacheKey(1, 0), dst, *one)
+            lat = sorted(t * 1e6 for t in await _times(call, runs, warmup=10))
             rows.append({"name": "d2d pull 2 MiB", "p50_us": statistics.median(lat),
                          "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
 

@@ -85,12 +85,8 @@ class TcpPlane(DataPlane):
         job = transfer.job
         return not transfer.pull and job is not None and not job.fenced
 
-    def abort(self, tid: int, error: LLMException) -> bool:
-        job = self._jobs.get(tid)
-        if job is None:
-            return False
+    def _cancel(self, job: Any, error: LLMException) -> None:
         self.conns.cancel(job, error)
-        return True
 
     # -- owner side ------------------------------------------------------------------------------------------
     def refusal(self, cache_id: int, on_device: bool) -> LLMException | None:
