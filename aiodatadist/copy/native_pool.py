@@ -9,7 +9,6 @@ cancelling stops the job at its next span and ``wait`` returns only when no work
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import time
 from typing import Any
@@ -19,14 +18,22 @@ import numpy.typing as npt
 
 from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, Spans
-from ..native import CopySpec, JobState, native_pool
+from ..native import CopySpec, native_extension, native_pool
 from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
 from .completion import NotifyPipe
-from .spans import PIECE, copy_grid_now, split_spans
+from .spans import PIECE, SINGLE_CHUNK, as_u64, copy_grid_now, split_spans
 
 __all__ = ["NativeExecutor", "NativeJob"]
 
 UInt64Array = npt.NDArray[np.uint64]
+_ext: Any = native_extension()
+
+POLL_BYTES = SINGLE_CHUNK
+POLL_FOR_S = 200e-6
+"""A job of at most POLL_BYTES (one chunk: done within tens of microseconds) is polled from the event loop, once
+per loop iteration, for up to POLL_FOR_S after it was queued: a sleeping loop learns of the pipe's announcement
+only after a cross-CPU wake-up, which on a VM costs more than such a copy (as CUDA events, see
+:mod:`aiodatadist.cuda.executor`).  The loop does its other work between polls."""
 
 
 class _Flag:
@@ -88,7 +95,7 @@ class NativeExecutor(ExecutorBase):
 
     def __init__(self, workers: int | None = None) -> None:
         lib = native_pool()
-        if lib is None:
+        if lib is None or native_extension() is None:
             raise RuntimeError("the native helper is not built")
         self._lib = lib
         self.workers = workers or default_workers()
@@ -116,7 +123,7 @@ class NativeExecutor(ExecutorBase):
         arrays = (np.ascontiguousarray(spans.dst, dtype=np.uint64), np.ascontiguousarray(spans.src, dtype=np.uint64),
                   np.ascontiguousarray(spans.length, dtype=np.uint64), np.ascontiguousarray(bounds, dtype=np.int64))
         dst, src, length, bounds = arrays
-        return self._submit(copier, arrays, lambda fd: self._lib.adt_job_submit(
+        return self._submit(copier, arrays, spans.total_bytes, lambda fd: self._lib.adt_job_submit(
             self._pool, dst.ctypes.data, src.ctypes.data, length.ctypes.data, bounds.ctypes.data,
             len(bounds) - 1, copier.mode, copier.pid, int(copier.streaming), fd))
 
@@ -124,19 +131,14 @@ class NativeExecutor(ExecutorBase):
                    chunk_bytes: int | None = None) -> NativeJob:
         """Queue a plan's copy; the helper's workers walk its grid themselves (no span list is built)."""
         runs = plan.runs
-        arrays = (np.ascontiguousarray(src_addrs[plan.src_tensor], dtype=np.uint64),
-                  np.ascontiguousarray(dst_addrs[plan.dst_tensor], dtype=np.uint64),
-                  np.ascontiguousarray(runs.src_offset).view(np.uint64),
-                  np.ascontiguousarray(runs.dst_offset).view(np.uint64),
-                  np.ascontiguousarray(runs.length).view(np.uint64))
-        src_base, dst_base, run_src, run_dst, run_len = arrays
         chunk = chunk_bytes or self.chunk_bytes_for(plan.total_bytes)
-        return self._submit(copier, arrays, lambda fd: self._lib.adt_job_submit_grid(
-            self._pool, src_base.ctypes.data, dst_base.ctypes.data, len(src_base), run_src.ctypes.data,
-            run_dst.ctypes.data, run_len.ctypes.data, len(run_len), copier.src_delta, copier.dst_delta, chunk,
-            min(PIECE, chunk), copier.mode, copier.pid, int(copier.streaming), fd))
+        pool = self._pool
+        return self._submit(copier, (runs,), plan.total_bytes, lambda fd: _ext.submit_grid(
+            pool, as_u64(src_addrs), as_u64(dst_addrs), plan.src_tensor, plan.dst_tensor, runs.src_offset,
+            runs.dst_offset, runs.length, copier.src_delta, copier.dst_delta, chunk, min(PIECE, chunk),
+            int(copier.mode), copier.pid, int(copier.streaming), fd))
 
-    def _submit(self, copier: CopySpec, keepalive: tuple[Any, ...], submit: Any) -> NativeJob:
+    def _submit(self, copier: CopySpec, keepalive: tuple[Any, ...], nbytes: int, submit: Any) -> NativeJob:
         if self._pool is None:
             raise LLMException("the copy executor was shut down", status_code=LLMStatusCode.LLM_FAILED)
         loop = asyncio.get_running_loop()
@@ -148,7 +150,14 @@ class NativeExecutor(ExecutorBase):
         job.handle = handle
         job.keepalive = keepalive
         notifier.jobs[handle] = job
+        if nbytes <= POLL_BYTES:
+            loop.call_soon(self._watch, job, time.perf_counter() + POLL_FOR_S)
         return job
+
+    def _watch(self, job: NativeJob, until: float) -> None:
+        """Poll a short job from the loop until ``until`` (then its announcement wakes the loop as for any job)."""
+        if not self._poll(job) and time.perf_counter() < until:
+            job.future.get_loop().call_soon(self._watch, job, until)
 
     def cancel(self, job: NativeJob, error: BaseException | None = None) -> None:
         """Stop the job at its next span; with ``error`` its waiter gets that exception."""
@@ -162,16 +171,15 @@ class NativeExecutor(ExecutorBase):
         """Whether the pool is done with ``job`` (and, if so, finish it)."""
         if job.handle is None:
             return True
-        err = ctypes.c_int(0)
-        state = self._lib.adt_job_state(self._pool, job.handle, ctypes.byref(err))
-        if state == JobState.RUNNING:
+        reaped = _ext.reap(job.handle)
+        if reaped is None:
             return False
-        if err.value and job.error is None:
-            job.error = OSError(err.value, f"copy failed: {os.strerror(err.value)}")
+        err = reaped[1]
+        if err and job.error is None:
+            job.error = OSError(err, f"copy failed: {os.strerror(err)}")
         notifier = self._notifiers.get(job.future.get_loop())
         if notifier is not None:
             notifier.jobs.pop(job.handle, None)
-        self._lib.adt_job_free(job.handle)
         job.handle = None
         job.stopped.set()
         resolve_job(job)

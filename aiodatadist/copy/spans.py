@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..layout import CopyPlan, Spans
-from ..native import CopySpec, local_copier, native_pool
+from ..native import CopySpec, local_copier, native_extension
 
 __all__ = [
     "INLINE_BYTES",
@@ -22,6 +22,7 @@ __all__ = [
     "SINGLE_CHUNK",
     "SMALL",
     "STREAMING_THRESHOLD",
+    "as_u64",
     "copier_for_local",
     "copy_grid_now",
     "split_spans",
@@ -49,29 +50,20 @@ def copy_grid_now(plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: CopySp
     if plan.total_bytes > INLINE_BYTES or _copy_grid is None:
         return False
     runs = plan.runs
-    err = _copy_grid(_u64(src_addrs), _u64(dst_addrs), plan.src_tensor, plan.dst_tensor, runs.src_offset,
+    err = _copy_grid(as_u64(src_addrs), as_u64(dst_addrs), plan.src_tensor, plan.dst_tensor, runs.src_offset,
                      runs.dst_offset, runs.length, copier.src_delta, copier.dst_delta, int(copier.mode), copier.pid)
     if err:
         raise OSError(err, f"copy failed: {os.strerror(err)}")
     return True
 
 
-def _u64(addrs: Any) -> Any:
+def as_u64(addrs: Any) -> Any:
+    """``addrs`` as a C-contiguous uint64 array (itself when it is one already)."""
     return addrs if type(addrs) is np.ndarray and addrs.dtype == np.uint64 and addrs.flags.c_contiguous \
         else np.ascontiguousarray(addrs, dtype=np.uint64)
 
 
-def _native_copy_grid() -> Callable[..., int] | None:
-    if native_pool() is None:
-        return None
-    try:
-        from ..native._native import copy_grid  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:  # an older build: the ctypes helper alone
-        return None
-    return copy_grid  # type: ignore[no-any-return, unused-ignore]
-
-
-_copy_grid = _native_copy_grid()
+_copy_grid: Callable[..., int] | None = getattr(native_extension(), "copy_grid", None)
 
 
 def copier_for_local(total_bytes: int) -> CopySpec:

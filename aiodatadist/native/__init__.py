@@ -12,6 +12,8 @@ event loop.  Without the helper (not built, or a stale build) copies fall back t
 from __future__ import annotations
 
 import ctypes
+import functools
+from typing import Any
 
 from .bindings import (
     ANY_MODEL,
@@ -46,9 +48,11 @@ __all__ = [
     "StopFlag",
     "advise_hugepages",
     "bind_runner",
+    "int_bounds",
     "load",
     "local_copier",
     "native_available",
+    "native_extension",
     "native_pool",
     "populate",
     "process_vm_read",
@@ -67,3 +71,25 @@ def native_pool() -> ctypes.CDLL | None:
 def native_available() -> bool:
     """Whether the compiled span copier is in use (else a slower ctypes fallback is)."""
     return _LIB is not None
+
+
+@functools.cache
+def native_extension() -> Any:
+    """The helper as a Python module (functions called without ctypes' argument conversion: ``copy_grid``,
+    ``submit_grid``, ``reap``, ``int_bounds``), or None where it is not built or predates its source."""
+    if _LIB is None:
+        return None
+    try:
+        from . import _native  # type: ignore[attr-defined, unused-ignore]
+    except ImportError:
+        return None
+    return _native if hasattr(_native, "int_bounds") else None
+
+
+def _no_bounds(values: Any) -> None:
+    return None
+
+
+int_bounds: Any = getattr(native_extension(), "int_bounds", _no_bounds)
+"""``int_bounds(values)``: ``(min, max)`` of a non-empty list or tuple of exact ``int`` (no ``bool``) that fit an
+int64, else ``None`` (always ``None`` without the helper): the fast path of block-list checks."""

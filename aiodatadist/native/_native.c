@@ -39,6 +39,36 @@ static void stream_copy(char *d, const char *s, size_t n) { memcpy(d, s, n); }
 #define SPIN_PAUSE() ((void)0)
 #endif
 
+/* Copies of at most 64 bytes (KV spans of tiny blocks, one per layer and block) without a call into libc: every
+ * byte is loaded before any is stored, so overlapping ranges copy as memmove would.  A libc call per span costs
+ * more than the copy itself at these sizes. */
+static inline int copy_small(char *d, const char *s, size_t n)
+{
+#if defined(__SSE2__)
+    if (n > 64) return 0;
+    if (n >= 32) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + n - 32)), e = _mm_loadu_si128((const __m128i *)(s + n - 16));
+        _mm_storeu_si128((__m128i *)d, a); _mm_storeu_si128((__m128i *)(d + 16), b);
+        _mm_storeu_si128((__m128i *)(d + n - 32), c); _mm_storeu_si128((__m128i *)(d + n - 16), e);
+    } else if (n >= 16) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + n - 16));
+        _mm_storeu_si128((__m128i *)d, a); _mm_storeu_si128((__m128i *)(d + n - 16), b);
+    } else if (n >= 8) {
+        uint64_t a, b;
+        memcpy(&a, s, 8); memcpy(&b, s + n - 8, 8); memcpy(d, &a, 8); memcpy(d + n - 8, &b, 8);
+    } else {
+        char tmp[8];
+        for (size_t i = 0; i < n; i++) tmp[i] = s[i];
+        for (size_t i = 0; i < n; i++) d[i] = tmp[i];
+    }
+    return 1;
+#else
+    (void)d; (void)s; (void)n;
+    return 0;
+#endif
+}
+
 /* Returns the number of spans copied: n, or fewer when *stop became non-zero (checked before every span, so a
  * stop takes effect within one span; callers keep spans small).  stop may be NULL. */
 long adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *len, size_t n, int streaming,
@@ -98,7 +128,7 @@ int adt_stream_copy_limit(uint64_t dst, uint64_t src, uint64_t n, int threads)
  * A native worker pool.  Jobs are span lists cut into chunks; POSIX threads take chunks round-robin across
  * jobs and never touch Python, so copies overlap with the event loop instead of contending for the GIL.  A
  * finished (or stopped) job is announced by writing its address to the job's notify pipe; the event loop
- * then reads adt_job_state() of exactly the jobs that ended.  Modes: 0 = memcpy within this process, 1 = process_vm_readv (remote source),
+ * then reaps (reap(), below) exactly the jobs that ended.  Modes: 0 = memcpy within this process, 1 = process_vm_readv (remote source),
  * 2 = process_vm_writev (remote destination).
  * --------------------------------------------------------------------------------------------------------- */
 #include <pthread.h>
@@ -410,7 +440,8 @@ static int copy_span(copier *c, uint64_t s, uint64_t d, uint64_t l, uint64_t pie
         uint64_t k = l < piece ? l : piece;
         if (c->mode == 0) {
             if (c->streaming && k >= 4096) stream_copy((char *)(uintptr_t)d, (const char *)(uintptr_t)s, (size_t)k);
-            else memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, (size_t)k);
+            else if (!copy_small((char *)(uintptr_t)d, (const char *)(uintptr_t)s, (size_t)k))
+                memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, (size_t)k);
         } else {
             uint64_t local = c->mode == 1 ? d : s, remote = c->mode == 1 ? s : d;
             c->local[c->k].iov_base = (void *)(uintptr_t)local;
@@ -427,6 +458,15 @@ static int copy_span(copier *c, uint64_t s, uint64_t d, uint64_t l, uint64_t pie
     return 0;
 }
 
+/* copy_span with the tiny local span inlined (the grid walk's hot path for small blocks). */
+static inline int copy_span_fast(copier *c, uint64_t s, uint64_t d, uint64_t l, uint64_t piece)
+{
+    if (c->mode == 0 && l <= 64 && !(c->stop && *c->stop)
+        && copy_small((char *)(uintptr_t)d, (const char *)(uintptr_t)s, (size_t)l))
+        return 0;
+    return copy_span(c, s, d, l, piece);
+}
+
 /* Copy bytes [b0, b1) of the grid's stream: 0, an errno, or -1 when stopped. */
 static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
 {
@@ -437,38 +477,59 @@ static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
     while (hi - lo > 1) { size_t mid = lo + (hi - lo) / 2; if (g->prefix[mid] <= rem) lo = mid; else hi = mid; }
     size_t r = lo;
     uint64_t off = rem - g->prefix[r], pos = b0, cs = 0, cd = 0, cl = 0;
+    /* Locals, not g->...: the copies in between may alias anything, so the compiler would reload every field. */
+    const uint64_t *run_src = g->run_src, *run_dst = g->run_dst, *run_len = g->run_len;
+    const size_t nt = g->nt, nr = g->nr;
+    const uint64_t piece = g->piece;
+    uint64_t sb = g->src_base[t] + g->src_delta, db = g->dst_base[t] + g->dst_delta;
     int err = 0;
-    while (pos < b1 && t < g->nt) {
-        uint64_t l = g->run_len[r] - off;
+    while (pos < b1) {
+        uint64_t l = run_len[r] - off;
         if (l > b1 - pos) l = b1 - pos;
         if (l) {
-            uint64_t s = g->src_base[t] + g->src_delta + g->run_src[r] + off;
-            uint64_t d = g->dst_base[t] + g->dst_delta + g->run_dst[r] + off;
+            uint64_t s = sb + run_src[r] + off, d = db + run_dst[r] + off;
             if (cl && cs + cl == s && cd + cl == d) cl += l;
             else {
-                if (cl && (err = copy_span(c, cs, cd, cl, g->piece))) return err;
+                if (cl && (err = copy_span_fast(c, cs, cd, cl, piece))) return err;
                 cs = s; cd = d; cl = l;
             }
         }
         pos += l; off = 0;
-        if (++r == g->nr) { r = 0; t++; }
+        if (++r == nr) {
+            r = 0;
+            if (++t == nt) break;
+            sb = g->src_base[t] + g->src_delta; db = g->dst_base[t] + g->dst_delta;
+        }
     }
-    if (cl && (err = copy_span(c, cs, cd, cl, g->piece))) return err;
+    if (cl && (err = copy_span(c, cs, cd, cl, piece))) return err;
     if (c->mode != 0 && (c->stop == NULL || !*c->stop)) return pvm_flush(c);
     return 0;
 }
 
-static grid *grid_new(const uint64_t *src_base, const uint64_t *dst_base, size_t nt, const uint64_t *run_src,
+/* A grid of nt tensor pairs: pair k copies tensor src_tensor[k] of src_addrs (na addresses) to tensor dst_tensor[k]
+ * of dst_addrs (nb).  The pairs' base addresses are gathered into the grid's own memory, so the caller keeps only
+ * the run arrays alive.  NULL with *err = EINVAL (an index out of range) or ENOMEM. */
+static grid *grid_new(const uint64_t *src_addrs, size_t na, const uint64_t *dst_addrs, size_t nb,
+                      const int64_t *src_tensor, const int64_t *dst_tensor, size_t nt, const uint64_t *run_src,
                       const uint64_t *run_dst, const uint64_t *run_len, size_t nr, uint64_t src_delta,
-                      uint64_t dst_delta, uint64_t piece)
+                      uint64_t dst_delta, uint64_t piece, int *err)
 {
-    grid *g = malloc(sizeof *g + (nr + 1) * sizeof(uint64_t));
-    if (!g) return NULL;
-    g->prefix = (uint64_t *)(g + 1);
-    g->prefix[0] = 0;
-    for (size_t r = 0; r < nr; r++) g->prefix[r + 1] = g->prefix[r] + run_len[r];
-    *g = (grid){src_base, dst_base, run_src, run_dst, run_len, g->prefix, nt, nr, src_delta, dst_delta,
-                g->prefix[nr], g->prefix[nr] * (uint64_t)nt, piece ? piece : (1u << 20)};
+    grid *g = malloc(sizeof *g + (nr + 1 + 2 * nt) * sizeof(uint64_t));
+    if (!g) { *err = ENOMEM; return NULL; }
+    uint64_t *prefix = (uint64_t *)(g + 1), *bases = prefix + nr + 1;
+    for (size_t t = 0; t < nt; t++) {
+        if (src_tensor[t] < 0 || dst_tensor[t] < 0 || (size_t)src_tensor[t] >= na || (size_t)dst_tensor[t] >= nb) {
+            free(g);
+            *err = EINVAL;
+            return NULL;
+        }
+        bases[t] = src_addrs[src_tensor[t]];
+        bases[nt + t] = dst_addrs[dst_tensor[t]];
+    }
+    prefix[0] = 0;
+    for (size_t r = 0; r < nr; r++) prefix[r + 1] = prefix[r] + run_len[r];
+    *g = (grid){bases, bases + nt, run_src, run_dst, run_len, prefix, nt, nr, src_delta, dst_delta,
+                prefix[nr], prefix[nr] * (uint64_t)nt, piece ? piece : (1u << 20)};
     return g;
 }
 
@@ -486,35 +547,27 @@ static int run_grid_chunk(adt_job *j, size_t c)
     return err < 0 ? 0 : err;
 }
 
-void *adt_job_submit_grid(void *pool, const uint64_t *src_base, const uint64_t *dst_base, size_t nt,
-                          const uint64_t *run_src, const uint64_t *run_dst, const uint64_t *run_len, size_t nr,
-                          uint64_t src_delta, uint64_t dst_delta, uint64_t chunk, uint64_t piece,
-                          int mode, int pid, int streaming, int notify_fd)
+/* Queue a grid job (the job owns g); NULL when out of memory (g freed). */
+static adt_job *submit_grid(adt_pool *p, grid *g, uint64_t chunk, int mode, int pid, int streaming, int notify_fd)
 {
-    if (piece == 0 || chunk == 0) return NULL;
     adt_job *j = calloc(1, sizeof *j);
-    grid *g = grid_new(src_base, dst_base, nt, run_src, run_dst, run_len, nr, src_delta, dst_delta, piece);
-    if (!j || !g) { free(j); free(g); return NULL; }
+    if (!j) { free(g); return NULL; }
     j->grid = g; j->owned = g; j->chunk = chunk;
     j->nchunks = g->total ? (size_t)((g->total + chunk - 1) / chunk) : 0;
     j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd;
-    return submit((adt_pool *)pool, j);
+    return submit(p, j);
 }
 
 /* A grid copied on the calling thread (no worker, no announcement): for transfers so small that a worker's
  * wake-up and the event loop's pipe read would cost more than the copy.  Returns 0, or an errno (EFAULT: a remote
  * range is not mapped, or not any more). */
-int adt_copy_grid(const uint64_t *src_base, const uint64_t *dst_base, size_t nt, const uint64_t *run_src,
-                  const uint64_t *run_dst, const uint64_t *run_len, size_t nr, uint64_t src_delta, uint64_t dst_delta,
-                  int mode, int pid)
+static int copy_grid_here(grid *g, int mode, int pid)
 {
-    grid *g = grid_new(src_base, dst_base, nt, run_src, run_dst, run_len, nr, src_delta, dst_delta, 0);
     copier *cp = malloc(sizeof *cp);
-    if (!g || !cp) { free(g); free(cp); return ENOMEM; }
+    if (!cp) return ENOMEM;
     cp->k = 0; cp->want = 0; cp->mode = mode; cp->pid = pid; cp->streaming = 0; cp->stop = NULL;
     int err = grid_copy_range(g, 0, g->total, cp);
     free(cp);
-    free(g);
     return err;
 }
 
@@ -541,16 +594,6 @@ void adt_job_cancel(void *pool, void *job)
         if (ann) { announce(fd, j); return; }
     }
     sem_post(&p->work);
-}
-
-/* 0 = running, 1 = finished, 2 = stopped early; *error receives the errno of a failed chunk (0 if none). */
-int adt_job_state(void *pool, void *job, int *error)
-{
-    (void)pool;
-    adt_job *j = (adt_job *)job;
-    if (!__atomic_load_n(&j->done, __ATOMIC_ACQUIRE)) return 0;
-    *error = j->error;
-    return __atomic_load_n(&j->stop, __ATOMIC_RELAXED) ? 2 : 1;
 }
 
 void adt_job_free(void *job) { adt_job *j = (adt_job *)job; free(j->owned); free(j); }
@@ -764,19 +807,21 @@ long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uin
     return got;
 }
 
-/* copy_grid(src_addrs, dst_addrs, src_tensor, dst_tensor, run_src, run_dst, run_len, src_delta, dst_delta, mode,
- * pid) -> errno: adt_copy_grid for a plan, called as a Python function (one call, buffers taken as they are)
- * rather than through ctypes, whose argument conversion costs more than a small copy.  The address arrays are
- * indexed by the plan's tensor indices here.  Arrays: C-contiguous, 8-byte items. */
-static int grid_buffers(PyObject *const *args, Py_buffer *b)
+/* The plan functions called as Python functions (METH_FASTCALL, buffers taken as they are) rather than through
+ * ctypes, whose argument conversion alone costs more than a small copy.  A plan's arrays come first:
+ * src_addrs, dst_addrs (tensor addresses), src_tensor, dst_tensor (indices into them, one pair per grid row),
+ * run_src, run_dst, run_len; all C-contiguous with 8-byte items. */
+#define PLAN_ARRAYS 7
+
+static int plan_buffers(PyObject *const *args, Py_buffer *b)
 {
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < PLAN_ARRAYS; i++) {
         if (PyObject_GetBuffer(args[i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
             while (--i >= 0) PyBuffer_Release(&b[i]);
             return -1;
         }
         if (b[i].itemsize != 8) {
-            PyErr_SetString(PyExc_ValueError, "copy_grid takes arrays of 8-byte integers");
+            PyErr_SetString(PyExc_ValueError, "plan arrays hold 8-byte integers");
             for (; i >= 0; i--) PyBuffer_Release(&b[i]);
             return -1;
         }
@@ -784,42 +829,109 @@ static int grid_buffers(PyObject *const *args, Py_buffer *b)
     return 0;
 }
 
+/* The grid of a plan's buffers (released here; the run arrays must outlive the grid); NULL with an exception. */
+static grid *plan_grid(PyObject *const *args, uint64_t src_delta, uint64_t dst_delta, uint64_t piece)
+{
+    Py_buffer b[PLAN_ARRAYS];
+    if (plan_buffers(args, b) < 0) return NULL;
+    size_t nt = (size_t)(b[2].len / 8), nr = (size_t)(b[4].len / 8);
+    int err = 0;
+    grid *g = NULL;
+    if ((size_t)(b[3].len / 8) != nt || (size_t)(b[5].len / 8) != nr || (size_t)(b[6].len / 8) != nr) err = EINVAL;
+    else g = grid_new(b[0].buf, (size_t)(b[0].len / 8), b[1].buf, (size_t)(b[1].len / 8), b[2].buf, b[3].buf, nt,
+                      b[4].buf, b[5].buf, b[6].buf, nr, src_delta, dst_delta, piece, &err);
+    for (int i = 0; i < PLAN_ARRAYS; i++) PyBuffer_Release(&b[i]);
+    if (g == NULL) {
+        if (err == ENOMEM) PyErr_NoMemory();
+        else PyErr_SetString(PyExc_ValueError, "inconsistent plan arrays");
+    }
+    return g;
+}
+
+/* copy_grid(*plan arrays, src_delta, dst_delta, mode, pid) -> errno: a small plan copied on this thread. */
 static PyObject *py_copy_grid(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 11) { PyErr_SetString(PyExc_TypeError, "copy_grid takes 11 arguments"); return NULL; }
+    if (nargs != PLAN_ARRAYS + 4) { PyErr_SetString(PyExc_TypeError, "copy_grid takes 11 arguments"); return NULL; }
     uint64_t src_delta = PyLong_AsUnsignedLongLongMask(args[7]), dst_delta = PyLong_AsUnsignedLongLongMask(args[8]);
     long mode = PyLong_AsLong(args[9]), pid = PyLong_AsLong(args[10]);
     if (PyErr_Occurred()) return NULL;
-    Py_buffer b[7];
-    if (grid_buffers(args, b) < 0) return NULL;
-    size_t na = (size_t)(b[0].len / 8), nb = (size_t)(b[1].len / 8), nt = (size_t)(b[2].len / 8);
-    size_t nr = (size_t)(b[4].len / 8);
-    const uint64_t *sa = b[0].buf, *da = b[1].buf;
-    const int64_t *st = b[2].buf, *dt = b[3].buf;
-    int err = 0;
-    uint64_t *bases = NULL;
-    if ((size_t)(b[3].len / 8) != nt || (size_t)(b[5].len / 8) != nr || (size_t)(b[6].len / 8) != nr) err = -1;
-    else if (nt && !(bases = malloc(2 * nt * sizeof *bases))) err = ENOMEM;
-    for (size_t t = 0; !err && t < nt; t++) {
-        if (st[t] < 0 || dt[t] < 0 || (size_t)st[t] >= na || (size_t)dt[t] >= nb) { err = -1; break; }
-        bases[t] = sa[st[t]];
-        bases[nt + t] = da[dt[t]];
-    }
-    if (!err) {
-        Py_BEGIN_ALLOW_THREADS
-        err = adt_copy_grid(bases, bases + nt, nt, b[4].buf, b[5].buf, b[6].buf, nr, src_delta, dst_delta,
-                            (int)mode, (int)pid);
-        Py_END_ALLOW_THREADS
-    }
-    free(bases);
-    for (int i = 0; i < 7; i++) PyBuffer_Release(&b[i]);
-    if (err < 0) { PyErr_SetString(PyExc_ValueError, "copy_grid: inconsistent plan arrays"); return NULL; }
+    grid *g = plan_grid(args, src_delta, dst_delta, 0);
+    if (g == NULL) return NULL;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = copy_grid_here(g, (int)mode, (int)pid);
+    Py_END_ALLOW_THREADS
+    free(g);
     return PyLong_FromLong(err);
+}
+
+/* submit_grid(pool, *plan arrays, src_delta, dst_delta, chunk, piece, mode, pid, streaming, notify_fd) -> job
+ * handle: a plan queued in the pool; the caller keeps the run arrays alive until the job is reaped. */
+static PyObject *py_submit_grid(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != PLAN_ARRAYS + 9) { PyErr_SetString(PyExc_TypeError, "submit_grid takes 16 arguments"); return NULL; }
+    adt_pool *pool = PyLong_AsVoidPtr(args[0]);
+    uint64_t src_delta = PyLong_AsUnsignedLongLongMask(args[8]), dst_delta = PyLong_AsUnsignedLongLongMask(args[9]);
+    uint64_t chunk = PyLong_AsUnsignedLongLongMask(args[10]), piece = PyLong_AsUnsignedLongLongMask(args[11]);
+    long mode = PyLong_AsLong(args[12]), pid = PyLong_AsLong(args[13]), streaming = PyLong_AsLong(args[14]);
+    long fd = PyLong_AsLong(args[15]);
+    if (PyErr_Occurred()) return NULL;
+    if (pool == NULL || chunk == 0 || piece == 0) {
+        PyErr_SetString(PyExc_ValueError, "submit_grid: no pool, or a zero chunk or piece");
+        return NULL;
+    }
+    grid *g = plan_grid(args + 1, src_delta, dst_delta, piece);
+    if (g == NULL) return NULL;
+    adt_job *j = submit_grid(pool, g, chunk, (int)mode, (int)pid, (int)streaming, (int)fd);
+    if (j == NULL) return PyErr_NoMemory();
+    return PyLong_FromVoidPtr(j);
+}
+
+/* reap(job) -> None while workers may touch the job, else (state, errno) with the job freed (the handle is then
+ * invalid): state 1 = done, 2 = stopped (see JobState). */
+static PyObject *py_reap(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    adt_job *j = PyLong_AsVoidPtr(arg);
+    if (j == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "reap: no job");
+        return NULL;
+    }
+    if (!__atomic_load_n(&j->done, __ATOMIC_ACQUIRE)) Py_RETURN_NONE;
+    int state = __atomic_load_n(&j->stop, __ATOMIC_RELAXED) ? 2 : 1, err = j->error;
+    adt_job_free(j);
+    return Py_BuildValue("(ii)", state, err);
+}
+
+/* int_bounds(seq) -> (min, max) of a list or tuple of exact ints that fit an int64, else None (empty, another type
+ * of item, bool included, or a bigger int: the caller's checks then look at each item).  Block lists are checked on
+ * every call; this is their fast path. */
+static PyObject *py_int_bounds(PyObject *self, PyObject *seq)
+{
+    (void)self;
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (n == 0) Py_RETURN_NONE;
+    long long lo = 0, hi = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_CheckExact(items[i])) Py_RETURN_NONE;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+        if (overflow) Py_RETURN_NONE;
+        if (i == 0 || v < lo) lo = v;
+        if (i == 0 || v > hi) hi = v;
+    }
+    return Py_BuildValue("(LL)", lo, hi);
 }
 
 static PyMethodDef native_methods[] = {
     {"copy_grid", (PyCFunction)(void (*)(void))py_copy_grid, METH_FASTCALL, "A small plan copied on this thread."},
+    {"submit_grid", (PyCFunction)(void (*)(void))py_submit_grid, METH_FASTCALL, "A plan queued in a copy pool."},
+    {"reap", py_reap, METH_O, "A finished job's (state, errno), freeing it; None while it runs."},
+    {"int_bounds", py_int_bounds, METH_O, "(min, max) of a list or tuple of int64 ints, else None."},
     {NULL, NULL, 0, NULL},
 };
 

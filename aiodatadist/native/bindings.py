@@ -33,7 +33,7 @@ log = logging.getLogger("aiodatadist.native")
 
 
 class CopyMode(IntEnum):
-    """How a copy job moves its spans: the ``mode`` of ``adt_job_submit``/``adt_job_submit_grid`` (``adt_job.mode``
+    """How a copy job moves its spans: the ``mode`` of ``adt_job_submit``/``submit_grid`` (``adt_job.mode``
     in ``_native.c``, which compares it with the literals 0, 1 and 2)."""
 
     MEMCPY = 0
@@ -45,7 +45,7 @@ class CopyMode(IntEnum):
 
 
 class JobState(IntEnum):
-    """What ``adt_job_state`` (``_native.c``) and ``adt_net_job_state`` (``_net.c``) return (literals there:
+    """What ``reap`` (``_native.c``) and ``adt_net_job_state`` (``_net.c``) return (literals there:
     "0 = running, 1 = finished, 2 = stopped early, 3 = stopped and fenced")."""
 
     RUNNING = 0
@@ -121,11 +121,6 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_pool_free.argtypes, lib.adt_pool_free.restype = [vp], None
     lib.adt_job_submit.argtypes = [vp, vp, vp, vp, vp, sz, c_int, c_int, c_int, c_int]
     lib.adt_job_submit.restype = vp
-    lib.adt_job_submit_grid.argtypes = [vp, vp, vp, sz, vp, vp, vp, sz, u64, u64, u64, u64, c_int, c_int, c_int,
-                                        c_int]
-    lib.adt_job_submit_grid.restype = vp
-    lib.adt_copy_grid.argtypes = [vp, vp, sz, vp, vp, vp, sz, u64, u64, c_int, c_int]
-    lib.adt_copy_grid.restype = c_int
     lib.adt_send_frame.argtypes = [c_int, vp, sz, vp, vp, i64, i64]
     lib.adt_send_frame.restype = c_int
     lib.adt_recv_frame.argtypes = [c_int, vp, vp, vp, sz, u64, u64, vp, vp, sz, c_int, vp]
@@ -150,7 +145,6 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_net_close.argtypes, lib.adt_net_close.restype = [vp], None
     lib.adt_net_free.argtypes, lib.adt_net_free.restype = [vp], None
     lib.adt_job_cancel.argtypes, lib.adt_job_cancel.restype = [vp, vp], None
-    lib.adt_job_state.argtypes, lib.adt_job_state.restype = [vp, vp, pi], c_int
     lib.adt_job_free.argtypes, lib.adt_job_free.restype = [vp], None
 
 

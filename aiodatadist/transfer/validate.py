@@ -23,6 +23,7 @@ from .._checks import (
     require,
 )
 from ..layout import TransferParams
+from ..native import int_bounds
 from ..registry import CacheEntry
 from ..transfer_configs import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
@@ -50,6 +51,9 @@ def _layer_kwargs(kwargs: dict[str, Any], *, allow_empty: bool) -> tuple[range |
 def _blocks_arg(name: str, value: Any, *, allow_none: bool) -> tuple[int, ...]:
     if value is None and allow_none:
         return ()
+    bounds = int_bounds(value)  # a list or tuple of non-negative ints (every call's case): checked in one C pass
+    if bounds is not None and bounds[0] >= 0:
+        return tuple(value)
     return tuple(check_index_list(name, value, "uint64"))
 
 
@@ -63,8 +67,11 @@ def _checked(params: TransferParams, local: CacheEntry) -> tuple[CacheEntry, Tra
     """Checks that need only the local cache, so bad input fails before any message is sent."""
     slots = int(local.desc.shape[0])
     local_blocks = params.dst_blocks if params.op == "pull" else params.src_blocks
-    if local_blocks and max(local_blocks) >= slots:
-        param_invalid(f"block index {max(local_blocks)} >= num_blocks {slots}.")
+    if local_blocks:
+        bounds = int_bounds(local_blocks)
+        highest = bounds[1] if bounds is not None else max(local_blocks)
+        if highest >= slots:
+            param_invalid(f"block index {highest} >= num_blocks {slots}.")
     if params.local_slot >= slots:
         param_invalid(f"batch_index {params.local_slot} out of range [0, {slots}).")
     return local, params

@@ -21,6 +21,9 @@ from aiodatadist.native import CopyMode, CopySpec, native_available
 pytestmark = pytest.mark.skipif(not native_available(), reason="the native helper is not built")
 
 TENSORS, BLOCKS = 4, 16
+# Block sizes through every branch of the helper's small-span copy (1-7, 8-15, 16-31, 32-64 bytes; merged
+# neighbours are longer) and past it (libc's memmove, streaming stores)
+BLOCK_SIZES = [1, 3, 8, 12, 24, 40, 63, 64, 65, 512]
 
 
 def _caches(block: int, seed: int) -> tuple[list[np.ndarray[Any, Any]], list[np.ndarray[Any, Any]]]:
@@ -49,7 +52,7 @@ def _expected(src: list[np.ndarray[Any, Any]], dst: list[np.ndarray[Any, Any]], 
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([8, 64, 512]), st.lists(st.tuples(st.integers(0, BLOCKS - 1), st.integers(0, BLOCKS - 1)),
+@given(st.sampled_from(BLOCK_SIZES), st.lists(st.tuples(st.integers(0, BLOCKS - 1), st.integers(0, BLOCKS - 1)),
                                                  min_size=1, max_size=BLOCKS, unique_by=(lambda p: p[0], lambda p: p[1])),
        st.sampled_from([CopyMode.MEMCPY, CopyMode.PVM_READ, CopyMode.PVM_WRITE]))
 def test_inline_copy_moves_exactly_the_planned_blocks(block: int, pairs: list[tuple[int, int]],
@@ -100,7 +103,7 @@ def test_an_unmapped_remote_range_fails_with_efault() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.sampled_from([8, 64, 512]), st.lists(st.tuples(st.integers(0, BLOCKS - 1), st.integers(0, BLOCKS - 1)),
+@given(st.sampled_from(BLOCK_SIZES), st.lists(st.tuples(st.integers(0, BLOCKS - 1), st.integers(0, BLOCKS - 1)),
                                                  min_size=1, max_size=BLOCKS, unique_by=(lambda p: p[0], lambda p: p[1])),
        st.sampled_from([CopyMode.MEMCPY, CopyMode.PVM_READ, CopyMode.PVM_WRITE]), st.integers(1, 5000),
        st.booleans())
@@ -125,3 +128,29 @@ def test_a_grid_job_cut_anywhere_moves_the_same_bytes(block: int, pairs: list[tu
         executor.shutdown()
     for got, want in zip(dst, expected):
         assert np.array_equal(got, want)
+
+
+def test_submit_grid_refuses_inconsistent_plan_arrays() -> None:
+    """The pool's entry point checks what it is given: tensor indices beyond the address arrays and run arrays
+    of different lengths raise ``ValueError`` and queue nothing."""
+    from aiodatadist.native import native_extension
+
+    ext = native_extension()
+    executor = NativeExecutor(workers=1)
+    pool = executor._pool
+    plan = _plan(64, [0, 1], [2, 3])
+    runs = plan.runs
+    src, dst = _caches(64, 1)
+    too_few = _addrs(src)[:1]
+    try:
+        with pytest.raises(ValueError):
+            ext.submit_grid(pool, too_few, _addrs(dst), plan.src_tensor, plan.dst_tensor, runs.src_offset,
+                            runs.dst_offset, runs.length, 0, 0, 1 << 20, 1 << 20, 0, 0, 0, -1)
+        with pytest.raises(ValueError):
+            ext.submit_grid(pool, _addrs(src), _addrs(dst), plan.src_tensor, plan.dst_tensor, runs.src_offset,
+                            runs.dst_offset, runs.length[:0], 0, 0, 1 << 20, 1 << 20, 0, 0, 0, -1)
+        with pytest.raises(ValueError):
+            ext.copy_grid(_addrs(src), too_few, plan.src_tensor, plan.dst_tensor, runs.src_offset, runs.dst_offset,
+                          runs.length, 0, 0, 0, 0)
+    finally:
+        executor.shutdown()

@@ -24,9 +24,10 @@ def test_the_helper_is_built_from_the_current_source_where_a_compiler_exists() -
     assert native.native_available(), "a C compiler exists but the native helper did not build (see pip's output)"
     from aiodatadist.native import _native  # type: ignore[attr-defined]
 
-    assert hasattr(_native, "copy_grid"), "the built helper predates its source: rebuild it"
+    for name in ("copy_grid", "submit_grid", "reap"):
+        assert hasattr(_native, name), f"the built helper predates its source (no {name}): rebuild it"
     lib = native.native_pool()
-    assert lib is not None and hasattr(lib, "adt_copy_grid") and hasattr(lib, "adt_job_submit_grid")
+    assert lib is not None and hasattr(lib, "adt_job_submit") and hasattr(lib, "adt_pool_new")
     here = Path(native.__file__).parent
     if (here.parent.parent / "pyproject.toml").exists():  # a source tree (editable install): compare the files
         built = Path(_native.__file__).stat().st_mtime
