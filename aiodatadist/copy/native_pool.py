@@ -30,10 +30,13 @@ _ext: Any = native_extension()
 
 POLL_BYTES = SINGLE_CHUNK
 POLL_FOR_S = 200e-6
+MAX_POLL_SKIP = 1024
 """A job of at most POLL_BYTES (one chunk: done within tens of microseconds) is polled from the event loop, once
 per loop iteration, for up to POLL_FOR_S after it was queued: a sleeping loop learns of the pipe's announcement
 only after a cross-CPU wake-up, which on a VM costs more than such a copy (as CUDA events, see
-:mod:`aiodatadist.cuda.executor`).  The loop does its other work between polls."""
+:mod:`aiodatadist.cuda.executor`).  The loop does its other work between polls.  Where the CPUs are busy the
+polling loop can take the CPU its (lower-priority) worker needs: a poll that runs out of time makes the next
+jobs go unpolled, twice as many each time (up to MAX_POLL_SKIP), and a poll that finds its job done ends that."""
 
 
 class _Flag:
@@ -103,6 +106,8 @@ class NativeExecutor(ExecutorBase):
         if not self._pool:
             raise LLMException("cannot start the native copy threads", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         self._notifiers: dict[asyncio.AbstractEventLoop, _Notifier] = {}
+        self._poll_skip = 0  # jobs left to leave unpolled
+        self._poll_backoff = 0  # how many the next poll that runs out of time makes unpolled
 
     def _notifier(self, loop: asyncio.AbstractEventLoop) -> _Notifier:
         notifier = self._notifiers.get(loop)
@@ -151,13 +156,21 @@ class NativeExecutor(ExecutorBase):
         job.keepalive = keepalive
         notifier.jobs[handle] = job
         if nbytes <= POLL_BYTES:
-            loop.call_soon(self._watch, job, time.perf_counter() + POLL_FOR_S)
+            if self._poll_skip:
+                self._poll_skip -= 1
+            else:
+                loop.call_soon(self._watch, job, time.perf_counter() + POLL_FOR_S)
         return job
 
     def _watch(self, job: NativeJob, until: float) -> None:
         """Poll a short job from the loop until ``until`` (then its announcement wakes the loop as for any job)."""
-        if not self._poll(job) and time.perf_counter() < until:
+        if self._poll(job):
+            self._poll_backoff = 0
+        elif time.perf_counter() < until:
             job.future.get_loop().call_soon(self._watch, job, until)
+        else:
+            self._poll_backoff = min(MAX_POLL_SKIP, max(1, 2 * self._poll_backoff))
+            self._poll_skip = self._poll_backoff
 
     def cancel(self, job: NativeJob, error: BaseException | None = None) -> None:
         """Stop the job at its next span; with ``error`` its waiter gets that exception."""

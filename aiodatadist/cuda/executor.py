@@ -101,6 +101,10 @@ class CudaJob(_Work):
         self._loop = loop
         self.future: asyncio.Future[None] = loop.create_future()
         self.stop_waiter: asyncio.Future[None] | None = None  # created by wait_stopped when it has to wait
+        # perf_counter() once the copy is enqueued and once the loop saw its event complete (0.0: not yet, or
+        # completed by a stream callback); `bench --device` reads them to split a call's time
+        self.enqueued_at = 0.0
+        self.seen_at = 0.0
 
     def _notify(self) -> None:
         try:
@@ -177,6 +181,7 @@ class CudaExecutor(ExecutorBase):
         self._closed = False
         self._events: list[ctypes.c_void_p] = []  # recorded after a job's copy, reused once it completed
         self._rate = FIRST_RATE  # bytes/s: how fast this executor's copies have ended (a moving average)
+        self.last_job: CudaJob | None = None  # the latest awaitable copy (its timestamps, for `bench --device`)
         drv = device.driver
         device.make_current()
         stream = ctypes.c_void_p()
@@ -274,8 +279,11 @@ class CudaExecutor(ExecutorBase):
                          None)
         except CudaError as exc:
             work.error = exc  # still completed through the stream, after whatever was enqueued
-        if isinstance(work, CudaJob) and self._watch(work, int(length.sum())):
-            return
+        if isinstance(work, CudaJob):
+            work.enqueued_at = time.perf_counter()
+            self.last_job = work
+            if self._watch(work, int(length.sum())):
+                return
         key = next(_ids)
         with _pending_lock:
             _pending[key] = work
@@ -430,6 +438,7 @@ class _EventWatch:
             return 999  # CUDA_ERROR_UNKNOWN
 
     def _done(self, status: int) -> None:
-        took = time.perf_counter() - self.started
+        self.job.seen_at = now = time.perf_counter()
+        took = now - self.started
         self.executor._event_done(self.event, self.nbytes, took, self.slept and self.queries == 1)
         self.job._gpu_done_here(status)
