@@ -14,7 +14,14 @@ if TYPE_CHECKING:
     from .cache_manager import CacheManager
     from .config import LLMConfig, LlmConfig
     from .datadist import LLMDataDist
-    from .errors import LLMException, LLMLinkError, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
+    from .errors import (
+        LinkDropReason,
+        LLMException,
+        LLMLinkError,
+        LLMNotInitializedError,
+        LLMStatusCode,
+        LLMTimeoutError,
+    )
     from .layer_transfer import CacheTask
     from .memory import HostMemory
     from .notifications import Notification
@@ -37,6 +44,7 @@ if TYPE_CHECKING:
         LLMRole,
         Placement,
         Transport,
+        cluster_info_for,
     )
 
 __version__ = "0.1.0"
@@ -56,6 +64,7 @@ _WHERE = {
     "LLMDataDist": "datadist",
     "LLMException": "errors",
     "LLMLinkError": "errors",
+    "LinkDropReason": "errors",
     "LLMNotInitializedError": "errors",
     "LLMRole": "types",
     "LLMStatusCode": "errors",
@@ -73,6 +82,7 @@ _WHERE = {
     "TransferConfig": "transfer_configs",
     "TransferWithCacheKeyConfig": "transfer_configs",
     "Transport": "types",
+    "cluster_info_for": "types",
 }
 """Each public name -> the module (of this package) that defines it."""
 
@@ -110,6 +120,7 @@ __all__ = [
     "LLMStatusCode",
     "LLMTimeoutError",
     "LayerSynchronizer",
+    "LinkDropReason",
     "LinkStats",
     "LlmConfig",
     "MemInfo",
@@ -123,4 +134,5 @@ __all__ = [
     "TransferWithCacheKeyConfig",
     "Transport",
     "__version__",
+    "cluster_info_for",
 ]

@@ -174,7 +174,9 @@ def check_layer_range(name: str, value: Any, *, allow_empty: bool) -> range | No
 
 
 WRONG_LOOP = ("this LLMDataDist was initialized on another event loop; use one loop per instance, "
-              "or aiodatadist.sync from threads")
+              "or aiodatadist.sync from threads.  With pytest-asyncio, a fixture and the tests that use it "
+              "must share a loop: give both the same loop_scope (e.g. @pytest_asyncio.fixture(loop_scope="
+              "\"module\") and pytestmark = pytest.mark.asyncio(loop_scope=\"module\"))")
 
 
 def check_event_loop(loop: asyncio.AbstractEventLoop | None) -> None:

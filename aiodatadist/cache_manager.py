@@ -46,6 +46,9 @@ from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Pl
 __all__ = ["CacheManager"]
 
 log = logging.getLogger("aiodatadist.cache")
+
+PLACEMENT_HINT = ("a CacheDesc without placement is a DEVICE cache, as in LLM-DataDist: "
+                  "pass placement=Placement.HOST for host memory")
 MAX_SHAPE_RANK = 32
 
 
@@ -117,6 +120,16 @@ class CacheManager:
         why when CUDA cannot be used."""
         return self._engine.device()
 
+    def _device_for_cache(self) -> DeviceSupport:
+        """:meth:`_device` for a DEVICE cache being allocated or registered: when CUDA cannot be used, the error
+        also says that DEVICE is the default placement (a forgotten ``Placement.HOST``)."""
+        try:
+            return self._device()
+        except LLMException as exc:
+            if exc.status_code != LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
+                raise
+            raise type(exc)(f"{exc} ({PLACEMENT_HINT})", status_code=exc.status_code) from exc
+
     async def _run_copy(self, plan: CopyPlan, src: CacheEntry, dst: CacheEntry) -> None:
         """Copy a plan between two local caches while holding leases on them; cancellable at chunk boundaries
         (a GPU copy, when either cache is on the device, is waited for)."""
@@ -146,7 +159,7 @@ class CacheManager:
         geometry = geometry_of(desc, is_blocks)
         bound = self._registry.check_keys(keys, geometry.slots) if keys else []
         if desc.placement == Placement.DEVICE:
-            memory, addrs = self._device().allocate(desc.size, desc.num_tensors)
+            memory, addrs = self._device_for_cache().allocate(desc.size, desc.num_tensors)
             cache = self._handle(self._registry.add(
                 desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True, segment=None, device_memory=memory,
                 keys=bound, blocks_key=blocks_key))
@@ -223,7 +236,7 @@ class CacheManager:
         self._registry.check_registered_addrs(len(values))
         host_memory = None
         if desc.placement == Placement.DEVICE:
-            self._device().check_registered(values, desc.size)
+            self._device_for_cache().check_registered(values, desc.size)
         else:
             host_memory = self._host_memory_of(values, desc.size)
         return self._handle(self._registry.add(desc.copy(), values, is_blocks=is_blocks,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any, ClassVar
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "LLMNotInitializedError",
     "LLMStatusCode",
     "LLMTimeoutError",
+    "LinkDropReason",
 ]
 
 _BASE = 0x5010B000
@@ -71,7 +72,8 @@ class LLMException(RuntimeError):
 
     _by_code: ClassVar[dict[LLMStatusCode, type[LLMException]]] = {}
 
-    def __new__(cls, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_SUCCESS) -> LLMException:  # noqa: PYI034 - it picks the subclass of the code
+    def __new__(cls, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_SUCCESS,  # noqa: PYI034 - it picks the subclass of the code
+                **_: Any) -> LLMException:
         target = cls
         if cls is LLMException:
             target = LLMException._by_code.get(LLMStatusCode.from_code(int(status_code)), cls)
@@ -107,11 +109,50 @@ class LLMTimeoutError(LLMException, TimeoutError):
         super().__init__(*args, status_code=status_code)
 
 
-class LLMLinkError(LLMException, ConnectionError):
-    """The link to a peer failed or went away during an operation (``LLM_LINK_FAILED`` and kin)."""
+class LinkDropReason(StrEnum):
+    """Why a link went away (:attr:`LLMLinkError.reason`); the value is the phrase messages use."""
 
-    def __init__(self, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED) -> None:
+    PEER_GONE = "peer gone"
+    """The connection closed and the peer's address refuses new ones: its process died or stopped listening."""
+    HEARTBEAT_LOST = "heartbeat lost"
+    """The connection was dropped while the peer's address still accepts connections, or does not answer: the
+    peer stopped answering ZeroMQ heartbeats (stopped or hung process, failed network)."""
+    CONNECTION_LOST = "connection lost"
+    """The server side lost its client's connection (its process died, or it stopped answering heartbeats)."""
+    DATA_CONNECTION_LOST = "data connection lost"
+    """A TCP data connection of the link failed while the peer still accepts connections."""
+    UNLINKED_BY_PEER = "unlinked by the peer"
+    """The peer unlinked (``unlink_clusters``, ``unlink``) or finalized, and said so."""
+    UNLINKED = "unlinked"
+    """This side unlinked (``unlink_clusters``, ``unlink``)."""
+    FINALIZED = "finalized"
+    """This instance was finalized."""
+    AUTH_FAILED = "authentication failed"
+    """The last link attempt to that cluster failed authentication (``llm.AuthKey``, CURVE keys)."""
+    PROTOCOL_ERROR = "protocol error"
+    """The peer broke the protocol (e.g. it did not confirm that a cut-short transfer stopped)."""
+    INTERNAL_ERROR = "internal error"
+    """A bug on this side (the link's reader failed)."""
+
+
+class LLMLinkError(LLMException, ConnectionError):
+    """The link to a peer failed or went away during an operation (``LLM_LINK_FAILED`` and kin).
+
+    ``reason`` (a :class:`LinkDropReason`, or None when unknown) says why the link went away; a call to a cluster
+    whose link dropped earlier raises it with ``LLM_NOT_YET_LINK`` (there is no link now) and the reason."""
+
+    def __init__(self, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED,
+                 reason: LinkDropReason | None = None) -> None:
         super().__init__(*args, status_code=status_code)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_link_error, (type(self), self.args, int(self.status_code), self.reason))
+
+
+def _rebuild_link_error(cls: type[LLMLinkError], args: tuple[Any, ...], code: int,
+                        reason: LinkDropReason | None) -> LLMLinkError:
+    return cls(*args, status_code=LLMStatusCode.from_code(code), reason=reason)
 
 
 class LLMNotInitializedError(LLMException):

@@ -22,6 +22,7 @@ __all__ = [
     "LLMRole",
     "Placement",
     "Transport",
+    "cluster_info_for",
 ]
 
 
@@ -466,3 +467,21 @@ class LLMClusterInfo:
     def __repr__(self) -> str:
         remote = [(ip_int_to_str(ip), port) for ip, port in self._remote_ip_info_list]
         return f"LLMClusterInfo(remote_cluster_id={self._remote_cluster_id}, remote_ip_info={remote})"
+
+
+def cluster_info_for(remote_cluster_id: int, host: str, port: int, *,
+                     local_ip: str | None = None) -> LLMClusterInfo:
+    """An ``LLMClusterInfo`` for ``link_clusters``/``unlink_clusters``: cluster ``remote_cluster_id``, listening
+    on ``host:port`` (the prompt's ``llm.listenIpInfo``, or its ``listen_address`` when it bound port 0).
+
+    ``local_ip`` fills ``local_ip_info_list``, which LLM-DataDist requires and aiodatadist only checks for
+    presence; it defaults to ``host``.  Invalid values raise as the ``LLMClusterInfo`` setters do
+    (``TypeError``/``ValueError``)::
+
+        code, codes = await decoder.link_clusters([cluster_info_for(1, "10.0.0.5", 26000)], timeout=3000)
+    """
+    info = LLMClusterInfo()
+    info.remote_cluster_id = remote_cluster_id
+    info.append_local_ip_info(local_ip if local_ip is not None else host, 0)
+    info.append_remote_ip_info(host, port)
+    return info

@@ -108,6 +108,8 @@ class Channel:
         self._outbox: list[dict[str, Any]] = []
         self.closed: LLMException | None = None
         self.context: Any = None  # the Link this channel belongs to
+        self.on_failed: Callable[[LLMException], object] | None = None
+        """Told when the transport reported a frame undeliverable (the peer is gone), after the channel closed."""
 
     def _post(self, message: dict[str, Any]) -> None:
         if not self._outbox:
@@ -132,6 +134,8 @@ class Channel:
         log.debug("send on %s failed: %s", self.name, error)
         self._outbox.clear()
         self.close(error)
+        if self.on_failed is not None:
+            self.on_failed(error)
 
     async def request(self, msg: Request) -> dict[str, Any]:
         """Send a request and await its reply (the whole decoded message: decode it with the reply type's

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -33,6 +33,8 @@ __all__ = ["LINGER_MS", "ZAP_DOMAIN", "Context", "Server", "ZapHandler", "abando
            "dealer_sender", "new_context", "read_dealer"]
 
 log = logging.getLogger("aiodatadist.control.sockets")
+
+W = TypeVar("W")
 
 LINGER_MS: Final = 100
 """How long a socket closed in an orderly way still tries to deliver what it queued (a BYE), in milliseconds; the
@@ -159,11 +161,13 @@ def dealer_sender(sock: zmq.asyncio.Socket) -> Callable[[Channel], Callable[[byt
 
 
 def connect_dealer(ctx: zmq.asyncio.Context, endpoint: str, routing_id: bytes, curve: CurveKeys | None = None,
-                   remote_id: int = 0) -> zmq.asyncio.Socket:
-    """A DEALER connected to ``endpoint``; with ``curve``, a CURVE client that completes its handshake only with
-    a server holding the secret key of the public key listed for cluster ``remote_id`` (a server without CURVE, or
-    with another key, never completes it: the link fails at its timeout).  With no key listed for that cluster the
-    socket is not connected at all (logged), so that the link fails without a byte in the clear."""
+                   remote_id: int = 0, *, watch: Callable[[zmq.asyncio.Socket], W]) -> tuple[zmq.asyncio.Socket, W]:
+    """A DEALER connected to ``endpoint``, and what ``watch(socket)`` made of it just before it connected (a
+    :class:`~.monitor.ConnectionWatch`: no connection event is missed).  With ``curve``, a CURVE client that
+    completes its handshake only with a server holding the secret key of the public key listed for cluster
+    ``remote_id`` (a server without CURVE, or with another key, refuses it: the watch sees the failed handshake).
+    With no key listed for that cluster the socket is not connected at all (logged), so that the link fails
+    without a byte in the clear (at its timeout)."""
     sock = ctx.socket(zmq.DEALER)
     _tune(sock)
     sock.setsockopt(zmq.ROUTING_ID, routing_id)
@@ -175,10 +179,11 @@ def connect_dealer(ctx: zmq.asyncio.Context, endpoint: str, routing_id: bytes, c
             log.warning("no CURVE public key for cluster %d in llm.CurvePeerKeys (list it as %d=KEY, or list "
                         "exactly one key without an id): the link to %s is not attempted", remote_id, remote_id,
                         endpoint)
-            return sock
+            return sock, watch(sock)
         sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+    watching = watch(sock)
     sock.connect(endpoint)
-    return sock
+    return sock, watching
 
 
 class ZapHandler:

@@ -9,6 +9,7 @@ from typing import Any
 import zmq.asyncio
 
 from ..control.channel import Channel
+from ..control.monitor import ConnectionWatch
 from ..transport.plane import DataPlane
 from ..transport.tcp.plane import Connections
 
@@ -28,6 +29,7 @@ class Link:
     sock: zmq.asyncio.Socket | None = None
     reader: asyncio.Task[Any] | None = None
     watcher: asyncio.Task[Any] | None = None
+    watch: ConnectionWatch | None = None  # client side: the first failure of its connection
     routing_id: bytes | None = None
     peer_serves_reads: bool = False  # the peer's native I/O threads serve one-sided reads and writes
     offered: Connections | None = None  # server side: the data connections offered, until the client opens them
@@ -38,6 +40,7 @@ class Link:
     unlinking: bool = False  # this side sent BYE: the peer closing the data connections is expected
 
     def describe(self) -> dict[str, Any]:
+        """What ``LLMDataDist.links()`` shows of the link."""
         return {
             "remote_cluster_id": self.remote_cluster_id,
             "side": "client" if self.is_client else "server",

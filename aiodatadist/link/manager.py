@@ -12,7 +12,7 @@ import socket
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import zmq
 import zmq.asyncio
@@ -20,6 +20,7 @@ import zmq.asyncio
 from .._aio import wait_through_cancellation
 from .._settings import Settings
 from ..control.channel import Channel, TaskSet
+from ..control.monitor import ConnectionWatch, describe_failure, probe
 from ..control.sockets import (
     LINGER_MS,
     Context,
@@ -30,11 +31,12 @@ from ..control.sockets import (
     new_context,
     read_dealer,
 )
-from ..errors import LLMException, LLMLinkError, LLMStatusCode
+from ..errors import LinkDropReason, LLMException, LLMLinkError, LLMStatusCode
 from ..protocol import auth
 from ..protocol.codec import Kind, ProtocolError
 from ..protocol.handshake import (
     AUTH_FAILED,
+    AUTH_REQUIRED,
     MAX_LINKS,
     PROTOCOL_VERSION,
     Refused,
@@ -72,12 +74,17 @@ from ..transport.same_host import (
 from ..transport.tcp.connect import accept_data, connect_data, data_listener, read_data_hello
 from ..transport.tcp.plane import Connections
 from ..types import LLMClusterInfo, LLMRole, ip_int_to_str
+from .attempts import LinkAttempts
+from .drops import DropLog
 from .link import Link
 from .planes import PlaneFactory
 
 __all__ = ["MAX_LINKS", "ClosedHook", "LinkManager", "Publications", "RequestHook"]
 
 DISCONNECT_PINGS_S = (0.05, 0.25, 1.0)  # after a client connection broke: ping the server's links, then wait
+PROBE_S = 0.25  # a client's connection broke: how long a TCP connect to the server's address may take
+PROBE_AGAIN_S = 0.02  # ... and, accepted, when to try once more (a dying process closes its listener last)
+R = LinkDropReason
 
 log = logging.getLogger("aiodatadist.link")
 
@@ -107,6 +114,20 @@ class Publications(Protocol):
 def _split_endpoint(endpoint: str) -> tuple[str, int]:
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     return host, int(port)
+
+
+@dataclasses.dataclass(eq=False)
+class _Client:
+    """A link attempt's client socket, with its channel, reader and connection watch; its data connections and
+    its link once made (what a cancelled attempt undoes)."""
+
+    endpoint: str
+    sock: zmq.asyncio.Socket
+    channel: Channel
+    reader: asyncio.Task[Any]
+    watch: ConnectionWatch
+    conns: Connections | None = None
+    link: Link | None = None
 
 
 def _abandoned(ctx: Context, cluster_id: int) -> None:
@@ -149,7 +170,9 @@ class LinkManager:
         self._auth_key = auth.derive_key(key) if key is not None else None
         self._challenges = auth.ChallengeTable()
         self.links: dict[int, Link] = {}
-        self._linking: set[int] = set()
+        self._attempts = LinkAttempts(self._tasks.spawn, self._unlink_undone)  # links being made, by cluster id
+        self._drops = DropLog()  # why recent links went away, by cluster id
+        self._settling: dict[int, asyncio.Future[None]] = {}  # links unlisted, being dropped once it is known why
         # Hooks set by the transfer layer.
         self.on_request: RequestHook | None = None
         self.on_link_closed: ClosedHook | None = None
@@ -265,9 +288,10 @@ class LinkManager:
         stale = self.links.get(cluster)
         if stale is not None and not stale.is_client and not await self._alive(stale):
             # The peer restarted (or its old connection died): its old link must not block the new one.
-            await self.drop(stale, LLMLinkError(f"cluster {cluster} reconnected; its old link was dead"))
+            await self.drop(stale, LLMLinkError(f"cluster {cluster} reconnected; its old link was dead",
+                                                reason=R.CONNECTION_LOST))
         code, msg = admit(hello.version, cluster, hello.target, own_id=self._cluster_id, links=self.links,
-                          linking=self._linking, max_links=MAX_LINKS)
+                          linking=self._attempts, max_links=MAX_LINKS)
         if code == 0:
             caps = await probe_peer_fds(hello.host, probe_peer(hello.host))
             chosen = self._choose(hello.transport, caps)
@@ -290,6 +314,8 @@ class LinkManager:
     def _set_plane(self, link: Link, kind: Plane, caps: PeerCapabilities, conns: Connections | None,
                    fd_token: bytes | None) -> None:
         async def untrusted(error: LLMException) -> None:
+            if isinstance(error, LLMLinkError) and error.reason is None:
+                error.reason = R.PROTOCOL_ERROR
             await self.drop(link, error)
 
         link.plane = self._planes.plane(kind, link.remote_cluster_id, caps, untrusted, conns=conns,
@@ -301,7 +327,10 @@ class LinkManager:
             # A peer answering our BYE closes its data connections: that end is expected, the BYE's reply is not
             # lost because of it (the unlink drops the link itself).
             if not link.closed and not link.unlinking:
-                self._tasks.spawn(self.drop(link, error), name=f"drop-{link.remote_cluster_id}")
+                if isinstance(error, LLMLinkError) and error.reason is None:
+                    error.reason = R.CONNECTION_LOST  # (the transfers it fails raise it now: the probe comes later)
+                self._tasks.spawn(self._connection_lost(link, str(error), R.DATA_CONNECTION_LOST),
+                                  name=f"drop-{link.remote_cluster_id}")
 
         return self._planes.connections(link.remote_cluster_id, broken)
 
@@ -313,6 +342,7 @@ class LinkManager:
         link = Link(cluster, channel, is_client=False, endpoint=server.endpoint, remote_role=hello.role,
                     routing_id=routing_id)
         channel.context = link
+        channel.on_failed = functools.partial(self._unreachable, link)
         data, dconns = None, None
         if self._data_listener is not None and self._planes.offers_connections(plane):  # the client may choose TCP
             port = self._data_listener.getsockname()[1]
@@ -329,6 +359,7 @@ class LinkManager:
         grant = secrets.token_bytes(FD_TOKEN_BYTES)
         self._grant(link, grant)
         self.links[cluster] = link
+        self._drops.forget(cluster)
         server.channels[routing_id] = channel
         reply = HelloReply(self._cluster_id, int(self.role), self._probe.info(), self._settings.transport,
                            self._publications.announced_segments(), self._publications.directory_identity(), plane,
@@ -356,12 +387,20 @@ class LinkManager:
             return None
         return outcome
 
+    async def not_linked(self, remote_id: int) -> NoReturn:
+        """Raise the error of a call to ``remote_id``, which is not linked: ``LLM_NOT_YET_LINK``, an ``LLMLinkError``
+        naming why when its link dropped recently (:class:`~aiodatadist.errors.LinkDropReason`), else a plain
+        ``LLMException``.  A link whose connection just broke is first given the moment it takes to learn why
+        (a probe of the peer's address, well under a second).  Use: ``links.get(c) or await not_linked(c)``."""
+        settling = self._settling.get(remote_id)
+        if settling is not None:
+            await asyncio.shield(settling)
+        raise self._drops.not_linked(remote_id)
+
     async def check(self, remote_id: int, timeout: float) -> None:
         """Raise unless linked to ``remote_id`` (``LLM_NOT_YET_LINK``) and its peer answers a ping within
         ``timeout`` seconds (``LLM_LINK_FAILED``)."""
-        link = self.links.get(remote_id)
-        if link is None:
-            raise LLMException(f"cluster {remote_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+        link = self.links.get(remote_id) or await self.not_linked(remote_id)
         if not await self._alive(link, timeout):
             raise LLMException(f"cluster {remote_id} did not answer within {timeout:g} s",
                                status_code=LLMStatusCode.LLM_LINK_FAILED)
@@ -376,86 +415,153 @@ class LinkManager:
 
     # -- client ----------------------------------------------------------------------------------------------
     async def link_one(self, cluster: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
+        """Link to ``cluster`` (``link_clusters`` of one cluster): its per-cluster code.  A call while a link to the
+        same cluster id is being made joins that attempt and gets its code; a call when the link exists gets
+        ``LLM_ALREADY_LINK``."""
         remote_id = cluster.remote_cluster_id
         assert remote_id is not None
-        status = may_link(remote_id, own_id=self._cluster_id, links=self.links, linking=self._linking,
+        if remote_id in self._attempts:
+            return await self._attempts.join(remote_id, timeout_ms / 1000)
+        status = may_link(remote_id, own_id=self._cluster_id, links=self.links, linking=self._attempts,
                           max_links=MAX_LINKS)
         if status != S.LLM_SUCCESS:
             return status
+        return await self._attempts.start(remote_id, self._link(cluster, remote_id, timeout_ms))
+
+    async def _link(self, cluster: LLMClusterInfo, remote_id: int, timeout_ms: int) -> LLMStatusCode:
+        """One link attempt (run by :class:`LinkAttempts`); cancelled, it leaves no link, socket or task behind and
+        tells the server to drop its end."""
         ip, port = cluster.remote_ip_info_list[0]
         endpoint = f"tcp://{ip_int_to_str(ip)}:{port}"
-        self._linking.add(remote_id)
-        grant = secrets.token_bytes(FD_TOKEN_BYTES)  # this side's fd socket token for the server
-        started = asyncio.get_running_loop().time()
-        sock = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15), self._settings.curve, remote_id)
-        channel = Channel(dealer_sender(sock), self._handle, f"{self._cluster_id}->{remote_id}")
+        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        client = self._client(endpoint, remote_id)
+        try:
+            return await self._link_over(client, remote_id, deadline)
+        except BaseException:  # cancelled (or a bug): undo what was built, also if cancelled again meanwhile
+            await wait_through_cancellation(self._undo_attempt(client))
+            raise
+
+    def _client(self, endpoint: str, remote_id: int) -> _Client:
+        """A client socket to ``endpoint``, watched from before it connects, with its channel and reader."""
+        name = f"{self._cluster_id}->{remote_id}"
+
+        def watch(sock: zmq.asyncio.Socket) -> ConnectionWatch:
+            return ConnectionWatch(sock, self._tasks.spawn, name)
+
+        sock, connection = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15), self._settings.curve,
+                                          remote_id, watch=watch)
+        channel = Channel(dealer_sender(sock), self._handle, name)
         reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}",
                                    on_error=functools.partial(self._reader_failed, channel))
+        return _Client(endpoint, sock, channel, reader, connection)
+
+    async def _link_over(self, client: _Client, remote_id: int, deadline: float) -> LLMStatusCode:
+        grant = secrets.token_bytes(FD_TOKEN_BYTES)  # this side's fd socket token for the server
         try:
-            async with asyncio.timeout(timeout_ms / 1000):
-                answer, nonces = await self._handshake(channel, remote_id, grant)
+            answer, nonces = await self._handshake_watched(client, remote_id, grant, deadline)
             reply = HelloReply.from_wire(answer)
             caps = await probe_peer_fds(reply.host, probe_peer(reply.host))
         except (LLMException, TimeoutError, ProtocolError) as exc:
-            reader.cancel()
-            sock.close(linger=LINGER_MS)  # a BYE queued for a server that admitted us still goes out
-            code = exc.status_code if isinstance(exc, LLMException) else S.LLM_LINK_FAILED
-            log.info("link %d -> %d (%s) failed: %s", self._cluster_id, remote_id, endpoint,
-                     str(exc) or "no answer in time (with CURVE: the server lacks it or holds another key)")
-            return code
-        except BaseException:  # cancelled (or a bug): leave no socket or reader behind
-            reader.cancel()
-            sock.close(linger=0)
-            raise
-        finally:
-            self._linking.discard(remote_id)
+            # (a BYE the handshake queued still goes out as the socket lingers, unless the connection failed)
+            self._abandon(client, bye=False, linger=not client.watch.failed.done())
+            return self._failed(remote_id, client.endpoint, exc)
         chosen = self._choose(reply.transport, caps)
         if isinstance(chosen, LLMException):
-            log.info("link %d -> %d (%s) failed: %s", self._cluster_id, remote_id, endpoint, chosen)
-            self._abandon(channel, reader, sock, bye=True)
+            log.info("link %d -> %d (%s) failed: %s", self._cluster_id, remote_id, client.endpoint, chosen)
+            self._abandon(client, bye=True)
             return chosen.status_code
-        link = Link(remote_id, channel, is_client=True, endpoint=endpoint, remote_role=reply.role, sock=sock,
-                    reader=reader, peer_serves_reads=reply.reads)
+        link = Link(remote_id, client.channel, is_client=True, endpoint=client.endpoint, remote_role=reply.role,
+                    sock=client.sock, reader=client.reader, peer_serves_reads=reply.reads, watch=client.watch)
         kind = client_plane(chosen, reply.plane)
-        conns = None
         if self._planes.uses_connections(kind):
-            conns = self._connections(link)
-            remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
-            try:
-                error = await self._open_data(conns, ip_int_to_str(ip), reply, nonces, remaining)
-            except BaseException:  # cancelled: leave no data connection, thread, socket or reader behind
-                self._abandon(channel, reader, sock, bye=False)
-                await wait_through_cancellation(conns.aclose(LLMLinkError("linking was cancelled")))
-                raise
+            client.conns = self._connections(link)
+            error = await self._open_data(client.conns, _split_endpoint(client.endpoint)[0], reply, nonces,
+                                          deadline - asyncio.get_running_loop().time())
             if error is not None:
-                log.info("link %d -> %d (%s): %s", self._cluster_id, remote_id, endpoint, error)
-                self._abandon(channel, reader, sock, bye=True)
-                await conns.aclose(LLMLinkError(error))
+                log.info("link %d -> %d (%s): %s", self._cluster_id, remote_id, client.endpoint, error)
+                self._abandon(client, bye=True)
+                await client.conns.aclose(LLMLinkError(error))
                 return S.LLM_LINK_FAILED
-        self._set_plane(link, kind, caps, conns, reply.fdt)
+        self._set_plane(link, kind, caps, client.conns, reply.fdt)
+        client.link = link
+        return await self._register(link, reply, grant, deadline)
+
+    async def _register(self, link: Link, reply: HelloReply, grant: bytes, deadline: float) -> LLMStatusCode:
+        """Client side: the handshake is done: list the link, watch its connection, map the peer's caches."""
+        remote_id = link.remote_cluster_id
         self._grant(link, grant)
-        channel.context = link
+        link.channel.context = link
         self.links[remote_id] = link
+        self._drops.forget(remote_id)
         link.watcher = self._tasks.spawn(self._watch(link), name=f"watch-{remote_id}")
         # Map the peer's caches now, and give their page tables the rest of the link timeout to fill in, so that
         # the first transfers do not pay for it (what is left continues in the background).
         populating = link.plane.adopt_announced(reply.directory, self._settings.directory, reply.segs)
-        remaining = timeout_ms / 1000 - (asyncio.get_running_loop().time() - started)
+        remaining = deadline - asyncio.get_running_loop().time()
         if populating and remaining > 0:
             await asyncio.wait(populating, timeout=remaining)
-        log.info("cluster %d linked to %d at %s (%s)", self._cluster_id, remote_id, endpoint, link.plane.kind)
+        if link.closed:  # it dropped meanwhile (the peer died or unlinked): calls name why
+            return S.LLM_LINK_FAILED
+        log.info("cluster %d linked to %d at %s (%s)", self._cluster_id, remote_id, link.endpoint, link.plane.kind)
         return S.LLM_SUCCESS
 
+    def _failed(self, remote_id: int, endpoint: str, exc: BaseException) -> LLMStatusCode:
+        """The code of a handshake that failed with ``exc``; an authentication failure is remembered, so that a
+        transfer to that cluster names it."""
+        code = exc.status_code if isinstance(exc, LLMException) else S.LLM_LINK_FAILED
+        why = str(exc) or "no answer in time (with CURVE: the server lacks it or holds another key)"
+        log.info("link %d -> %d (%s) failed: %s", self._cluster_id, remote_id, endpoint, why)
+        if isinstance(exc, LLMLinkError) and exc.reason == LinkDropReason.AUTH_FAILED:
+            self._drops.record(remote_id, LinkDropReason.AUTH_FAILED, why)
+        return code
+
+    async def _handshake_watched(self, client: _Client, remote_id: int, grant: bytes,
+                                 deadline: float) -> tuple[dict[str, Any], tuple[bytes, bytes] | None]:
+        """The handshake, bounded by ``deadline`` (``TimeoutError``), failing at once with ``LLMLinkError`` when
+        the connection does (refused, closed, or a CURVE handshake refused): ZeroMQ would retry in silence."""
+        handshake = asyncio.ensure_future(self._handshake(client.channel, remote_id, grant))
+        try:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.wait((handshake, client.watch.failed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not handshake.done():
+                handshake.cancel()
+                await asyncio.wait((handshake,))
+        if not handshake.cancelled():
+            return handshake.result()
+        event = client.watch.failed.result()
+        reason = LinkDropReason.AUTH_FAILED if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else None
+        raise LLMLinkError(f"{describe_failure(event)} at {client.endpoint}", reason=reason)
+
     @staticmethod
-    def _abandon(channel: Channel, reader: asyncio.Task[Any], sock: zmq.asyncio.Socket, *, bye: bool) -> None:
-        """Client side: give up a link the handshake did not complete (``bye``: the server admitted us: let it
-        drop its end; the BYE still goes out as the socket lingers)."""
+    def _abandon(client: _Client, *, bye: bool, linger: bool = True) -> None:
+        """Client side: give up a link the handshake did not complete (``bye``: the server admitted us, or may
+        have: let it drop its end; what is queued, the BYE too, still goes out as the socket lingers, unless not
+        ``linger``: nobody is there to take it)."""
         if bye:
             with contextlib.suppress(LLMException):
-                channel.notify(Bye())
-        channel.close()
-        reader.cancel()
-        sock.close(linger=LINGER_MS if bye else 0)
+                client.channel.notify(Bye())
+        client.channel.close()
+        client.reader.cancel()
+        client.watch.close()
+        client.sock.close(linger=LINGER_MS if linger else 0)
+
+    async def _undo_attempt(self, client: _Client) -> None:
+        """A link attempt was cancelled: drop its link if it was listed, else close what it opened; either way the
+        server is told to drop its end."""
+        link = client.link
+        if link is not None and self.links.get(link.remote_cluster_id) is link:
+            with contextlib.suppress(LLMException):
+                link.channel.notify(Bye())
+            await self.drop(link, LLMLinkError(f"linking to cluster {link.remote_cluster_id} was cancelled"))
+            return
+        self._abandon(client, bye=True)
+        if client.conns is not None:
+            await client.conns.aclose(LLMLinkError("linking was cancelled"))
+
+    async def _unlink_undone(self, remote_id: int) -> None:
+        """Every caller of a link attempt was cancelled as it succeeded: unlink it (the peer is told)."""
+        await self.unlink_one(remote_id, 0, force=True)
 
     def _start_nixl(self) -> LLMException | None:
         """Start this instance's NIXL plane for a link that chose it; the reason it cannot, or None."""
@@ -471,7 +577,7 @@ class LinkManager:
         """A link's reader task failed (a bug: it survives any input): nothing more arrives on the link, so its
         requests would only run into their deadlines.  Drop the link, failing them at once."""
         log.error("the reader of %s failed", channel.name, exc_info=error)
-        failure = LLMLinkError(f"the reader of link {channel.name} failed: {error!r}")
+        failure = LLMLinkError(f"the reader of link {channel.name} failed: {error!r}", reason=R.INTERNAL_ERROR)
         link = channel.context
         if isinstance(link, Link) and not link.closed:
             self._tasks.spawn(self.drop(link, failure), name=f"drop-{link.remote_cluster_id}")
@@ -485,7 +591,7 @@ class LinkManager:
         admission reply (to decode with ``HelloReply.from_wire``) and, for an authenticated link, the nonces."""
         client_nonce = auth.new_nonce()
         hello = self._hello(remote_id, client_nonce, grant)
-        answer = await channel.request(hello)
+        answer = await _refusal_named(channel.request(hello))
         challenge = None
         if is_challenge(answer):
             try:
@@ -497,12 +603,12 @@ class LinkManager:
             if second.bye:
                 channel.notify(Bye())  # the server admitted us: let it drop its end
                 channel.flush()
-            raise LLMException(second.msg, status_code=S.from_code(second.code))
+            raise LLMLinkError(second.msg, status_code=S.from_code(second.code), reason=R.AUTH_FAILED)
         if second is None:
             return answer, None
         assert challenge is not None
         second = dataclasses.replace(second, fdt=grant)  # the server proved its key: it may fetch our segments
-        return await channel.request(second), (client_nonce, challenge.challenge)
+        return await _refusal_named(channel.request(second)), (client_nonce, challenge.challenge)
 
     async def _open_data(self, conns: Connections, host: str, reply: HelloReply, nonces: tuple[bytes, bytes] | None,
                          timeout: float) -> str | None:
@@ -549,7 +655,7 @@ class LinkManager:
                     await link.channel.request(Bye())
             except (LLMException, TimeoutError):
                 code = S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
-        await self.drop(link, LLMLinkError(f"cluster {remote_id} was unlinked"))
+        await self.drop(link, LLMLinkError(f"cluster {remote_id} was unlinked by this side", reason=R.UNLINKED))
         return code
 
     def spawn(self, coro: Any, name: str) -> None:
@@ -578,7 +684,8 @@ class LinkManager:
                     gone = [link for link in served if link.channel.closed is not None and not link.closed]
                     for link in gone:
                         await self.drop(link, LLMLinkError(
-                            f"the connection of cluster {link.remote_cluster_id} broke (peer gone)"))
+                            f"the connection of cluster {link.remote_cluster_id} broke: its process died, or it "
+                            f"stopped answering heartbeats ({R.CONNECTION_LOST})", reason=R.CONNECTION_LOST))
                     if gone:
                         break
         finally:
@@ -587,29 +694,78 @@ class LinkManager:
             monitor.close(linger=0)
 
     async def _watch(self, link: Link) -> None:
-        """Client side: a broken connection (the server died or closed) drops the link at once, so that waiting
-        requests fail fast with a link error instead of running into their deadline."""
-        assert link.sock is not None
-        monitor = link.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        """Client side: a broken connection (the server died, closed it, or stopped answering heartbeats) drops
+        the link at once, so that waiting requests fail fast with a link error instead of running into their
+        deadline."""
+        assert link.watch is not None
+        event = await link.watch.failed
+        if not link.closed:
+            await self._connection_lost(link, describe_failure(event), R.HEARTBEAT_LOST)
+
+    def _unreachable(self, link: Link, error: LLMException) -> None:
+        """Server side: a frame to the link's client could not be delivered (its connection is gone)."""
+        if not link.closed and not link.unlinking:
+            self._tasks.spawn(self.drop(link, LLMLinkError(
+                f"the connection of cluster {link.remote_cluster_id} is gone: {error} ({R.CONNECTION_LOST})",
+                reason=R.CONNECTION_LOST)),
+                name=f"drop-{link.remote_cluster_id}")
+
+    async def _connection_lost(self, link: Link, what: str, alive: LinkDropReason) -> None:
+        """A connection of ``link`` broke (``what``): drop the link, saying why.  It is unlisted at once (calls
+        meanwhile wait until the reason is known: :meth:`not_linked`); a client then probes the server's address:
+        refused, the peer is gone; else (``alive``) it stopped answering, or only that connection broke."""
+        if link.closed:
+            return
+        cluster = link.remote_cluster_id
+        error = LLMLinkError(f"the connection to cluster {cluster} broke: {what} ({R.CONNECTION_LOST})",
+                             reason=R.CONNECTION_LOST)
+        if self.links.get(cluster) is not link:  # (already unlisted)
+            await self.drop(link, error)
+            return
+        del self.links[cluster]
+        settled = self._settling[cluster] = asyncio.get_running_loop().create_future()
         try:
-            while True:
-                await monitor.recv_multipart()  # only disconnect events are subscribed
-                if not link.closed:
-                    await self.drop(link, LLMLinkError(
-                        f"the connection to cluster {link.remote_cluster_id} broke (peer gone)"))
-                return
-        finally:
-            if link.sock is not None and not link.sock.closed:
-                link.sock.disable_monitor()
-            monitor.close(linger=0)
+            if link.is_client:
+                reason, why = await self._probe_reason(link, alive)
+                error = LLMLinkError(f"the connection to cluster {cluster} broke: {what}{why} ({reason})",
+                                     reason=reason)
+            elif alive != R.HEARTBEAT_LOST:
+                error = LLMLinkError(f"the connection to cluster {cluster} broke: {what} ({alive})", reason=alive)
+            if cluster not in self.links:  # (not linked again meanwhile)
+                self._drops.record(cluster, error.reason or R.CONNECTION_LOST, str(error))
+        finally:  # also when cancelled (finalize): the unlisted link is torn down all the same
+            settled.set_result(None)
+            if self._settling.get(cluster) is settled:
+                del self._settling[cluster]
+            await wait_through_cancellation(self.drop(link, error))
+
+    @staticmethod
+    async def _probe_reason(link: Link, alive: LinkDropReason) -> tuple[LinkDropReason, str]:
+        """Client side: why its connection broke, from a TCP connect to the server's address: refused, the peer
+        is gone; else ``alive``.  Returns the reason and what the probe found."""
+        host, port = _split_endpoint(link.endpoint)
+        found = await probe(host, port, PROBE_S)
+        if found == "accepted":
+            await asyncio.sleep(PROBE_AGAIN_S)
+            found = await probe(host, port, PROBE_S)
+        reason = R.PEER_GONE if found == "refused" else alive
+        return reason, {"refused": ", and its address refuses connections: the process died or stopped listening",
+                        "accepted": ", and its address still accepts connections",
+                        "silent": ", and its address does not answer"}[found]
+
+    def _unlist(self, link: Link, reason: LinkDropReason | None, detail: str) -> None:
+        """Take ``link`` out of the link table (no new call uses it), remembering why (``reason``)."""
+        if self.links.get(link.remote_cluster_id) is link:
+            del self.links[link.remote_cluster_id]
+            if reason is not None and reason != R.FINALIZED:
+                self._drops.record(link.remote_cluster_id, reason, detail)
 
     async def drop(self, link: Link, error: LLMException) -> None:
         """Tear a link down locally: fail its requests, stop its copies, release its leases."""
         if link.closed:
             return
         link.closed = True
-        if self.links.get(link.remote_cluster_id) is link:
-            del self.links[link.remote_cluster_id]
+        self._unlist(link, error.reason if isinstance(error, LLMLinkError) else None, str(error))
         link.channel.close(error)
         if link.data_token is not None:
             self._data_tokens.pop(link.data_token, None)
@@ -631,13 +787,12 @@ class LinkManager:
             self._server.channels.pop(link.routing_id, None)
         if link.reader is not None:
             link.reader.cancel()
-        if link.sock is not None and not link.sock.closed:  # before any await: a cancellation below
-            if link.watcher is not None:  # must not leave it open; its monitor's inproc address goes too
-                link.sock.disable_monitor()
+        if link.watch is not None:  # before any await (a cancellation below must not leave it open), and before
+            link.watch.close()  # the socket: the monitor's inproc address is named after the socket's descriptor
+        if link.sock is not None and not link.sock.closed:
             link.sock.close(linger=LINGER_MS)
         if link.watcher is not None and link.watcher is not asyncio.current_task():
-            link.watcher.cancel()
-            await asyncio.gather(link.watcher, return_exceptions=True)  # it closes its monitor socket
+            link.watcher.cancel()  # (not awaited: it may be what awaits this drop)
 
     # -- requests from peers ---------------------------------------------------------------------------------
     async def _handle(self, channel: Channel, message: dict[str, Any]) -> dict[str, Any] | None:
@@ -647,7 +802,8 @@ class LinkManager:
             return Ping().to_wire()  # an empty reply
         if kind == Kind.BYE:
             await channel.reply(message["i"], {})
-            await self.drop(link, LLMLinkError(f"cluster {link.remote_cluster_id} unlinked"))
+            await self.drop(link, LLMLinkError(f"{R.UNLINKED_BY_PEER} (cluster {link.remote_cluster_id} called "
+                                               "unlink_clusters, unlink or finalize)", reason=R.UNLINKED_BY_PEER))
             return None
         if kind == Kind.HELLO:
             raise LLMException("already linked", status_code=S.LLM_ALREADY_LINK)
@@ -663,7 +819,7 @@ class LinkManager:
                 link.channel.notify(Bye())
             except LLMException:
                 pass
-            await self.drop(link, LLMLinkError(f"cluster {self._cluster_id} was finalized"))
+            await self.drop(link, LLMLinkError(f"cluster {self._cluster_id} was finalized", reason=R.FINALIZED))
         await self.stop_listening()
         try:
             await self._tasks.close()  # raises the background failures nobody handled, once every task ended
@@ -684,3 +840,13 @@ class LinkManager:
     def describe(self) -> list[dict[str, Any]]:
         return [link.describe() for link in self.links.values()]
 
+
+async def _refusal_named(reply: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """A handshake reply; a server's refusal for want of the right key is an ``LLMLinkError`` with reason
+    ``AUTH_FAILED``."""
+    try:
+        return await reply
+    except LLMLinkError as exc:
+        if str(exc) in (AUTH_FAILED, AUTH_REQUIRED):
+            exc.reason = R.AUTH_FAILED
+        raise

@@ -1,12 +1,31 @@
 """A scriptable LLMDataDist in its own process, driven by JSON lines on stdin (see ``testing.PeerProcess``).
 
-Each command runs in its own task, so a long transfer does not block the next command.  Replies are JSON
-lines ``{"id", "result"}`` or ``{"id", "error", "message", "status_code"}`` on stdout.
+Run as ``python -m aiodatadist.testing._agent``.  Each request is a JSON line ``{"id", "cmd", "args"}``; each
+command runs in its own task, so a long transfer does not block the next command.  Replies are JSON lines
+``{"id", "result"}`` or ``{"id", "error", "message", "status_code"}`` on stdout (``error``: the exception's class
+name; ``status_code``: for ``LLMException``s).  The agent exits (finalizing its instance) on ``exit`` or when its
+stdin closes.
+
+Commands (``cmd_<name>`` below documents each one's arguments and result; ``docs/testing.md`` has the table):
+
+* lifetime: ``init``, ``finalize``, ``exit``;
+* links: ``link``, ``unlink``, ``links``;
+* caches: ``allocate``, ``register``, ``release``, ``remove_key``;
+* bytes: ``fill``, ``poison``, ``write``, ``read``, ``read_b64``, ``digest``, ``block_digests``;
+* transfers and notifications: ``transfer``, ``notify``, ``notification``, ``notification_stats``;
+* misbehaving: ``sleep``, ``block``; and ``ping``.
+
+Cache descriptions (``allocate``, ``register``): ``num_tensors``, ``shape``, ``dtype`` (a ``DataType`` name,
+default ``DT_UINT8``), ``placement`` (``HOST`` by default); ``blocks`` (bool) with ``blocks_key``
+``[cluster_id, model_id]``, or ``keys`` (a list of ``CacheKey`` field lists).  Keys of transfers are dicts:
+``{"type": "blocks", "cluster_id", "model_id"}``, ``{"type": "id", "cluster_id", "cache_id", "batch_index"}`` or
+``{"type": "key", "cluster_id", "req_id", "model_id", "prefix_id"}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import os
@@ -21,7 +40,8 @@ from ..cache import Cache
 from ..datadist import LLMDataDist
 from ..errors import LLMException
 from ..types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
-from . import cluster_info, fill_pattern, tensor_bytes, write_tensor
+from .addresses import cluster_info
+from .data import fill_pattern, tensor_bytes, write_tensor
 
 
 def make_key(spec: dict[str, Any]) -> CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey:
@@ -54,26 +74,38 @@ class Agent:
                          Placement[a.get("placement", "HOST")])
 
     async def cmd_init(self, a: dict[str, Any]) -> Any:
+        """``role`` (``PROMPT``/``DECODER``), ``cluster_id``, ``options`` (as for ``LLMDataDist.init``; with
+        ``llm.listenIpInfo`` port 0 it binds a free port) -> ``{"pid", "listen": [host, port] or None}``."""
         self.dd = LLMDataDist(LLMRole[a.get("role", "PROMPT")], a["cluster_id"])
         await self.dd.init(a.get("options", {}))
-        return {"pid": os.getpid()}
+        listen = self.dd.listen_address
+        return {"pid": os.getpid(), "listen": list(listen) if listen is not None else None}
+
+    async def cmd_ping(self, a: dict[str, Any]) -> Any:
+        """-> ``"pong"`` (the agent's loop is alive)."""
+        return "pong"
 
     async def cmd_link(self, a: dict[str, Any]) -> Any:
+        """``cluster_id``, ``port``, ``host`` (127.0.0.1), ``timeout`` (ms, 3000) -> ``[code, [codes]]``."""
         assert self.dd is not None
-        code, codes = await self.dd.link_clusters([cluster_info(a["cluster_id"], a["port"])], a.get("timeout", 3000))
+        info = cluster_info(a["cluster_id"], a["port"], a.get("host", "127.0.0.1"))
+        code, codes = await self.dd.link_clusters([info], a.get("timeout", 3000))
         return [int(code), [int(c) for c in codes]]
 
     async def cmd_unlink(self, a: dict[str, Any]) -> Any:
+        """``cluster_id``, ``port``, ``timeout`` (ms), ``force`` -> ``[code, [codes]]``."""
         assert self.dd is not None
         code, codes = await self.dd.unlink_clusters([cluster_info(a["cluster_id"], a.get("port", 1))],
                                                     a.get("timeout", 3000), a.get("force", False))
         return [int(code), [int(c) for c in codes]]
 
     async def cmd_links(self, a: dict[str, Any]) -> Any:
+        """-> ``LLMDataDist.links()``."""
         assert self.dd is not None
         return self.dd.links()
 
     async def cmd_allocate(self, a: dict[str, Any]) -> Any:
+        """A cache description (see the module docstring) -> ``{"cache_id"}`` (an allocated cache)."""
         desc = self._desc(a)
         if a.get("blocks"):
             bk = a.get("blocks_key")
@@ -84,6 +116,8 @@ class Agent:
         return {"cache_id": cache.cache_id}
 
     async def cmd_register(self, a: dict[str, Any]) -> Any:
+        """A cache description, ``host_memory`` (register inside ``allocate_host_memory``), ``remote_accessible``
+        -> ``{"cache_id"}`` (a registered cache over zeroed memory of this process)."""
         desc = self._desc(a)
         if a.get("host_memory"):  # inside shareable memory from allocate_host_memory (one block per cache)
             memory = self.cm.allocate_host_memory(desc.size * desc.num_tensors)
@@ -104,12 +138,14 @@ class Agent:
         return {"cache_id": cache.cache_id}
 
     async def cmd_fill(self, a: dict[str, Any]) -> Any:
+        """``cache_id``, ``seed``: fill every tensor with ``testing.pattern(seed, tensor, size)`` bytes."""
         fill_pattern(self.caches[a["cache_id"]], a["seed"])
         return None
 
     # Bulk work on a cache runs in a thread: this process's event loop keeps serving transfers meanwhile, as a
     # serving framework's would (a loop blocked for tens of milliseconds delays every peer's requests).
     async def cmd_poison(self, a: dict[str, Any]) -> Any:
+        """``cache_id``, ``value`` (0): set every byte of every tensor to ``value``."""
         cache = self.caches[a["cache_id"]]
 
         def poison() -> None:
@@ -120,13 +156,34 @@ class Agent:
         return None
 
     async def cmd_digest(self, a: dict[str, Any]) -> Any:
+        """``cache_id`` -> sha256 hex digest of each tensor."""
         cache = self.caches[a["cache_id"]]
         return await asyncio.to_thread(
             lambda: [hashlib.sha256(t.data).hexdigest() for t in tensor_bytes(cache)])
 
     async def cmd_read(self, a: dict[str, Any]) -> Any:
+        """``cache_id``, ``tensor``, ``offset``, ``nbytes`` -> those bytes in hex."""
         t = tensor_bytes(self.caches[a["cache_id"]])[a["tensor"]]
         return t[a["offset"]: a["offset"] + a["nbytes"]].tobytes().hex()
+
+    async def cmd_write(self, a: dict[str, Any]) -> Any:
+        """``cache_id``, ``tensor``, ``offset`` (0), ``data`` (base64): write those bytes into the tensor."""
+        cache = self.caches[a["cache_id"]]
+        data = np.frombuffer(base64.b64decode(a["data"]), dtype=np.uint8)
+        tensor = tensor_bytes(cache)[a["tensor"]]
+        offset = a.get("offset", 0)
+        if offset < 0 or offset + data.size > tensor.size:
+            raise ValueError(f"{data.size} bytes at offset {offset} do not fit a tensor of {tensor.size}")
+        tensor[offset: offset + data.size] = data
+        write_tensor(cache, a["tensor"], tensor)
+        return None
+
+    async def cmd_read_b64(self, a: dict[str, Any]) -> Any:
+        """``cache_id``, ``tensor``, ``offset`` (0), ``nbytes`` (to the end) -> those bytes in base64."""
+        t = tensor_bytes(self.caches[a["cache_id"]])[a["tensor"]]
+        offset = a.get("offset", 0)
+        end = t.size if a.get("nbytes") is None else offset + a["nbytes"]
+        return base64.b64encode(t[offset:end].tobytes()).decode()
 
     async def cmd_block_digests(self, a: dict[str, Any]) -> Any:
         """sha256 of each ``block_bytes`` piece of tensor ``tensor`` (large caches, without moving the bytes)."""
@@ -135,6 +192,7 @@ class Agent:
         return await asyncio.to_thread(lambda: [hashlib.sha256(block).hexdigest() for block in t])
 
     async def cmd_release(self, a: dict[str, Any]) -> Any:
+        """``cache_id``, ``how`` (``"unregister"`` or deallocate): release a cache."""
         cache = self.caches.pop(a["cache_id"])
         if a.get("how") == "unregister":
             self.cm.unregister_cache(cache.cache_id)
@@ -145,10 +203,14 @@ class Agent:
         return None
 
     async def cmd_remove_key(self, a: dict[str, Any]) -> Any:
+        """``key`` (``CacheKey`` fields): ``remove_cache_key``."""
         self.cm.remove_cache_key(CacheKey(*a["key"]))
         return None
 
     async def cmd_transfer(self, a: dict[str, Any]) -> Any:
+        """``op`` (``pull_cache``, ``pull_blocks``, ``push_cache``, ``push_blocks``), ``cache_id`` (the local
+        cache), ``key`` (see the module docstring), ``src_blocks``/``dst_blocks``, ``batch_index``, ``size``,
+        ``src_layer_range``/``dst_layer_range`` (``[start, stop]``), ``tensor_num_per_layer``, ``notify`` (hex)."""
         cache = self.caches[a["cache_id"]]
         key = make_key(a["key"])
         kw: dict[str, Any] = {}
@@ -173,6 +235,7 @@ class Agent:
         return None
 
     async def cmd_notify(self, a: dict[str, Any]) -> Any:
+        """``cluster_id``, ``message`` (hex): ``LLMDataDist.notify``."""
         assert self.dd is not None
         await self.dd.notify(a["cluster_id"], bytes.fromhex(a["message"]))
         return None
@@ -184,11 +247,13 @@ class Agent:
         return None if got is None else [got.cluster_id, got.message.hex()]
 
     async def cmd_notification_stats(self, a: dict[str, Any]) -> Any:
+        """``cluster_id`` -> ``[sent, received, dropped]``."""
         assert self.dd is not None
         n = self.dd.stats().notifications_of(a["cluster_id"])
         return [n.sent, n.received, n.dropped]
 
     async def cmd_sleep(self, a: dict[str, Any]) -> Any:
+        """``seconds``: answer after that long (the loop keeps running)."""
         await asyncio.sleep(a["seconds"])
         return None
 
@@ -198,11 +263,13 @@ class Agent:
         return None
 
     async def cmd_finalize(self, a: dict[str, Any]) -> Any:
+        """Finalize the instance (``init`` may follow)."""
         if self.dd is not None:
             await self.dd.finalize()
         return None
 
     async def cmd_exit(self, a: dict[str, Any]) -> Any:
+        """Finalize and exit the process."""
         await self.cmd_finalize(a)
         self.done.set()
         return None

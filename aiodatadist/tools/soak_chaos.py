@@ -44,7 +44,6 @@ import math
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -59,6 +58,7 @@ from ..config import LLMConfig
 from ..datadist import LLMDataDist
 from ..errors import LLMStatusCode
 from ..testing import PeerError, PeerProcess, cluster_info, free_port
+from ..testing.netcut import cut_data_connections
 from ..types import LLMRole
 from . import soak
 from .soak import (
@@ -120,60 +120,6 @@ def _resources() -> dict[str, Any]:
     return {"fds": len(fds), "threads": len(tasks), "mappings": len(maps),
             "memfds": memfds, "memfd_mappings": sum("/memfd:" in line for line in maps),
             "rss_kib": _rss_kib(os.getpid()) or 0, "thread_names": dict(names)}
-
-
-def _tcp_sockets() -> dict[int, tuple[int, int, str]]:
-    """Every TCP socket of this network namespace: inode -> (local port, remote port, state in hex)."""
-    out: dict[int, tuple[int, int, str]] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in list(f)[1:]:
-                fields = line.split()
-                local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
-                out[int(fields[9])] = (local, remote, fields[3])
-    return out
-
-
-def _socket_fds(pid: int | str) -> dict[int, int]:
-    """A process's socket descriptors: inode -> descriptor."""
-    out: dict[int, int] = {}
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    out[int(target[8:-1])] = int(fd)
-    return out
-
-
-def cut_data_connections(prompt_pid: int, control_port: int) -> int:
-    """Shut down this process's TCP connections to the prompt's data listener; returns how many.
-
-    The data listener is the prompt's listening socket other than ``control_port``.  Each connection is shut down
-    through a duplicate of its descriptor (checked to still be such a connection), so the library's own
-    descriptor stays valid and its threads see the connection break."""
-    table = _tcp_sockets()
-    listening = {table[i][0] for i in _socket_fds(prompt_pid) if i in table and table[i][2] == "0A"}
-    data_ports = listening - {control_port}
-    cut = 0
-    for inode, fd in _socket_fds("self").items():
-        entry = table.get(inode)
-        if entry is None or entry[2] != "01" or entry[1] not in data_ports:
-            continue
-        try:
-            dup = os.dup(fd)
-        except OSError:
-            continue
-        sock = socket.socket(fileno=dup)
-        try:
-            if sock.type == socket.SOCK_STREAM and sock.getpeername()[1] in data_ports:
-                sock.shutdown(socket.SHUT_RDWR)
-                cut += 1
-        except OSError:
-            pass
-        finally:
-            sock.close()
-    return cut
 
 
 class _Proxy:

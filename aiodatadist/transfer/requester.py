@@ -120,9 +120,7 @@ class Requester:
                    params: TransferParams, note: bytes | None) -> tuple[Awaitable[Any] | None, int]:
         """Do the transfer; returns the owner's pending key-release acknowledgement (if any) and the bytes."""
         require(key.cluster_id != self._cluster_id, "data can not be pulled from own cluster.")
-        link = self._links.links.get(key.cluster_id)
-        if link is None:
-            raise LLMException(f"cluster {key.cluster_id} is not linked", status_code=S.LLM_NOT_YET_LINK)
+        link = self._links.links.get(key.cluster_id) or await self._links.not_linked(key.cluster_id)
         link.plane.check_local(local, key.cluster_id)
         st = self._states.of(link)
         wkey = wire_key(key)

@@ -61,9 +61,7 @@ class TransferService:
     async def resolve(self, cluster_id: int, addrs: tuple[int, ...]) -> tuple[Located, ...]:
         """Where cluster ``cluster_id`` holds ``addrs`` (its registered tensors): ``LLM_KV_CACHE_NOT_EXIST`` if an
         address is in none, ``LLM_NOT_YET_LINK`` when not linked."""
-        link = self._links.links.get(cluster_id)
-        if link is None:
-            raise LLMException(f"cluster {cluster_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+        link = self._links.links.get(cluster_id) or await self._links.not_linked(cluster_id)
         try:
             async with asyncio.timeout(self._settings.sync_kv_timeout_ms / 1000):
                 reply = await link.channel.request(Resolve(addrs))
@@ -81,9 +79,7 @@ class TransferService:
     async def notify(self, cluster_id: int, note: bytes) -> None:
         """Send a notification (checked) over the link to ``cluster_id`` and wait until the peer queued it (or
         dropped it: its queue was full), bounded by ``sync_kv_timeout``."""
-        link = self._links.links.get(cluster_id)
-        if link is None:
-            raise LLMException(f"cluster {cluster_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+        link = self._links.links.get(cluster_id) or await self._links.not_linked(cluster_id)
         self._stats.notification_sent(cluster_id)
         timeout_ms = self._settings.sync_kv_timeout_ms
         try:

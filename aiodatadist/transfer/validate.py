@@ -66,12 +66,12 @@ def _check_cache_key_for_pull(key: CacheKey) -> None:
 def _checked(params: TransferParams, local: CacheEntry) -> tuple[CacheEntry, TransferParams]:
     """Checks that need only the local cache, so bad input fails before any message is sent."""
     slots = int(local.desc.shape[0])
-    local_blocks = params.dst_blocks if params.op == "pull" else params.src_blocks
+    name, local_blocks = ("dst_blocks", params.dst_blocks) if params.op == "pull" else ("src_blocks", params.src_blocks)
     if local_blocks:
         bounds = int_bounds(local_blocks)
         highest = bounds[1] if bounds is not None else max(local_blocks)
         if highest >= slots:
-            param_invalid(f"block index {highest} >= num_blocks {slots}.")
+            param_invalid(f"{name} has block index {highest} >= num_blocks {slots} of the local cache.")
     if params.local_slot >= slots:
         param_invalid(f"batch_index {params.local_slot} out of range [0, {slots}).")
     return local, params

@@ -86,7 +86,11 @@ class SyncPeer:
 
     def __init__(self) -> None:
         self._runner = asyncio.Runner()
-        self.peer = self._runner.run(PeerProcess.start())
+        self.peer = self._runner.run(self._start())
+
+    @staticmethod
+    async def _start() -> PeerProcess:
+        return await PeerProcess.start()  # (an Opening: awaitable, but not a coroutine that Runner.run takes)
 
     def call(self, cmd: str, **args: Any) -> Any:
         return self._runner.run(self.peer.call(cmd, **args))
