@@ -134,9 +134,9 @@ class KVRouter:
     async def _link(self, prompt: Prompt, deadline: float | None) -> None:
         """Link to ``prompt`` unless linked to it at that address already (by ``deadline``, loop time).
 
-        Concurrent requests for one new prompt link once: the per-cluster lock makes the later ones wait for
-        the first one's link.  (With link sharing in aiodatadist, concurrent ``link_clusters`` calls for one
-        cluster share the link in progress, and this lock and the second ``_is_linked`` check could go.)
+        Concurrent ``link_clusters`` calls for one cluster share the link attempt in progress (aiodatadist), so
+        requests for one new prompt would link once without help; the per-cluster lock is for a prompt that
+        moved: its old link is dropped and the new one made once, not raced by the requests that noticed.
         """
         if self._is_linked(prompt):
             return
