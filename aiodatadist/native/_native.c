@@ -655,7 +655,7 @@ int adt_send_frame(int fd, const uint8_t *header, size_t hlen, const uint64_t *a
             if (l == 0) { i++; continue; }
             if (l < SMALL_SPAN) {
                 if (used + l > GATHER_BYTES || (!gathering && n == IOV_CAP)) break;
-                memcpy(gather + used, src, l);
+                if (!copy_small((char *)(gather + used), (const char *)src, l)) memcpy(gather + used, src, l);
                 if (gathering) iov[n - 1].iov_len += l;
                 else { iov[n].iov_base = gather + used; iov[n].iov_len = l; n++; gathering = 1; }
                 used += l;
@@ -752,7 +752,8 @@ static long recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const 
             while (got > 0) {   /* k < n: want never runs past the spans */
                 uint64_t take = len[k] - inner;
                 if (take > got) take = got;
-                memcpy((void *)(uintptr_t)(addr[k] + inner), p, (size_t)take);
+                char *to = (char *)(uintptr_t)(addr[k] + inner);
+                if (!copy_small(to, (const char *)p, (size_t)take)) memcpy(to, p, (size_t)take);
                 p += take; got -= take; inner += take;
                 if (inner == len[k]) { k++; inner = 0; }
             }
