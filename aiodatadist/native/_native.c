@@ -928,11 +928,83 @@ static PyObject *py_int_bounds(PyObject *self, PyObject *seq)
     return Py_BuildValue("(LL)", lo, hi);
 }
 
+/* The TCP plane's one-sided calls (_net.c), called as Python functions for the same reason as the plan functions:
+ * net_read/net_write(net, key, row, stamp, cache_id, model_id, remote_addr, remote_len, local_addr, local_len)
+ * -> job handle (0: out of memory).  The span arrays (uint64) are copied by the callee. */
+void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
+                   const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
+                   const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal, int defer);
+void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
+                    const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
+                    const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal);
+int adt_net_job_state(void *net, void *job, int *error, int *status);
+void adt_net_job_free(void *job);
+
+static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int write)
+{
+    if (nargs != 10) { PyErr_SetString(PyExc_TypeError, "net_read/net_write take 10 arguments"); return NULL; }
+    void *net = PyLong_AsVoidPtr(args[0]);
+    uint64_t key = PyLong_AsUnsignedLongLongMask(args[1]), stamp = PyLong_AsUnsignedLongLongMask(args[3]);
+    uint64_t cache_id = PyLong_AsUnsignedLongLongMask(args[4]);
+    long long row = PyLong_AsLongLong(args[2]), model = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (net == NULL) { PyErr_SetString(PyExc_ValueError, "no data plane"); return NULL; }
+    Py_buffer b[4];
+    for (int i = 0; i < 4; i++) {
+        if (PyObject_GetBuffer(args[6 + i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 || b[i].itemsize != 8) {
+            if (!PyErr_Occurred()) { PyBuffer_Release(&b[i]); PyErr_SetString(PyExc_ValueError, "span arrays hold uint64"); }
+            while (--i >= 0) PyBuffer_Release(&b[i]);
+            return NULL;
+        }
+    }
+    size_t nremote = (size_t)(b[0].len / 8), nlocal = (size_t)(b[2].len / 8);
+    void *job = NULL;
+    if ((size_t)(b[1].len / 8) != nremote || (size_t)(b[3].len / 8) != nlocal)
+        PyErr_SetString(PyExc_ValueError, "span arrays of different lengths");
+    else if (write)
+        job = adt_net_write(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, b[1].buf, nremote,
+                            b[2].buf, b[3].buf, nlocal);
+    else
+        job = adt_net_read(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, b[1].buf, nremote,
+                           b[2].buf, b[3].buf, nlocal, 1);
+    for (int i = 0; i < 4; i++) PyBuffer_Release(&b[i]);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromVoidPtr(job);
+}
+
+static PyObject *py_net_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return net_one_sided(args, nargs, 0);
+}
+
+static PyObject *py_net_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return net_one_sided(args, nargs, 1);
+}
+
+/* net_reap(net, job) -> (state, errno, owner status), the job freed: for a job its I/O threads announced ended. */
+static PyObject *py_net_reap(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "net_reap takes 2 arguments"); return NULL; }
+    void *net = PyLong_AsVoidPtr(args[0]), *job = PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (net == NULL || job == NULL) { PyErr_SetString(PyExc_ValueError, "net_reap: no plane or job"); return NULL; }
+    int err = 0, status = 0, state = adt_net_job_state(net, job, &err, &status);
+    adt_net_job_free(job);
+    return Py_BuildValue("(iii)", state, err, status);
+}
+
 static PyMethodDef native_methods[] = {
     {"copy_grid", (PyCFunction)(void (*)(void))py_copy_grid, METH_FASTCALL, "A small plan copied on this thread."},
     {"submit_grid", (PyCFunction)(void (*)(void))py_submit_grid, METH_FASTCALL, "A plan queued in a copy pool."},
     {"reap", py_reap, METH_O, "A finished job's (state, errno), freeing it; None while it runs."},
     {"int_bounds", py_int_bounds, METH_O, "(min, max) of a list or tuple of int64 ints, else None."},
+    {"net_read", (PyCFunction)(void (*)(void))py_net_read, METH_FASTCALL, "A one-sided TCP read (deferred)."},
+    {"net_write", (PyCFunction)(void (*)(void))py_net_write, METH_FASTCALL, "A one-sided TCP write."},
+    {"net_reap", (PyCFunction)(void (*)(void))py_net_reap, METH_FASTCALL, "An ended TCP job's state, freeing it."},
     {NULL, NULL, 0, NULL},
 };
 

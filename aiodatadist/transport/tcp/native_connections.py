@@ -21,10 +21,20 @@ import numpy.typing as npt
 from ..._aio import settle
 from ...copy.completion import NotifyPipe
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
-from ...native import ANY_MODEL, KEY_FLAG_SHIFT, TID_MASK, JobState, OwnerStatus, native_pool
+from ...native import (
+    ANY_MODEL,
+    KEY_FLAG_SHIFT,
+    TID_MASK,
+    JobState,
+    OwnerStatus,
+    native_extension,
+    native_pool,
+)
 from ...stats import OneSided
 from ..base import PULL, PUSH, TransferJob, WaitingMixin
 from .frames import FRAME_BYTES
+
+_ext: Any = native_extension()  # the one-sided calls and the reaping, without ctypes
 
 __all__ = ["NativeConnections"]
 
@@ -56,7 +66,7 @@ class NativeConnections(WaitingMixin[TransferJob]):
     def __init__(self, name: str, loop: asyncio.AbstractEventLoop, on_broken: Callable[[LLMException], None],
                  directory: tuple[int, int] | None) -> None:
         lib = native_pool()
-        if lib is None:
+        if lib is None or _ext is None:
             raise RuntimeError("the native helper is not built")
         self._lib = lib
         self.name = name
@@ -158,11 +168,9 @@ class NativeConnections(WaitingMixin[TransferJob]):
         self._check_open()
         ra, rl = _u64(remote[0]), _u64(remote[1])
         la, ll = _u64(local[0]), _u64(local[1])
-        job = self._track("read", PULL, tid, self._lib.adt_net_read(
+        job = self._track("read", PULL, tid, _ext.net_read(
             self._net, PULL << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
-            ANY_MODEL if model_id is None else model_id,
-            ra.ctypes.data, rl.ctypes.data, len(ra),
-            la.ctypes.data, ll.ctypes.data, len(la), 1))
+            ANY_MODEL if model_id is None else model_id, ra, rl, la, ll))
         # Concurrent reads of one iteration go out together: a sender thread is woken at the end of the
         # iteration (or every READ_BATCH reads), not once per read: each wake-up, and each READ the loop sent
         # itself (the kernel delivers a loopback segment and wakes the peer on the sending thread), took this
@@ -189,11 +197,9 @@ class NativeConnections(WaitingMixin[TransferJob]):
         self._check_open()
         ra, rl = _u64(remote[0]), _u64(remote[1])
         la, ll = _u64(local[0]), _u64(local[1])
-        return self._track("write", PUSH, tid, self._lib.adt_net_write(
+        return self._track("write", PUSH, tid, _ext.net_write(
             self._net, PUSH << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
-            ANY_MODEL if model_id is None else model_id,
-            ra.ctypes.data, rl.ctypes.data, len(ra),
-            la.ctypes.data, ll.ctypes.data, len(la)))
+            ANY_MODEL if model_id is None else model_id, ra, rl, la, ll))
 
     def fence(self, flag: int, tid: int) -> TransferJob:
         """Fence transfer ``(flag, tid)`` this end sent and stopped (a cut-short push): the job settles once the
@@ -226,18 +232,16 @@ class NativeConnections(WaitingMixin[TransferJob]):
             self._finish(job)
 
     def _finish(self, job: TransferJob) -> None:
-        err, status = ctypes.c_int(0), ctypes.c_int(0)
-        state = self._lib.adt_net_job_state(self._net, job.handle, ctypes.byref(err), ctypes.byref(status))
-        self._lib.adt_net_job_free(job.handle)
+        state, err, status = _ext.net_reap(self._net, job.handle)
         job.handle = None
         job.done = True
         if job.error is None:
-            if status.value != OwnerStatus.NONE:
-                code = _OWNER_STATUS.get(status.value, S.LLM_FAILED)
+            if status != OwnerStatus.NONE:
+                code = _OWNER_STATUS.get(status, S.LLM_FAILED)
                 job.error = LLMException(f"the owner refused transfer {job.key & TID_MASK} ({code.name})",
                                          status_code=code)
-            elif err.value:
-                job.error = LLMLinkError(f"data connection of link {self.name} failed: {os.strerror(err.value)}")
+            elif err:
+                job.error = LLMLinkError(f"data connection of link {self.name} failed: {os.strerror(err)}")
                 if self.closed is None:
                     self._broken(job.error)
             elif state == JobState.STOPPED:
