@@ -27,7 +27,8 @@ memory in 4 KiB pages, which UCX's ``process_vm_readv`` reads about 15 % slower 
 ``bench cluster`` runs N prompt and M decoder processes under a request stream (:mod:`.cluster`).
 
 ``bench vllm`` (vLLM installed: ``tools/vllm_tests.sh``) is another benchmark with its own options: prefill and
-decode vLLM engines with NixlConnector and with aiodatadist's connector (:mod:`.vllm_pd`).
+decode vLLM engines with NixlConnector and with aiodatadist's connector (:mod:`.vllm_pd`).  ``bench sglang``
+(SGLang installed: ``tools/sglang_tests.sh``) does the same for SGLang's transfer backends (:mod:`.sglang_pd`).
 """
 
 from __future__ import annotations
@@ -378,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         from .vllm_pd import main as vllm_main
 
         return vllm_main(given[1:])
+    if given[:1] == ["sglang"]:  # P/D through SGLang's transfer backends: its own options (bench sglang --help)
+        from .sglang_pd import main as sglang_main
+
+        return sglang_main(given[1:])
     if given[:1] == ["cluster"]:  # many prompt and decoder processes: its own options (bench cluster --help)
         from .cluster import main as cluster_main
 
