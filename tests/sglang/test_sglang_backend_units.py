@@ -20,9 +20,8 @@ import pytest
 from aiodatadist import sync
 from aiodatadist.integrations.sglang import plugin, wire
 from aiodatadist.integrations.sglang.endpoint import Endpoint
-from aiodatadist.integrations.sglang.layout import group_buffers, matching_prefix
+from aiodatadist.integrations.sglang.layout import AUX_MODEL_BASE, aux_pushes, group_buffers, matching_prefix
 from aiodatadist.integrations.sglang.options import BackendOptions
-from aiodatadist.notifications import MAX_NOTIFICATION_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,9 +101,9 @@ def test_register_adds_the_choice_the_enum_member_and_the_classes(fake_sglang: t
 def test_options_come_from_the_environment() -> None:
     assert BackendOptions.from_environ({}) == BackendOptions()
     options = BackendOptions.from_environ({"AIODATADIST_SGLANG_TRANSPORT": "tcp",
-                                           "AIODATADIST_SGLANG_TRANSFER_TIMEOUT_MS": "500",
+                                           "AIODATADIST_SGLANG_PUSH_TIMEOUT_MS": "500",
                                            "AIODATADIST_SGLANG_AUTH_KEY": "k", "AIODATADIST_SGLANG_LISTEN_HOST": ""})
-    assert (options.transport, options.transfer_timeout_ms, options.auth_key, options.listen_host) == ("tcp", 500, "k", "")
+    assert (options.transport, options.push_timeout_ms, options.auth_key, options.listen_host) == ("tcp", 500, "k", "")
     with pytest.raises(ValueError, match="AIODATADIST_SGLANG_TRANSPORT"):
         BackendOptions.from_environ({"AIODATADIST_SGLANG_TRANSPORT": "rdma"})
     with pytest.raises(ValueError, match="milliseconds"):
@@ -113,7 +112,7 @@ def test_options_come_from_the_environment() -> None:
         BackendOptions.from_environ({"AIODATADIST_SGLANG_TRANSPROT": "tcp"})
 
 
-def test_buffers_group_by_item_size() -> None:
+def test_buffers_group_by_item_size_and_aux_pushes_cover_the_shared_prefix() -> None:
     groups = group_buffers([0x1000, 0x2000, 0x3000, 0x4000], [640, 640, 256, 960], [64, 64, 128, 64], 7)
     assert [(g.model_id, g.indices, g.item_len, g.blocks) for g in groups] == [(7, (0, 1, 3), 64, 10),
                                                                             (8, (2,), 128, 2)]
@@ -122,7 +121,11 @@ def test_buffers_group_by_item_size() -> None:
     with pytest.raises(ValueError, match="whole items"):
         group_buffers([1], [32], [64])
     assert matching_prefix([64, 64, 128], [64, 64, 128, 8]) == 3
-    assert matching_prefix([64, 32], [64, 64]) == 1
+    mine = group_buffers([16, 32, 48, 64], [640] * 4, [64, 32, 64, 128], AUX_MODEL_BASE)
+    # The peer lacks the last buffer, and groups its buffers in the same order of first appearance.
+    pushes = aux_pushes(mine, [64, 32, 64, 128], [64, 32, 64])
+    assert [(p.group.model_id, p.dst_model_id, p.tensors) for p in pushes] == [
+        (AUX_MODEL_BASE, AUX_MODEL_BASE, 2), (AUX_MODEL_BASE + 1, AUX_MODEL_BASE + 1, 1)]
 
 
 def test_messages_round_trip_and_malformed_ones_are_refused() -> None:
@@ -138,62 +141,55 @@ def test_messages_round_trip_and_malformed_ones_are_refused() -> None:
                                                             np.array([-1], np.int32).tobytes()]):
         with pytest.raises(ValueError):
             wire.parse(bad)
+    assert wire.decode_done(wire.encode_done(2**64 - 1, 3)) == (2**64 - 1, 3, b"")
+    assert wire.decode_done(wire.encode_done(7, 0, b"\n row \x00")) == (7, 0, b"\n row \x00")  # aux row inline
+    assert wire.decode_done(b"something else") is None
+    assert wire.decode_done(b"kv-done 1 x\n") is None
 
 
-def test_notifications_round_trip_and_fit() -> None:
-    src = np.arange(wire.PAGES_PER_NOTE, dtype=np.int32)
-    message = wire.encode_ready(2**64 - 1, 3, 32, src, True, 700)
-    assert len(message) <= MAX_NOTIFICATION_BYTES
-    ready = wire.parse_note(message)
-    assert isinstance(ready, wire.Ready)
-    assert (ready.room, ready.prefill_rank, ready.start, ready.last, ready.aux_len) == (2**64 - 1, 3, 32, True, 700)
-    assert ready.src.tolist() == src.tolist()
-    assert wire.parse_note(wire.encode_aux(5, 4000, b"\n\x00 row")) == wire.AuxPiece(5, 4000, b"\n\x00 row")
-    assert len(wire.encode_aux(5, 2**40, bytes(wire.AUX_PER_NOTE))) <= MAX_NOTIFICATION_BYTES
-    assert wire.parse_note(wire.encode_pulled(9)) == wire.Pulled(9)
-    assert wire.parse_note(wire.encode_failed(9, "no link")) == wire.Failed(9, "no link")
-    for bad in (b"something else", b"kv-ready 1 2 3 4\n", b"kv-ready 1 2 3 2 0\n", b"kv-ready 1 2 3 1 0\n\x00",
-                b"kv-pulled x", b"kv-failed 1"):
-        assert wire.parse_note(bad) is None, bad
-
-
-def test_a_decode_endpoint_pulls_pages_from_a_prefill_endpoint() -> None:
-    """The data path of the backend: the decode instance listens with its registered pages, the prefill links to
-    it and says which pages are ready; the decode pulls them (every layer at once), the pull's notification
-    reaches the prefill."""
+def test_a_prefill_endpoint_pushes_pages_and_aux_rows_into_a_decode_endpoint() -> None:
+    """The data path of the backend: the decode instance listens with its registered buffers, the prefill links
+    and pushes chunk pages (every layer at once) and one aux row, then notifies."""
     layers, pages, page_bytes = 3, 8, 256
     rng = np.random.default_rng(0)
     p_kv = [rng.integers(0, 255, (pages, page_bytes), dtype=np.uint8) for _ in range(2 * layers)]
     d_kv = [np.zeros((pages, page_bytes), np.uint8) for _ in range(2 * layers)]
+    p_aux = [rng.integers(0, 255, (4, 64), dtype=np.uint8), rng.integers(0, 255, (4, 128), dtype=np.uint8)]
+    d_aux = [np.zeros((6, 64), np.uint8), np.zeros((6, 128), np.uint8)]
 
-    def groups(kv: list[np.ndarray]) -> list:  # type: ignore[type-arg]
-        return group_buffers([a.ctypes.data for a in kv], [a.nbytes for a in kv], [page_bytes] * len(kv))
+    def groups(kv: list[np.ndarray], aux: list[np.ndarray]) -> tuple[list, list]:  # type: ignore[type-arg]
+        return (group_buffers([a.ctypes.data for a in kv], [a.nbytes for a in kv], [page_bytes] * len(kv)),
+                group_buffers([a.ctypes.data for a in aux], [a.nbytes for a in aux], [a.shape[1] for a in aux],
+                              AUX_MODEL_BASE))
 
-    options = BackendOptions(transfer_timeout_ms=10000)
+    options = BackendOptions(push_timeout_ms=10000)
     decode = Endpoint(options, "127.0.0.1")
     prefill = Endpoint(options, None)
     try:
-        decode.register(groups(d_kv))
-        prefill.register(groups(p_kv))
+        d_kv_groups, d_aux_groups = groups(d_kv, d_aux)
+        p_kv_groups, p_aux_groups = groups(p_kv, p_aux)
+        decode.register(d_kv_groups + d_aux_groups)
+        prefill.register(p_kv_groups + p_aux_groups)
         host, port = decode.address
+        [aux1, aux2] = aux_pushes(p_aux_groups, [64, 128], [64, 128])
 
         async def transfer() -> bytes:
             await prefill.link(decode.cluster_id, host, port)
-            await prefill.notify(decode.cluster_id, wire.encode_ready(42, 0, 0, np.array([5, 1, 2]), True))
+            await prefill.push_aux(decode.cluster_id, aux1, 3, 5)
+            await prefill.push_aux(decode.cluster_id, aux2, 3, 5)
+            # the last push carries the "done": it arrives once the pages are in place
+            await prefill.push_pages(decode.cluster_id, 0, np.array([5, 1, 2]), np.array([0, 6, 7]),
+                                     notify=wire.encode_done(42, 0))
             note = await decode.dd.aio.get_notification(5)
-            assert note is not None and note.cluster_id == prefill.cluster_id
-            ready = wire.parse_note(note.message)
-            assert isinstance(ready, wire.Ready)
-            await decode.pull_pages(note.cluster_id, 0, ready.src, np.array([0, 6, 7]),
-                                    notify=wire.encode_pulled(ready.room))
-            ack = await prefill.dd.aio.get_notification(5)
-            assert ack is not None
-            return ack.message
+            assert note is not None
+            return note.message
 
-        assert wire.parse_note(sync.submit(transfer).result(30)) == wire.Pulled(42)
+        assert wire.decode_done(sync.submit(transfer).result(30)) == (42, 0, b"")
         for src, dst in zip(p_kv, d_kv, strict=True):
             assert (dst[[0, 6, 7]] == src[[5, 1, 2]]).all()
             assert not dst[1:6].any()  # nothing else written
+        for src, dst in zip(p_aux, d_aux, strict=True):
+            assert (dst[5] == src[3]).all() and not dst[:5].any()
     finally:
         prefill.close()
         decode.close()

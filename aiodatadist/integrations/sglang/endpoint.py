@@ -1,12 +1,11 @@
-"""One aiodatadist instance per SGLang KV manager: its caches, its links, its pulls (no SGLang import).
+"""One aiodatadist instance per SGLang KV manager: its caches, its links, its pushes (no SGLang import).
 
 The manager (:mod:`.manager`) calls :meth:`Endpoint.register` once from the scheduler thread (blocking, at
 start-up) and runs everything else as coroutines on aiodatadist's loop thread (:func:`aiodatadist.sync.submit`):
-links, pulls and notifications never block SGLang's scheduler.  A decode rank's instance listens; a prefill rank's
-instance links to every decode rank that registers with it (once), and the decode rank pulls pages from the prefill
-rank's caches over that link.
+links, pushes and notifications never block SGLang's scheduler.  A decode rank's instance listens; a prefill rank's
+instance links to every decode rank that registers with it (once), and pushes pages into that rank's caches.
 
-Every KV group is registered as a blocks cache of ``uint8`` blocks (a page each) under
+Every KV group and aux group is registered as a blocks cache of ``uint8`` blocks under
 ``BlocksCacheKey(cluster, group.model_id)``: in host memory where SGLang's pool lives on the CPU, in CUDA memory
 (``Placement.DEVICE``) where it lives on a GPU.  The memory stays SGLang's; unregistering at :meth:`close` stops
 every copy that touches it first.
@@ -29,7 +28,7 @@ from ...errors import LLMException, LLMStatusCode
 from ...sync import LLMDataDist as SyncLLMDataDist
 from ...sync import TransferFuture, submit
 from ...types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
-from .layout import BufferGroup
+from .layout import AuxPush, BufferGroup
 from .options import BackendOptions
 
 __all__ = ["Endpoint"]
@@ -47,7 +46,7 @@ class Endpoint:
 
     def __init__(self, options: BackendOptions, listen_host: str | None, device_index: int | None = None) -> None:
         config = LLMConfig()
-        config.sync_kv_timeout = options.transfer_timeout_ms
+        config.sync_kv_timeout = options.push_timeout_ms
         config.transport = options.transport
         if options.auth_key:
             config.auth_key = options.auth_key
@@ -121,13 +120,21 @@ class Endpoint:
         again."""
         self._links.pop(cluster_id, None)
 
-    async def pull_pages(self, cluster_id: int, model_id: int, src: IndexArray, dst: IndexArray,
+    async def push_pages(self, cluster_id: int, model_id: int, src: IndexArray, dst: IndexArray,
                          notify: bytes | None = None) -> None:
-        """Pull pages ``src`` of the KV group ``model_id`` of ``cluster_id`` into local pages ``dst`` of the same
-        group (every tensor of the group: all layers' K and V); ``notify`` reaches the peer once the bytes are
-        here.  Cancelled, it returns only once nothing more can land in ``dst``."""
-        await self.dd.aio.cache_manager.pull_blocks(BlocksCacheKey(cluster_id, model_id), self.caches[model_id],
-                                                    src_blocks=src, dst_blocks=dst, notify=notify)
+        """Push pages ``src`` of the local KV group ``model_id`` into pages ``dst`` of the same group on
+        ``cluster_id`` (every tensor of the group: all layers' K and V); ``notify`` reaches the peer once the
+        bytes are in place."""
+        await self.dd.aio.cache_manager.push_blocks(BlocksCacheKey(cluster_id, model_id), self.caches[model_id],
+                                                    src_blocks=src, dst_blocks=dst, tensor_num_per_layer=1,
+                                                    notify=notify)
+
+    async def push_aux(self, cluster_id: int, push: AuxPush, src_row: int, dst_row: int) -> None:
+        """Push one request's aux row into the peer's row ``dst_row`` (the shared buffers of one group)."""
+        tensors = range(push.tensors)
+        await self.dd.aio.cache_manager.push_blocks(
+            BlocksCacheKey(cluster_id, push.dst_model_id), self.caches[push.group.model_id], src_blocks=[src_row],
+            dst_blocks=[dst_row], src_layer_range=tensors, dst_layer_range=tensors, tensor_num_per_layer=1)
 
     async def notify(self, cluster_id: int, message: bytes) -> None:
         """Send ``message`` to the linked instance ``cluster_id``."""

@@ -4,17 +4,12 @@ As SGLang's own NIXL backend, the sender, receiver and bootstrap server are SGLa
 rank pairing, registration and per-request metadata over ZeroMQ, timeouts, aborts, status); the manager is where the
 bytes move:
 
-* at start-up it registers SGLang's KV buffers as aiodatadist blocks caches, once (one cache per page size: all
-  layers' K and V; :mod:`.layout`, :class:`.endpoint.Endpoint`);
-* a decode rank's instance listens, and its registration tells each prefill rank where (:mod:`.wire`); the
-  prefill rank links to it;
-* for each chunk SGLang sends, the prefill rank tells the decode rank which of its pages hold it (a notification);
-  the decode rank pulls them straight into its own pages (``pull_blocks`` of page indices, every layer in one call;
-  one-sided after the link's first pull), and the pull carries the acknowledgement back; the request's aux row
-  travels in notifications (:mod:`.prefill_side`, :mod:`.decode_side`).  Measured here, a decode-side pull of a
-  request moved its KV faster than a push into the decode's memory (which takes a round trip through the
-  decode's event loop), and only the decode writes into its pages, so a failed or aborted room can be stopped
-  before SGLang frees them.
+* at start-up it registers SGLang's KV buffers (one cache per page size: all layers' K and V) and aux buffers as
+  aiodatadist blocks caches, once (:mod:`.layout`, :class:`.endpoint.Endpoint`);
+* a decode rank's instance listens, and its registration tells each prefill rank where (:mod:`.wire`);
+* a prefill rank pushes each chunk's pages straight into the decode rank's pages (``push_blocks`` of page
+  indices, every layer in one call), then the aux row, then notifies the decode rank (:mod:`.prefill_side`,
+  :mod:`.decode_side`).
 
 SGLang's scheduler thread only hands chunks over and reads statuses: every transfer, link and message runs on
 aiodatadist's loop thread.  Supported: full-attention KV pools (MHA, and MLA with any TP pairing SGLang makes),
@@ -30,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from ...errors import LLMException, LLMStatusCode
+from ...types import Placement
 from ._sglang import base, common, utils
 from .decode_side import DecodeSide
 from .endpoint import Endpoint
-from .layout import group_buffers
+from .layout import AUX_MODEL_BASE, group_buffers
 from .options import BackendOptions
 from .prefill_side import Chunk, PrefillSide
 from .wire import PeerRegistration, RoomTarget
@@ -62,7 +58,7 @@ class AiodatadistKVManager(common.CommonKVManager):
     kv_status_msg_tag = b"KV_STATUS"  # status messages carry a tag and the failure's reason
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True  # the sender times first chunk -> Success (SGLang's kv_transfer_latency)
-    supports_deferred_decode_kv_release = True  # ABORT_ACK once an aborted room's tasks have stopped
+    supports_deferred_decode_kv_release = True  # ABORT_ACK once an aborted room's pushes have stopped
 
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any, is_mla_backend: bool | None = False,
                  **kwargs: Any) -> None:
@@ -79,19 +75,21 @@ class AiodatadistKVManager(common.CommonKVManager):
         listen = (self.options.listen_host or self.local_ip) if decode else None
         self.endpoint = Endpoint(self.options, listen, args.gpu_id if device == "cuda" else None)
         kv_groups = group_buffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
+        aux_groups = group_buffers(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, AUX_MODEL_BASE)
         self.endpoint.register(kv_groups)
-        log.info("aiodatadist: %s rank %d registered %d KV buffers (%s) as cluster %d%s",
+        self.endpoint.register(aux_groups, Placement.HOST)  # SGLang keeps its metadata buffers in host memory
+        log.info("aiodatadist: %s rank %d registered %d KV buffers (%s) and %d aux buffers as cluster %d%s",
                  "decode" if decode else "prefill", args.engine_rank, len(args.kv_data_ptrs),
                  ", ".join(f"{len(g.addrs)} x {g.blocks} pages of {g.item_len} B" for g in kv_groups),
-                 self.endpoint.cluster_id,
+                 len(args.aux_data_ptrs), self.endpoint.cluster_id,
                  f", listening on {self.endpoint.address[0]}:{self.endpoint.address[1]}" if decode else "")
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         if decode:
-            self.decode = DecodeSide(self, self.endpoint, kv_groups)
+            self.decode = DecodeSide(self, self.endpoint)
             self._start_heartbeat_checker_thread()
         else:
-            self.prefill = PrefillSide(self, self.endpoint, kv_groups)
+            self.prefill = PrefillSide(self, self.endpoint, kv_groups, aux_groups)
 
     def check_status(self, bootstrap_room: int) -> Any:
         """The room's ``KVPoll`` (``WaitingForInput`` for a room not seen yet, as SGLang's NIXL backend)."""
@@ -122,8 +120,8 @@ class AiodatadistKVManager(common.CommonKVManager):
                                         aux_index: int | None, state_indices: Any, decode_prefix_len: int | None,
                                         is_dummy: bool, device_kv_indices: Any = None) -> list[bytes]:
         """Decode: the pages and aux row of one request (sent to each prefill rank it waits for)."""
-        if self.decode is not None and not is_dummy:
-            self.decode.expect(bootstrap_room, kv_indices, aux_index)
+        if self.decode is not None:
+            self.decode.expect(bootstrap_room, aux_index)
         indices = np.asarray(kv_indices if not is_dummy else (), dtype=np.int32)
         return RoomTarget(
             room=bootstrap_room, agent_name=str(self.endpoint.cluster_id), endpoint=self.local_ip,
@@ -135,11 +133,11 @@ class AiodatadistKVManager(common.CommonKVManager):
 class AiodatadistKVSender(common.CommonKVSender):
     """SGLang's common sender (chunk bookkeeping, timeouts, abort), on :class:`AiodatadistKVManager`.
 
-    An abort on the prefill side also stops the room's tasks and tells the decode ranks, which stop their pulls
-    (SGLang's common sender only marks the room failed locally: the decode would wait for its timeout)."""
+    An abort on the prefill side also stops the room's pushes and, once nothing more can land, tells the decode
+    ranks (SGLang's common sender only marks the room failed locally: the decode would wait for its timeout)."""
 
     def abort(self) -> None:
-        """Fail the room here, stop its tasks, then tell its decode ranks (in the background)."""
+        """Fail the room here, stop its pushes, then tell its decode ranks (in the background)."""
         mgr = self.kv_mgr
         targets = mgr._room_notify_targets(self.bootstrap_room)
         super().abort()
@@ -150,18 +148,8 @@ class AiodatadistKVSender(common.CommonKVSender):
 class AiodatadistKVReceiver(common.CommonKVReceiver):
     """SGLang's common receiver (bootstrap, registration, metadata, abort), on :class:`AiodatadistKVManager`."""
 
-    def poll(self) -> Any:
-        """SGLang's poll; but a failed room is ``Transferring`` while a pull of it may still write into this rank's
-        pages (they are stopped first: SGLang frees the pages once it sees ``Failed``)."""
-        state = super().poll()
-        decode = self.kv_mgr.decode
-        if state == base.KVPoll.Failed and decode is not None and decode.busy(self.bootstrap_room):
-            decode.stop(self.bootstrap_room)
-            return base.KVPoll.Transferring
-        return state
-
     def clear(self) -> None:
-        """SGLang's clear, and the room's pages forgotten."""
+        """SGLang's clear, and the room's aux row forgotten."""
         super().clear()
         if self.kv_mgr.decode is not None:
             self.kv_mgr.decode.forget(self.bootstrap_room)

@@ -11,7 +11,7 @@ variable                              default       meaning
                                                     ``tcp`` or ``nixl`` (``llm.Transport``)
 ``AIODATADIST_SGLANG_AUTH_KEY``       (none)        shared key every engine must present (``llm.AuthKey``)
 ``AIODATADIST_SGLANG_LISTEN_HOST``    SGLang's IP   address the decode engine's instance listens on and announces
-``AIODATADIST_SGLANG_TRANSFER_TIMEOUT_MS``  30000   bound of one pull, and of the prefill's wait for the decode
+``AIODATADIST_SGLANG_PUSH_TIMEOUT_MS``  30000       bound of one push (``sync_kv_timeout``)
 ``AIODATADIST_SGLANG_LINK_TIMEOUT_MS``  5000        bound of linking a prefill rank to a decode rank
 ====================================  ============  ==========================================================
 """
@@ -35,7 +35,7 @@ class BackendOptions:
     transport: str = "auto"
     auth_key: str = ""
     listen_host: str = ""
-    transfer_timeout_ms: int = 30000
+    push_timeout_ms: int = 30000
     link_timeout_ms: int = 5000
 
     @classmethod

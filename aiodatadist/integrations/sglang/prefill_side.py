@@ -1,18 +1,19 @@
-"""The prefill rank's half of the backend: decode ranks register, requests' pages are announced, acks are counted.
+"""The prefill rank's half of the backend: decode ranks register, requests' pages are pushed, completion is told.
 
-Everything here runs on aiodatadist's loop thread except :meth:`PrefillSide.submit_chunk` and
-:meth:`PrefillSide.abort_room`, which SGLang's scheduler calls and which only hand work to the loop thread.
+Everything here runs on aiodatadist's loop thread except :meth:`PrefillSide.submit_chunk`, which SGLang's scheduler
+calls (through the manager's ``add_transfer_request``) and which only hands the chunk to the loop thread.
 
 * The control reader takes the manager's ZeroMQ socket: registrations of decode ranks (the rank is linked to at
   once, in the background), room messages (where a request's pages go: SGLang's ``transfer_infos``), SGLang's
-  ``ABORT`` (the room fails, its tasks are cancelled) and ``BOOTSTRAP`` messages.
-* A chunk is one task: it tells every (non-dummy) decode rank of the room which of this rank's pages hold it
-  (``kv-ready`` notifications, in pieces of at most ~1000 pages).  The decode rank pulls them straight from this
-  rank's registered memory, every layer in one pull, and its pull carries a ``kv-pulled`` back.  The last chunk
-  waits for the room's earlier chunks, sends the request's aux row (``kv-aux``) and its last piece, then waits until
-  every piece was pulled: the room is then ``Success`` here (this rank may free its pages).  No ack within
-  ``AIODATADIST_SGLANG_TRANSFER_TIMEOUT_MS``, a ``kv-failed`` from the decode, or an error fails the room, and the
-  decode ranks are told with SGLang's status message (its reason included).
+  ``ABORT`` (the room fails, its pushes are cancelled) and ``BOOTSTRAP`` messages.
+* A chunk is one task: it pushes the chunk's pages into every (non-dummy) decode rank of the room, all KV layers in
+  one push per KV group.  The last chunk waits for the room's earlier chunks, then its push carries the "done"
+  notification (:func:`.wire.encode_done`), with the request's aux row inside when it fits (else the aux rows are
+  pushed first): one push, one round trip; then the room is ``Success`` here.  A failure marks the room
+  ``Failed`` and tells the decode ranks with SGLang's status message (its reason included).
+* An aborted room's pushes are cancelled: aiodatadist returns from a cancelled push only once nothing more can
+  land in the decode's pages; then SGLang's deferred abort acknowledgement (``ABORT_ACK``) is sent, if the decode
+  asked for one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import ctypes
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,26 +31,20 @@ import numpy.typing as npt
 import zmq
 import zmq.asyncio
 
-from ...errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
+from ...errors import LLMException, LLMLinkError, LLMStatusCode
+from ...notifications import MAX_NOTIFICATION_BYTES
 from ._sglang import base, common
 from .endpoint import Endpoint
-from .layout import BufferGroup, matching_prefix
-from .wire import (
-    AUX_PER_NOTE,
-    PAGES_PER_NOTE,
-    Failed,
-    PeerRegistration,
-    Pulled,
-    RoomTarget,
-    encode_aux,
-    encode_ready,
-    parse,
-    parse_note,
-)
+from .layout import AuxPush, BufferGroup, aux_pushes, matching_prefix
+from .wire import PeerRegistration, RoomTarget, encode_done, parse
 
 __all__ = ["Chunk", "Peer", "PrefillSide"]
 
 log = logging.getLogger("aiodatadist.integrations.sglang")
+
+DONE_HEADER_BYTES = 64
+"""Room in a "done" notification for its header (:func:`.wire.encode_done`) beside an inline aux row."""
+
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
@@ -65,40 +60,29 @@ class Chunk:
 
 @dataclass(slots=True)
 class Peer:
-    """A registered decode rank: how many aux buffers it shares with this rank, or why it cannot be served."""
+    """A registered decode rank: where to push, how its aux rows travel, or why it cannot be served.
+
+    ``inline_aux``: how many aux buffers (the ones both engines share) travel inside the "done" notification
+    (0: they are pushed, ``aux``)."""
 
     registration: PeerRegistration
-    shared_aux: int
+    aux: list[AuxPush]
+    inline_aux: int
     refusal: str | None
-
-
-@dataclass(slots=True)
-class _Progress:
-    """A room's pieces: announced, pulled; set ``settled`` when the last was pulled or the room failed."""
-
-    announced: int = 0
-    pulled: int = 0
-    last_announced: bool = False
-    failure: str | None = None
-    settled: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def check(self) -> None:
-        if self.failure is not None or (self.last_announced and self.pulled >= self.announced):
-            self.settled.set()
 
 
 class PrefillSide:
     """The prefill manager's transfers (``manager``: the SGLang ``CommonKVManager`` subclass that owns it)."""
 
-    def __init__(self, manager: Any, endpoint: Endpoint, kv_groups: Sequence[BufferGroup]) -> None:
+    def __init__(self, manager: Any, endpoint: Endpoint, kv_groups: Sequence[BufferGroup],
+                 aux_groups: Sequence[BufferGroup]) -> None:
         self.manager = manager
         self.endpoint = endpoint
         self.kv_groups = list(kv_groups)
+        self.aux_groups = list(aux_groups)
         self.peers: dict[str, Peer] = {}  # agent name -> decode rank (loop thread)
         self.rooms: dict[int, list[asyncio.Task[Any]]] = {}  # room -> its chunk tasks in flight (loop thread)
-        self.progress: dict[int, _Progress] = {}  # room -> its pieces (loop thread)
         endpoint.run(self.read_control)
-        endpoint.run(self.read_notes)
 
     # -- the scheduler thread --------------------------------------------------------------------------------
     def submit_chunk(self, chunk: Chunk) -> None:
@@ -106,8 +90,8 @@ class PrefillSide:
         self.endpoint.start(lambda: self.send_chunk(chunk))
 
     def abort_room(self, room: int, targets: list[tuple[str, int]]) -> None:
-        """The prefill aborted ``room``: stop its tasks, then tell ``targets`` (decode ranks' ZeroMQ addresses)
-        that it failed, so that they stop pulling (returns at once)."""
+        """The prefill aborted ``room``: cancel its pushes, then tell ``targets`` (decode ranks' ZeroMQ addresses)
+        that it failed (returns at once)."""
         self.endpoint.start(lambda: self._abort_room(room, targets))
 
     async def _abort_room(self, room: int, targets: list[tuple[str, int]]) -> None:
@@ -115,7 +99,7 @@ class PrefillSide:
         for task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.wait(tasks)
+            await asyncio.wait(tasks)  # a cancelled push returns once nothing more can land
         await asyncio.to_thread(self.manager.send_kv_status_message, targets=targets, bootstrap_room=room,
                                 status=base.KVPoll.Failed, failure_reason="Aborted on the prefill side.")
 
@@ -163,8 +147,11 @@ class PrefillSide:
         if previous is not None and previous.registration == reg:
             return
         mgr.check_peer_aux_buffer_count(reg.agent_name, len(reg.aux_item_lens))
+        aux = aux_pushes(self.aux_groups, mgr.kv_args.aux_item_lens, reg.aux_item_lens)
         shared = matching_prefix(mgr.kv_args.aux_item_lens, reg.aux_item_lens)
-        self.peers[reg.agent_name] = Peer(reg, shared, refusal)
+        row = sum(mgr.kv_args.aux_item_lens[:shared])
+        inline = shared if shared and row + DONE_HEADER_BYTES <= MAX_NOTIFICATION_BYTES else 0
+        self.peers[reg.agent_name] = Peer(reg, aux, inline, refusal)
         if refusal is not None:
             log.error("aiodatadist: decode rank %s:%d cannot be served: %s", reg.endpoint, reg.dst_port, refusal)
             return
@@ -183,7 +170,7 @@ class PrefillSide:
             mgr.update_status(target.room, base.KVPoll.WaitingForInput)
 
     def on_abort(self, frames: list[bytes]) -> None:
-        """SGLang's ``ABORT`` from a decode rank: fail the room, stop its tasks, acknowledge once drained."""
+        """SGLang's ``ABORT`` from a decode rank: fail the room, cancel its pushes, acknowledge once drained."""
         mgr = self.manager
         notification = common.AbortNotification.from_zmq(frames)
         if notification is None:
@@ -200,27 +187,9 @@ class PrefillSide:
                 mgr.register_deferred_ack_target(room, target)
                 mgr._maybe_ack_drained_abort(room)
 
-    # -- the decode ranks' notifications (loop thread) -------------------------------------------------------
-    async def read_notes(self) -> None:
-        """``kv-pulled`` and ``kv-failed`` from decode ranks; ends when the instance is finalized."""
-        async for note in self.endpoint.dd.aio.notifications():
-            message = parse_note(note.message)
-            if isinstance(message, Pulled):
-                progress = self.progress.get(message.room)
-                if progress is not None:
-                    progress.pulled += 1
-                    progress.check()
-            elif isinstance(message, Failed):
-                progress = self.progress.get(message.room)
-                if progress is not None:
-                    progress.failure = f"the decode rank failed the transfer: {message.reason}"
-                    progress.check()
-            else:
-                log.warning("aiodatadist: unexpected notification from cluster %d dropped", note.cluster_id)
-
     # -- chunks (loop thread) --------------------------------------------------------------------------------
     async def send_chunk(self, chunk: Chunk) -> None:
-        """Announce one chunk to every decode rank of its room; the last one waits until the room was pulled."""
+        """Push one chunk into every decode rank of its room; the last one concludes the room."""
         mgr = self.manager
         room = chunk.room
         task = asyncio.current_task()
@@ -228,13 +197,12 @@ class PrefillSide:
         tasks = self.rooms.setdefault(room, [])
         earlier = list(tasks)
         tasks.append(task)
-        progress = self.progress.setdefault(room, _Progress())
-        mgr._staging_outstanding[room] += 1  # "a chunk of this room may still be read": SGLang's abort-ack count
+        mgr._staging_outstanding[room] += 1  # "a chunk of this room may still write": SGLang's abort-ack count
         try:
             if chunk.is_last and earlier:
-                await asyncio.wait(earlier)  # the last piece goes out after every other piece
+                await asyncio.wait(earlier)  # D hears "done" only once every chunk landed
             if room not in mgr.request_status or self._failed(room):
-                return  # aborted, failed or cleared: nothing (more) is announced
+                return  # aborted, failed or cleared: nothing (more) is written
             infos = mgr.transfer_infos.get(room)
             if not infos:
                 return
@@ -243,19 +211,16 @@ class PrefillSide:
             started = time.perf_counter()
             async with asyncio.TaskGroup() as group:
                 for target in targets:
-                    group.create_task(self._announce(target, chunk, progress))
-            if chunk.is_last:
-                progress.last_announced = True
-                progress.check()
-                await self._settled(room, progress)
-                log.debug("aiodatadist: room %d: %d pieces pulled by %d decode rank(s), %.2f ms after the last "
-                          "chunk", room, progress.pulled, len(targets), (time.perf_counter() - started) * 1000)
-                if not self._failed(room):
-                    mgr.update_status(room, base.KVPoll.Success)  # D has every byte: this rank may free its pages
-                    mgr.transfer_infos.pop(room, None)
-                    mgr.req_to_decode_prefix_len.pop(room, None)
+                    group.create_task(self._push(target, chunk))
+            log.debug("aiodatadist: room %d: %d pages%s into %d decode rank(s) in %.2f ms", room,
+                      len(chunk.kv_indices), " (last)" if chunk.is_last else "", len(targets),
+                      (time.perf_counter() - started) * 1000)
+            if chunk.is_last and not self._failed(room):
+                mgr.update_status(room, base.KVPoll.Success)  # every byte is in D's memory: P may free its pages
+                mgr.transfer_infos.pop(room, None)
+                mgr.req_to_decode_prefix_len.pop(room, None)
         except asyncio.CancelledError:
-            log.debug("aiodatadist: room %d: stopped (aborted)", room)
+            log.debug("aiodatadist: room %d: pushes cancelled (aborted)", room)
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is the room's, reported to SGLang
             reason = _reason(exc)
@@ -265,25 +230,11 @@ class PrefillSide:
             tasks.remove(task)
             if not tasks:
                 self.rooms.pop(room, None)
-            if chunk.is_last or room not in mgr.request_status:
-                self.progress.pop(room, None)
             mgr._staging_outstanding[room] -= 1
             if mgr._staging_outstanding[room] <= 0:
                 mgr._staging_outstanding.pop(room, None)
             if mgr.enable_deferred_decode_kv_release:
                 mgr._maybe_ack_drained_abort(room)
-
-    async def _settled(self, room: int, progress: _Progress) -> None:
-        """Wait until every piece of the room was pulled; ``LLMTimeoutError`` after the transfer timeout."""
-        timeout_s = self.endpoint.options.transfer_timeout_ms / 1000
-        try:
-            async with asyncio.timeout(timeout_s):
-                await progress.settled.wait()
-        except TimeoutError:
-            raise LLMTimeoutError(f"the decode rank pulled {progress.pulled} of {progress.announced} pieces of room "
-                                  f"{room} within {timeout_s:g} s") from None
-        if progress.failure is not None:
-            raise LLMException(progress.failure, status_code=LLMStatusCode.LLM_FAILED)
 
     def _failed(self, room: int) -> bool:
         mgr = self.manager
@@ -291,9 +242,10 @@ class PrefillSide:
             recorded = room in mgr.failure_records
         return recorded or mgr.request_status.get(room) == base.KVPoll.Failed
 
-    async def _announce(self, target: RoomTarget, chunk: Chunk, progress: _Progress) -> None:
-        """Tell one decode rank which pages hold the chunk (and, for the last chunk, the aux row first).  A link
-        that went away is made again once, and the chunk announced again (a piece pulled twice is harmless)."""
+    async def _push(self, target: RoomTarget, chunk: Chunk) -> None:
+        """The chunk's pages (and, for the last chunk, the aux row and the "done") into one decode rank.  A link
+        that went away (the decode rank's instance restarted its connection, or was gone for a while) is made
+        again once, and the chunk pushed again (writing the same bytes twice is harmless)."""
         peer = self.peers.get(target.agent_name)
         if peer is None:
             raise LLMException(f"decode rank {target.agent_name} never registered",
@@ -302,34 +254,38 @@ class PrefillSide:
             raise LLMException(peer.refusal, status_code=LLMStatusCode.LLM_PARAM_INVALID)
         reg = peer.registration
         await self.endpoint.link(reg.cluster_id, reg.host, reg.port)
-        notes = self._notes(chunk, peer, target)
-        progress.announced += sum(1 for kind, _ in notes if kind)
         try:
-            for _, note in notes:
-                await self.endpoint.notify(reg.cluster_id, note)
-        except LLMLinkError as exc:
-            log.info("aiodatadist: decode instance %d: %s; linking again", reg.cluster_id, exc)
+            await self._push_once(reg.cluster_id, peer, target, chunk)
+        except* LLMLinkError as group:
+            log.info("aiodatadist: decode instance %d: %s; linking again", reg.cluster_id, group.exceptions[0])
             self.endpoint.forget(reg.cluster_id)
             await self.endpoint.link(reg.cluster_id, reg.host, reg.port)
-            for _, note in notes:
-                await self.endpoint.notify(reg.cluster_id, note)
+            await self._push_once(reg.cluster_id, peer, target, chunk)
 
-    def _notes(self, chunk: Chunk, peer: Peer, target: RoomTarget) -> list[tuple[bool, bytes]]:
-        """The chunk's notifications for one decode rank: ``(is a piece to pull, message)``."""
-        rank = self.manager._prefill_unique_rank()
+    async def _push_once(self, cluster_id: int, peer: Peer, target: RoomTarget, chunk: Chunk) -> None:
+        """Every push of the chunk into one decode rank.  The last chunk's "done" travels with its last push (or
+        alone when it moves no page), and carries the aux row when it fits: then one push, one round trip."""
         src = chunk.kv_indices
-        start = chunk.index_slice.start or 0
-        count = min(len(src), max(0, len(target.dst_kv_indices) - start))
-        notes: list[tuple[bool, bytes]] = []
-        aux = self._aux_row(chunk.aux_index, peer.shared_aux) if chunk.is_last else b""
-        for offset in range(0, len(aux), AUX_PER_NOTE):
-            notes.append((False, encode_aux(chunk.room, offset, aux[offset:offset + AUX_PER_NOTE])))
-        for offset in range(0, max(count, 1), PAGES_PER_NOTE):  # an empty last chunk still sends its last piece
-            end = min(count, offset + PAGES_PER_NOTE)
-            last = chunk.is_last and end >= count
-            notes.append((True, encode_ready(chunk.room, rank, start + offset, src[offset:end], last,
-                                             len(aux) if last else 0)))
-        return notes
+        dst = target.dst_kv_indices[chunk.index_slice]
+        count = min(len(src), len(dst))
+        pages = [(kv.model_id, src[:count], dst[:count]) for kv in self.kv_groups] if count else []
+        done: bytes | None = None
+        if chunk.is_last:
+            rank = self.manager._prefill_unique_rank()
+            inline = peer.inline_aux and chunk.aux_index is not None
+            done = encode_done(chunk.room, rank, self._aux_row(chunk.aux_index, peer.inline_aux) if inline else b"")
+            async with asyncio.TaskGroup() as group:  # what must land before "done": all but the last push
+                for model_id, s, d in pages[:-1]:
+                    group.create_task(self.endpoint.push_pages(cluster_id, model_id, s, d))
+                if not inline and chunk.aux_index is not None:
+                    for aux in peer.aux:
+                        group.create_task(self.endpoint.push_aux(cluster_id, aux, chunk.aux_index,
+                                                                 target.dst_aux_index))
+            pages = pages[-1:]
+        if pages:
+            await asyncio.gather(*(self.endpoint.push_pages(cluster_id, m, s, d, notify=done) for m, s, d in pages))
+        elif done is not None:
+            await self.endpoint.notify(cluster_id, done)
 
     def _aux_row(self, index: int | None, buffers: int) -> bytes:
         """The request's row of the first ``buffers`` aux buffers, back to back (read from SGLang's memory)."""
@@ -349,3 +305,4 @@ def _reason(exc: BaseException) -> str:
 def _log_link_failure(attempt: asyncio.Future[None]) -> None:
     if not attempt.cancelled() and attempt.exception() is not None:
         log.warning("aiodatadist: %s (retried with the first request for that rank)", attempt.exception())
+

@@ -8,8 +8,8 @@ that module is first imported, in every process of the server.  Tweaks:
   memory; report ``DRAM`` instead (NIXL on a CPU machine does not work without it).
 * ``nixl_quiet_prefill``: the prefill's NIXL agent without progress thread and without UCX thread pool (SGLang's
   NIXL backend at its best settings here; on both sides, the first transfer hangs).
-* ``corrupt_sources``: the prefill zeroes the source pages of every chunk just before it tells the decode to pull
-  them (aiodatadist backend): the negative control of the tests (the decode must then produce other tokens).
+* ``corrupt_sources``: the prefill zeroes the source pages of every chunk just before pushing them (aiodatadist
+  backend): the negative control of the tests (the decode must then produce other tokens).
 
 Nothing here is imported by the library; SGLang is imported only inside the patches.
 """
@@ -58,20 +58,15 @@ def _nixl_quiet_prefill(module: ModuleType) -> None:
 
 
 def _corrupt_sources(module: ModuleType) -> None:
-    from aiodatadist.integrations.sglang.wire import Ready, parse_note
-
     endpoint_class = module.Endpoint
-    original = endpoint_class.notify
+    original = endpoint_class.push_pages
 
-    async def notify(self: Any, cluster_id: int, message: bytes) -> None:
-        ready = parse_note(message)
-        if isinstance(ready, Ready) and len(ready.src):
-            for cache in self.caches.values():
-                for tensor in cache.tensors:
-                    tensor[ready.src.astype(int)] = 0
-        await original(self, cluster_id, message)
+    async def push_pages(self: Any, cluster_id: int, model_id: int, src: Any, dst: Any, **kwargs: Any) -> None:
+        for tensor in self.caches[model_id].tensors:
+            tensor[list(map(int, src))] = 0
+        await original(self, cluster_id, model_id, src, dst, **kwargs)
 
-    endpoint_class.notify = notify
+    endpoint_class.push_pages = push_pages
 
 
 TWEAKS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
