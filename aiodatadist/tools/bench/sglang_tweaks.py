@@ -16,11 +16,14 @@ Nothing here is imported by the library; SGLang is imported only inside the patc
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -120,9 +123,12 @@ def apply_from_env() -> None:
         sys.meta_path.insert(0, _AfterImport(patches))
 
 
+@functools.cache
 def site_dir() -> str:
-    """A directory holding a ``sitecustomize.py`` that calls :func:`apply_from_env` (put it on ``PYTHONPATH``)."""
+    """A directory holding a ``sitecustomize.py`` that calls :func:`apply_from_env` (put it on ``PYTHONPATH``); one
+    per process, removed at exit."""
     directory = Path(tempfile.mkdtemp(prefix="aiodatadist-sglang-site-"))
+    atexit.register(shutil.rmtree, directory, True)
     (directory / "sitecustomize.py").write_text(
         "import os\n"
         f"if os.environ.get({ENV!r}):\n"
