@@ -6,8 +6,9 @@ The public names load on first use (PEP 562), so that importing one module of th
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_names
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -87,18 +88,7 @@ _WHERE = {
 """Each public name -> the module (of this package) that defines it."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'aiodatadist' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
-
+__getattr__, __dir__ = lazy_names(__name__, globals(), _WHERE)
 
 __all__ = [
     "BlocksCacheKey",
