@@ -112,11 +112,13 @@ class DirWord(IntEnum):
 
 
 def bind(lib: ctypes.CDLL) -> None:
-    """Declare the signatures of the helper's foreign functions (ctypes would otherwise pass and return ints)."""
+    """Declare the signatures of all the helper's exported functions: ctypes would otherwise pass and return C
+    ints, truncating pointers (``tests/unit/test_native_build.py`` checks that none is left out)."""
     vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     u64, i64 = ctypes.c_uint64, ctypes.c_int64
     lib.adt_copy_spans.argtypes = [vp, vp, vp, sz, c_int, vp]
     lib.adt_copy_spans.restype = ctypes.c_long
+    lib.adt_stream_copy_limit.argtypes, lib.adt_stream_copy_limit.restype = [u64, u64, u64, c_int], c_int
     lib.adt_pool_new.argtypes, lib.adt_pool_new.restype = [c_int, c_int, u64], vp
     lib.adt_pool_free.argtypes, lib.adt_pool_free.restype = [vp], None
     lib.adt_job_submit.argtypes = [vp, vp, vp, vp, vp, sz, c_int, c_int, c_int, c_int]
@@ -131,6 +133,12 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_net_send.argtypes, lib.adt_net_send.restype = [vp, u64, vp, vp, sz], vp
     lib.adt_net_receive.argtypes, lib.adt_net_receive.restype = [vp, u64], vp
     lib.adt_net_set_destination.argtypes, lib.adt_net_set_destination.restype = [vp, vp, vp, vp, sz], c_int
+    spans = [vp, vp, sz]
+    lib.adt_net_read.argtypes = [vp, u64, i64, u64, u64, i64, *spans, *spans, c_int]
+    lib.adt_net_write.argtypes = [vp, u64, i64, u64, u64, i64, *spans, *spans]
+    lib.adt_net_read.restype = lib.adt_net_write.restype = vp
+    lib.adt_net_job_state.argtypes, lib.adt_net_job_state.restype = [vp, vp, vp, vp], c_int
+    lib.adt_net_job_free.argtypes, lib.adt_net_job_free.restype = [vp], None
     lib.adt_net_flush.argtypes, lib.adt_net_flush.restype = [vp], None
     lib.adt_net_fence.argtypes, lib.adt_net_fence.restype = [vp, u64], vp
     lib.adt_net_cancel.argtypes, lib.adt_net_cancel.restype = [vp, vp, c_int], c_int

@@ -3,7 +3,6 @@ bytes asked for (odd sizes, unaligned ends, more threads than 64-byte lines), an
 
 from __future__ import annotations
 
-import ctypes
 
 import numpy as np
 import pytest
@@ -23,7 +22,6 @@ pytestmark = pytest.mark.skipif(LIB is None or not hasattr(LIB, "adt_stream_copy
 def test_copies_exactly_the_bytes_asked_for(size: int, offset: int, threads: int, seed: int) -> None:
     assert LIB is not None
     copy = LIB.adt_stream_copy_limit
-    copy.argtypes, copy.restype = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int], ctypes.c_int
     rng = np.random.default_rng(seed)
     src = rng.integers(1, 256, size + 128, dtype=np.uint8)
     dst = np.zeros(size + 128, dtype=np.uint8)

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import socket
 import statistics
@@ -51,7 +50,6 @@ def stream_copy_gbps(nbytes: int, repeat: int, threads: int) -> float | None:
     copy = getattr(lib, "adt_stream_copy_limit", None) if lib is not None else None
     if copy is None:
         return None
-    copy.argtypes, copy.restype = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int], ctypes.c_int
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.zeros(nbytes, dtype=np.uint8)
     times = []
