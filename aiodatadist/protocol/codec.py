@@ -53,15 +53,16 @@ class Kind(StrEnum):
     END = "end"              # requester -> owner: transfer finished (ok or not), drop the lease
     ABORT = "abort"          # owner -> requester: the cache of a running transfer was released, stop
     FREED = "freed"          # owner -> same-host peers: a cache's memory is gone, unmap / close what maps it
+    WITHDRAW = "withdraw"    # owner -> requester: stop writing a caller-owned cache one-sided, then END the lease
     PING = "ping"            # either side: liveness check
     NOTIFY = "notify"        # either side: a notification (direct, or of a transfer that had no END)
     RESOLVE = "resolve"      # requester -> owner: which registered tensors hold these addresses (TransferConfig)
     REPLY = "reply"          # response to any request
 
-    REQUESTS = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, NOTIFY, RESOLVE}))
+    REQUESTS = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, WITHDRAW, PING, NOTIFY, RESOLVE}))
     # handled in the reader task, in order (never wait)
-    INLINE = nonmember(frozenset({BEGIN, END, ABORT, FREED, PING, NOTIFY, RESOLVE, REPLY}))
-    ALL = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, PING, NOTIFY, RESOLVE, REPLY}))
+    INLINE = nonmember(frozenset({BEGIN, END, ABORT, FREED, WITHDRAW, PING, NOTIFY, RESOLVE, REPLY}))
+    ALL = nonmember(frozenset({HELLO, BYE, BEGIN, END, ABORT, FREED, WITHDRAW, PING, NOTIFY, RESOLVE, REPLY}))
 
 
 class ProtocolError(ValueError):

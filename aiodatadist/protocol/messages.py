@@ -11,7 +11,7 @@ directory, ``reads``, the server's ``plane``, its data-connection offer, ...) de
 empty tuple, ``False``) instead of raising, exactly as the readers did: a wrong announcement only costs an
 optimisation.  Absent optional fields decode to their defaults.
 
-The wire format is that of protocol version 6 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`, whose
+The wire format is that of protocol version 7 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`, whose
 comment lists what each version added); the handshake refuses a peer of any other version.
 """
 
@@ -65,6 +65,7 @@ __all__ = [
     "Resolve",
     "ResolveReply",
     "WireKey",
+    "Withdraw",
     "geometry_from_wire",
     "geometry_to_wire",
     "hello_reply_from_wire",
@@ -546,6 +547,24 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class Withdraw:
+    """Owner -> requester: caller-owned cache ``cid``, which the requester may write without a round trip, is
+    being unregistered.  The requester forgets its resolution, stops its writes into it and, once none runs,
+    sends ``END(tid, ok=False)``: ``tid`` names the lease the owner holds on the cache until then."""
+
+    KIND: ClassVar[Kind] = Kind.WITHDRAW
+    tid: int
+    cid: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"tid": self.tid, "cid": self.cid}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> Self:
+        return cls(int_field(m, "tid", 0), int_field(m, "cid", 1, I64_MAX))
+
+
+@dataclass(frozen=True, slots=True)
 class Freed:
     """Owner -> same-host peers: cache ``cid`` is gone; ``seg`` is its segment ``(inode, device)``, ``ipc`` the
     IPC handles it exported."""
@@ -660,9 +679,9 @@ class ResolveReply:
         return cls(tuple(located))
 
 
-Request = Hello | Bye | Begin | End | Abort | Freed | Ping | Notify | Resolve
-_REQUESTS: dict[str, type[Request]] = {cls.KIND: cls for cls in (Hello, Bye, Begin, End, Abort, Freed, Ping, Notify,
-                                                                  Resolve)}
+Request = Hello | Bye | Begin | End | Abort | Withdraw | Freed | Ping | Notify | Resolve
+_REQUESTS: dict[str, type[Request]] = {cls.KIND: cls for cls in (Hello, Bye, Begin, End, Abort, Withdraw, Freed, Ping,
+                                                                  Notify, Resolve)}
 
 
 def request_from_wire(m: dict[str, Any]) -> Request:

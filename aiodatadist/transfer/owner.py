@@ -29,11 +29,12 @@ from ..protocol.messages import (
     Located,
     Resolve,
     ResolveReply,
+    Withdraw,
 )
 from ..registry import CacheEntry, CacheRegistry, IndexKey
 from ..stats import StatsRecorder
 from .engine import CopyEngine
-from .state import Lease, LinkTransfers, TransferStates
+from .state import Lease, LinkTransfers, TransferStates, transfer_id
 
 __all__ = ["Owner"]
 
@@ -114,6 +115,8 @@ class Owner:
             descriptor = Descriptor(entry.geometry, entry.addrs, segment, ipc, borrowed=not entry.owned,
                                     nixl=link.plane.reach(entry))
         published = entry.published if link.plane.publishes(entry.tcp_readable) else None
+        if published is not None and not entry.owned:  # the peer may write it one-sided: WITHDRAW at release
+            state.writable.add(entry.cache_id)
         return BeginReply(entry.cache_id, slot, published, descriptor).to_wire()
 
     def end(self, link: Link, message: End, req_id: int) -> dict[str, Any] | None:
@@ -133,6 +136,9 @@ class Owner:
         lease = state.leases.pop(tid, None)
         if lease is None:
             return  # a second END, or one for a transfer this side never began: no notification either
+        if lease.withdrawing:  # the requester no longer writes the cache one-sided
+            self._registry.release_lease(lease.entry)
+            return
         self._stats.served(link.remote_cluster_id, lease.op, link.plane.kind, time.perf_counter() - lease.started,
                            lease.nbytes, None if ok else failure)
         if lease.release_key is not None:
@@ -180,17 +186,28 @@ class Owner:
                 link.channel.notify(freed)
 
     def abort_remote(self, entry: CacheEntry) -> None:
-        """Ask requesters whose running transfers use ``entry`` (being released) to stop."""
+        """Ask requesters whose running transfers use ``entry`` (being released) to stop; requesters that may
+        write it one-sided (a caller-owned cache) hold a lease on it until they confirm that they stopped."""
         for link in self._links.links.values():
-            for tid, lease in self._states.of(link).leases.items():
+            state = self._states.of(link)
+            for tid, lease in state.leases.items():
                 if lease.entry is entry:
                     if lease.job is not None:
                         link.plane.cancel_served(lease.job)  # our own I/O threads stop touching it too
                     link.channel.notify(Abort(tid))
+            if entry.cache_id in state.writable:
+                state.writable.discard(entry.cache_id)
+                tid = transfer_id(set(state.leases))
+                self._registry.acquire(entry)
+                state.leases[tid] = Lease(entry, None, withdrawing=True)
+                link.channel.notify(Withdraw(tid, entry.cache_id))
 
     def link_closed(self, link: Link, state: LinkTransfers) -> None:
         """Drop the leases of a closed link (its data plane has stopped touching the caches)."""
         for lease in state.leases.values():
+            if lease.withdrawing:
+                self._registry.release_lease(lease.entry)
+                continue
             self._stats.served(link.remote_cluster_id, lease.op, link.plane.kind,
                                time.perf_counter() - lease.started, 0, "LINK_CLOSED")
             self._registry.release_lease(lease.entry)

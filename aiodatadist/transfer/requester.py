@@ -27,7 +27,7 @@ from ..layout import TransferParams, transfer_plan
 from ..link.link import Link
 from ..link.manager import LinkManager
 from ..protocol.codec import ProtocolError
-from ..protocol.messages import Abort, Begin, BeginReply, End, EndReply, Freed, Notify, WireKey
+from ..protocol.messages import Abort, Begin, BeginReply, End, EndReply, Freed, Notify, WireKey, Withdraw
 from ..registry import CacheEntry, CacheRegistry, IndexKey
 from ..stats import StatsRecorder
 from ..transport.directory import Resolved
@@ -150,6 +150,10 @@ class Requester:
             del st.resolved[index]
             return None
         transfer = Transfer(transfer_id(st.running), params.op == "pull", plan, local, descriptor, resolved.cache_id)
+        stopped: asyncio.Future[None] | None = None
+        if not transfer.pull:  # a WITHDRAW of the owner's cache waits for it (see withdraw)
+            stopped = asyncio.get_running_loop().create_future()
+            st.writing[transfer.tid] = (resolved.cache_id, stopped)
         with self._registry.lease(local):
             try:
                 moved = await link.plane.move_published(transfer, resolved)
@@ -157,6 +161,10 @@ class Requester:
                 if exc.status_code == S.LLM_KV_CACHE_NOT_EXIST:
                     st.resolved.pop(index, None)
                 raise
+            finally:
+                if stopped is not None:
+                    del st.writing[transfer.tid]
+                    stopped.set_result(None)
         if not moved:
             st.resolved.pop(index, None)  # released or re-keyed: ask the owner again
             return None
@@ -251,12 +259,40 @@ class Requester:
         if not link.plane.abort(message.tid, error) and message.tid in st.running:
             st.aborted.add(message.tid)  # the copy has not started yet: it must not start at all
 
+    def withdraw(self, link: Link, message: Withdraw) -> None:
+        """The owner unregisters a caller-owned cache this side may write one-sided: no new write starts, running
+        ones stop, and once none writes any more the owner's lease ends (``END``)."""
+        st = self._states.of(link)
+        self._forget(st, message.cid)
+        error = LLMException(f"cluster {link.remote_cluster_id} unregistered cache {message.cid} during the "
+                             "transfer", status_code=S.LLM_KV_CACHE_NOT_EXIST)
+        writing = []
+        for tid, (cid, stopped) in st.writing.items():
+            if cid == message.cid:
+                link.plane.abort(tid, error)  # False if its copy has not started: then it is waited for whole
+                writing.append(stopped)
+        if not writing:
+            link.channel.notify(End(message.tid, False))
+            return
+
+        async def confirm() -> None:
+            await asyncio.wait(writing)
+            if not link.closed:
+                link.channel.notify(End(message.tid, False))
+
+        self._links.spawn(confirm(), name="withdraw")
+
     def freed(self, link: Link, message: Freed) -> None:
         """The peer freed a cache: forget its description and let go of what reaches it here (once idle)."""
         st = self._states.of(link)
         st.descriptors.pop(message.cid, None)
-        for key, resolved in list(st.resolved.items()):
-            if resolved.cache_id == message.cid:
-                del st.resolved[key]
+        self._forget(st, message.cid)
         link.plane.freed(message)
+
+    @staticmethod
+    def _forget(st: LinkTransfers, cache_id: int) -> None:
+        """Forget every key resolved to the peer's cache ``cache_id``: transfers by them ask the owner again."""
+        for key, resolved in list(st.resolved.items()):
+            if resolved.cache_id == cache_id:
+                del st.resolved[key]
 

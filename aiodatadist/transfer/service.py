@@ -25,6 +25,7 @@ from ..protocol.messages import (
     Notify,
     Resolve,
     ResolveReply,
+    Withdraw,
     request_from_wire,
 )
 from ..registry import CacheEntry, CacheRegistry
@@ -103,6 +104,9 @@ class TransferService:
                 return None
             case Freed() as freed:
                 self._requester.freed(link, freed)
+                return None
+            case Withdraw() as withdraw:
+                self._requester.withdraw(link, withdraw)
                 return None
             case Notify() as notify:
                 self._inbox.deliver(link.remote_cluster_id, notify.note)

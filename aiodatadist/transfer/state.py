@@ -6,6 +6,7 @@ this table is keyed by the link object and dropped when the link closes.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ class Lease:
     op: str = "pull"  # the requester's operation
     nbytes: int = 0  # what the plan moves
     started: float = 0.0  # time.perf_counter() at BEGIN
+    withdrawing: bool = False  # not a transfer: held from WITHDRAW until the requester's END (not in the stats)
 
 
 @dataclass(eq=False)
@@ -38,11 +40,14 @@ class LinkTransfers:
 
     # owner side
     leases: dict[int, Lease] = field(default_factory=dict)  # by transfer id
+    writable: set[int] = field(default_factory=set)  # caller-owned caches the peer may write one-sided (by id)
     # requester side
     running: set[int] = field(default_factory=set)  # transfers between BEGIN and their end
     aborted: set[int] = field(default_factory=set)  # ABORTs that came before the copy started
     descriptors: dict[int, Descriptor] = field(default_factory=dict)  # the peer's caches, by cache id
     resolved: dict[IndexKey, Resolved] = field(default_factory=dict)  # keys resolved to published caches
+    writing: dict[int, tuple[int, asyncio.Future[None]]] = field(default_factory=dict)
+    """One-sided pushes running: transfer id -> (the peer's cache id, done when the push no longer writes)."""
 
 
 class TransferStates:

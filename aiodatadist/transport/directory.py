@@ -13,8 +13,9 @@ This is safe because a peer's shared-memory cache stays mapped in the requester 
 copy that races a release touches pages that nobody else uses, never the owner's other memory.
 Caller-registered memory outside any ``HostMemory`` is published too, with an empty span (size 0): same-host
 peers pull it one-sided with ``process_vm_readv`` (a read that races a release reads pages that went back to the
-caller, or faults; either way the stamp check fails the pull, and the owner's memory is never written).  Pushes
-into it, and every transfer of it over TCP, still go through the owner, whose lease makes unregistering wait.
+caller, or faults; either way the stamp check fails the pull, and the owner's memory is never written) and push
+into it with ``process_vm_writev``: unregistering caller-owned memory first ``WITHDRAW``s such writes (the owner
+holds a lease until the peer confirms they stopped).  Every transfer of it over TCP goes through the owner.
 """
 
 from __future__ import annotations

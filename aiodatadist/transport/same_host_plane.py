@@ -62,9 +62,7 @@ class SameHostPlane(DataPlane):
             return Route.OWNER
         if not self.directory.live(resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id):
             return Route.STALE  # released or re-keyed: ask the owner again
-        if not pull and descriptor.borrowed:
-            return Route.OWNER  # caller-owned memory: a push goes through the owner, so unregistering aborts it
-        return Route.ONE_SIDED
+        return Route.ONE_SIDED  # into caller-owned memory too: unregistering it WITHDRAWs the write first
 
     def remembers(self, model_id: int) -> bool:
         return self.directory is not None

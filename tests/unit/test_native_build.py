@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import aiodatadist.native as native
+from aiodatadist import native
 
 
 def _compiler() -> str | None:

@@ -49,19 +49,19 @@ def test_kinds_are_a_str_enum_with_the_wire_strings() -> None:
     assert issubclass(Kind, StrEnum)
     assert {k.name: k.value for k in Kind} == {
         "HELLO": "hello", "BYE": "bye", "BEGIN": "begin", "END": "end", "ABORT": "abort", "FREED": "freed",
-        "PING": "ping", "NOTIFY": "notify", "RESOLVE": "resolve", "REPLY": "reply"}
+        "WITHDRAW": "withdraw", "PING": "ping", "NOTIFY": "notify", "RESOLVE": "resolve", "REPLY": "reply"}
     begin: str = Kind.BEGIN
     assert begin == "begin" and str(Kind.BEGIN) == "begin" and f"{Kind.END}" == "end"
     assert Kind("ping") is Kind.PING
 
 
 def test_kind_sets() -> None:
-    assert Kind.ALL == {"hello", "bye", "begin", "end", "abort", "freed", "ping", "notify", "resolve",
+    assert Kind.ALL == {"hello", "bye", "begin", "end", "abort", "freed", "withdraw", "ping", "notify", "resolve",
                         "reply"} == set(Kind)
     assert Kind.REQUESTS == Kind.ALL - {"reply"}
     # HELLO and BYE may wait; NOTIFY is inline so that notifications are delivered in the order they came
-    assert Kind.INLINE == {"begin", "end", "abort", "freed", "ping", "notify", "resolve", "reply"}
-    assert "REQUESTS" not in Kind.__members__ and len(Kind) == 10
+    assert Kind.INLINE == {"begin", "end", "abort", "freed", "withdraw", "ping", "notify", "resolve", "reply"}
+    assert "REQUESTS" not in Kind.__members__ and len(Kind) == 11
 
 
 def test_a_kind_encodes_as_its_plain_string() -> None:

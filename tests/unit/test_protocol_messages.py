@@ -52,6 +52,7 @@ from aiodatadist.protocol.messages import (
     Reply,
     Request,
     WireKey,
+    Withdraw,
     geometry_from_wire,
     geometry_to_wire,
     hello_reply_from_wire,
@@ -114,7 +115,7 @@ def test_hello_golden() -> None:
     assert answered.to_wire() == second and list(answered.to_wire()) == list(second)
     # Channel.request: {**body, "k": kind, "i": req_id}
     assert encode(request_to_wire(answered, 1)) == pack({**second, "k": "hello", "i": 1})
-    assert PROTOCOL_VERSION == 6  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE
+    assert PROTOCOL_VERSION == 7  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE; 7: WITHDRAW
 
 
 def test_hello_reply_golden() -> None:
@@ -241,6 +242,7 @@ def test_notifications_are_bounded() -> None:
 def test_small_requests_golden() -> None:
     assert Abort(9).to_wire() == {"tid": 9}
     assert encode(request_to_wire(Abort(9), 4)) == pack({"tid": 9, "k": "abort", "i": 4})
+    assert encode(request_to_wire(Withdraw(9, 3), 6)) == pack({"tid": 9, "cid": 3, "k": "withdraw", "i": 6})
     # transfer.py announce_freed: {"cid"}, body["seg"] = [inode, device], body["ipc"] = sorted(entry.exported)
     freed = Freed(3, (777, 66), tuple(sorted({HANDLE_B, HANDLE_A})))
     assert freed.to_wire() == {"cid": 3, "seg": [777, 66], "ipc": [HANDLE_A, HANDLE_B]}
@@ -326,10 +328,11 @@ notes = st.binary(max_size=MAX_NOTE_BYTES)
 ends = st.builds(End, tid=u64, ok=st.booleans(), confirm=st.booleans(), note=st.none() | notes)
 notifies = st.builds(Notify, notes)
 aborts = st.builds(Abort, u64)
+withdraws = st.builds(Withdraw, u64, st.integers(1, I64_MAX))
 freeds = st.builds(Freed, st.integers(1, I64_MAX), st.none() | st.tuples(any_int, any_int),
                    st.lists(handles, max_size=4).map(tuple))
 requests: st.SearchStrategy[Request] = st.one_of(
-    hellos, begins, ends, aborts, freeds, st.just(Ping()), st.just(Bye()), notifies)
+    hellos, begins, ends, aborts, withdraws, freeds, st.just(Ping()), st.just(Bye()), notifies)
 
 
 @st.composite
@@ -464,6 +467,8 @@ MALFORMED: list[tuple[type[Any], dict[str, Any], str, list[Any]]] = [
     (End, {"tid": 1, "ok": True}, "tid", [*BAD_INTS, -1]),
     (End, {"tid": 1, "ok": True}, "ok", [None, 1, 0, "true", [True]]),
     (Abort, {"tid": 1}, "tid", [*BAD_INTS, -1]),
+    (Withdraw, {"tid": 1, "cid": 1}, "tid", [*BAD_INTS, -1]),
+    (Withdraw, {"tid": 1, "cid": 1}, "cid", [*BAD_INTS, 0, 2**63]),
     (Notify, {"note": b"x"}, "note", [None, "x", 1, True, [b"x"], b"x" * (MAX_NOTE_BYTES + 1)]),
     (Freed, {"cid": 1}, "cid", [*BAD_INTS, 0, 2**63]),
     (BeginReply, VALID_BEGIN_REPLY, "cid", [*BAD_INTS, 0, 2**63]),

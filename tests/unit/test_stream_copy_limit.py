@@ -3,7 +3,6 @@ bytes asked for (odd sizes, unaligned ends, more threads than 64-byte lines), an
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
