@@ -6,9 +6,10 @@
  *     land straight in the spans (scatter recvmsg);
  *   - a send job owns source spans, cut into frames of at most `frame` bytes; sender threads take frames
  *     round-robin across send jobs, so concurrent transfers share every connection fairly;
- *   - a one-sided READ (pull by a resolved key) registers a receive job and queues a READ frame listing the
- *     owner's spans; the owner's receiver thread validates them against its cache directory (live stamp, spans
- *     inside the cache's segment) and queues a *serve* job that sends them back as DATA frames, with no Python
+ *   - a one-sided READ (pull by a resolved key) registers a receive job and queues a READ frame naming the
+ *     owner's spans as a grid (the owner's tensor bases, the runs' offsets and lengths: a few words however many
+ *     spans); the owner's receiver thread expands it, validates every span against its cache directory (live
+ *     stamp, spans inside the cache's segment) and queues a *serve* job that sends them back as DATA frames, with no Python
  *     and no control-plane round trip on the owner.  A serve job re-checks the stamp before each frame and
  *     marks the row busy while reading it, so a release (adt_dir_withdraw) waits for at most one frame.
  * A job's end is announced by writing its address to the link's notify pipe (as for the copy pool).
@@ -44,11 +45,16 @@ long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uin
 #define CTRL_BATCH 64        /* control frames a sender thread sends in one sendmsg */
 #define DIR_WORDS 8          /* directory row: stamp, cache id, model id, reserved, base, size, busy, reserved */
 
+/* A READ's payload: words model id (-1: any), ntensors, nruns, then the owner's tensor bases [ntensors], the runs'
+ * offsets [nruns] and lengths [nruns].  Its spans, in stream order: base[t] + offset[r], length[r] for each t, then
+ * each r (the plan's order, as the requester's own spans). */
+#define READ_HEAD 3
+
 typedef struct {
     uint32_t magic, type;
     uint64_t key;            /* flag << 63 | transfer id */
     uint64_t offset;         /* DATA: stream offset; READ, WRITE: stamp; ERROR: status code; WRITE_ACK: bytes */
-    uint64_t length;         /* DATA: payload bytes; READ: span list bytes; WRITE: span list and data bytes */
+    uint64_t length;         /* DATA: payload bytes; READ: grid bytes; WRITE: span list and data bytes */
     uint64_t a, b;           /* READ, WRITE: directory row, cache id */
 } adt_hdr;
 
@@ -326,24 +332,32 @@ static void finish_all_idle(adt_net *n)   /* under the lock: announce jobs that 
 /* A READ's payload: the model id the cache must still answer to (-1: any), a reserved word, then the spans. */
 static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload)   /* under the lock; 0 or a status */
 {
-    size_t count = (size_t)(h->length / 16) - 1;
-    uint64_t *spans = payload + 2;
+    uint64_t nt = payload[1], nr = payload[2];
+    const uint64_t *bases = payload + READ_HEAD, *offs = bases + nt, *lens = offs + nr;
     int64_t row = (int64_t)h->a, model = (int64_t)payload[0];
     if (!n->dir || row < 0 || (size_t)row >= n->dir_rows) return 1;
     int64_t *w = n->dir + row * DIR_WORDS;
     if ((uint64_t)w[0] != h->offset || (uint64_t)w[1] != h->b || h->offset == 0) return 1;
     if (model != -1 && w[2] != model) return 1;
     uint64_t base = (uint64_t)w[4], size = (uint64_t)w[5];
+    size_t cap = (size_t)(nt * nr);
     net_job *j = calloc(1, sizeof *j);
     if (!j) return 2;
-    j->addr = malloc((count ? count : 1) * sizeof *j->addr);
-    j->len = malloc((count ? count : 1) * sizeof *j->len);
+    j->addr = malloc((cap ? cap : 1) * sizeof *j->addr);
+    j->len = malloc((cap ? cap : 1) * sizeof *j->len);
     if (!j->addr || !j->len) { free_job(j); return 2; }
-    for (size_t i = 0; i < count; i++) {
-        uint64_t a = spans[2 * i], l = spans[2 * i + 1];
-        if (a < base || l > size || a - base > size - l) { free_job(j); return 3; }  /* outside the cache */
-        j->addr[i] = a; j->len[i] = l;
-    }
+    size_t count = 0;
+    for (uint64_t t = 0; t < nt; t++)
+        for (uint64_t r = 0; r < nr; r++) {
+            uint64_t o = offs[r], l = lens[r], a = bases[t] + o;
+            /* inside the cache: base <= bases[t] + o and the span ends by base + size, without overflow */
+            if (bases[t] < base || o > size || l > size || bases[t] - base > size - o || bases[t] - base + o > size - l) {
+                free_job(j); return 3;
+            }
+            if (l == 0) continue;
+            if (count && j->addr[count - 1] + j->len[count - 1] == a) j->len[count - 1] += l;   /* in order: merge */
+            else { j->addr[count] = a; j->len[count] = l; count++; }
+        }
     j->n = count; j->kind = 2; j->key = h->key; j->row = row; j->stamp = h->offset;
     if (plan_frames(j, n->frame, n->nconns)) { free_job(j); return 2; }
     n->served[0]++;
@@ -446,9 +460,12 @@ static void *receiver(void *arg)
                 if (rest < 0) { err = (int)-rest; break; }
             }
         } else if (h.type == T_READ) {
-            if (h.length % 16 || h.length < 16 || h.length / 16 > MAX_READ_SPANS) break;
-            uint64_t *spans = malloc(h.length ? h.length : 1);
+            if (h.length % 8 || h.length < 8 * READ_HEAD || h.length / 8 > READ_HEAD + 3 * (uint64_t)MAX_READ_SPANS) break;
+            uint64_t *spans = malloc(h.length);
             if (!spans || read_exact(fd, spans, (size_t)h.length)) { free(spans); break; }
+            uint64_t nt = spans[1], nr = spans[2];
+            if (nt > MAX_READ_SPANS || nr > MAX_READ_SPANS || nt * nr > MAX_READ_SPANS
+                || 8 * (READ_HEAD + nt + 2 * nr) != h.length) { free(spans); break; }   /* malformed: the link fails */
             pthread_mutex_lock(&n->lock);
             int status = serve_read(n, &h, spans);
             if (status) { n->served[2]++; queue_ctrl(n, T_ERROR, h.key, (uint64_t)status, NULL, 0, 0, 0); }
@@ -732,21 +749,20 @@ int adt_net_set_destination(void *net, void *job, const uint64_t *addr, const ui
  * this thread when the link has no other receive job and the connection is idle; otherwise a sender thread sends
  * it, woken at once, or (`defer`) only by adt_net_flush, so that a burst of reads costs one wake-up. */
 void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
-                   const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
-                   const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal, int defer)
+                   const uint64_t *bases, size_t ntensors, const uint64_t *offsets, const uint64_t *lengths,
+                   size_t nruns, const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal, int defer)
 {
     adt_net *n = (adt_net *)net;
-    uint8_t *list = calloc(nremote + 1, 16);
+    size_t plen = 8 * (READ_HEAD + ntensors + 2 * nruns);
+    uint64_t *list = malloc(plen);
     if (!list) return NULL;
-    memcpy(list, &model_id, 8);
-    for (size_t i = 0; i < nremote; i++) {
-        memcpy(list + 16 * (i + 1), &remote_addr[i], 8);
-        memcpy(list + 16 * (i + 1) + 8, &remote_len[i], 8);
-    }
+    list[0] = (uint64_t)model_id; list[1] = ntensors; list[2] = nruns;
+    memcpy(list + READ_HEAD, bases, 8 * ntensors);
+    memcpy(list + READ_HEAD + ntensors, offsets, 8 * nruns);
+    memcpy(list + READ_HEAD + ntensors + nruns, lengths, 8 * nruns);
     net_job *j = (net_job *)adt_net_receive(net, key);
     if (!j) { free(list); return NULL; }
     if (adt_net_set_destination(net, j, local_addr, local_len, nlocal)) { free(list); return j; }
-    size_t plen = (nremote + 1) * 16;
     pthread_mutex_lock(&n->lock);
     int conn = n->nconns ? n->next_conn++ % n->nconns : -1, fd = conn >= 0 ? n->fds[conn] : -1;
     int live = !j->done && !n->closed && conn >= 0;
@@ -759,13 +775,13 @@ void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_
         /* The connection is idle: send the small request from this (event loop) thread rather than waking a
          * sender, without ever blocking: if the socket buffer is full, a sender thread sends it instead. */
         adt_hdr h = {NET_MAGIC, T_READ, key, stamp, plen, (uint64_t)row, cache_id};
-        int err = send_small(fd, &h, list, plen);
+        int err = send_small(fd, &h, (const uint8_t *)list, plen);
         pthread_mutex_unlock(&n->send_lock[conn]);
         if (err == 0) { free(list); return j; }
         if (err > 0) { free(list); shutdown(fd, SHUT_RDWR); return j; }   /* its receiver fails the jobs */
     }
     pthread_mutex_lock(&n->lock);
-    if (!j->done) queue_ctrl_quiet(n, T_READ, key, stamp, list, plen, (uint64_t)row, cache_id, !defer);
+    if (!j->done) queue_ctrl_quiet(n, T_READ, key, stamp, (uint8_t *)list, plen, (uint64_t)row, cache_id, !defer);
     else free(list);
     pthread_mutex_unlock(&n->lock);
     return j;

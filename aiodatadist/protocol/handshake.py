@@ -51,7 +51,7 @@ S = LLMStatusCode
 PROTOCOL_VERSION = 7  # 2: batched frames, segments announced at link time; 3: geometries carry the data type;
 # 4: RESOLVE (registered tensors holding raw destination addresses); 5: the nixl plane, fd socket; 6: TCP data
 # frames FENCE/FENCE_ACK and one-sided WRITE/WRITE_ACK; 7: WITHDRAW (same-host pushes into caller-owned caches
-# without a round trip)
+# without a round trip), READ frames name the owner's spans as a grid
 MAX_LINKS = 512
 ADMITTED: tuple[int, str] = (0, "")
 SHM_ELSEWHERE = "transport shm forced, but the peer is not on this host"

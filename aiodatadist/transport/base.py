@@ -19,7 +19,7 @@ import numpy.typing as npt
 from .._aio import wait_through_cancellation
 from ..native import KEY_FLAG_SHIFT, StopFlag
 
-__all__ = ["PULL", "PUSH", "PlaneJob", "TransferJob", "WaitingMixin"]
+__all__ = ["PULL", "PUSH", "PlaneJob", "PythonTransferJob", "TransferJob", "WaitingMixin"]
 
 UInt64Array = npt.NDArray[np.uint64]
 PULL = 1  # frame flag: the transfer id is the receiver's own (the owner sends a pull)
@@ -27,28 +27,45 @@ PUSH = 0  # the transfer id is the sender's (the requester sends a push)
 
 
 class TransferJob:
-    """One end of one transfer on a data plane (``send`` or ``receive``)."""
+    """One end of one transfer on a data plane (``send`` or ``receive``).  The native helper keeps the rest of a
+    job in C (``handle``); :class:`PythonTransferJob` holds what the Python I/O threads need."""
+
+    __slots__ = ("done", "error", "fenced", "future", "handle", "key", "kind")
 
     def __init__(self, kind: str, flag: int, tid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.kind = kind
         self.key = flag << KEY_FLAG_SHIFT | tid
-        self.stop = StopFlag()
-        self.ready = threading.Event()  # receive jobs: the destination spans are known
         self.future: asyncio.Future[None] = loop.create_future()
         self.future.add_done_callback(_retrieved)  # an owner-side job may end with nobody awaiting it
         self.error: BaseException | None = None
-        self.inflight = 0
         self.done = False
+        self.handle: int | None = None  # native plane: the helper's job
+        self.fenced = False  # send: cut short, and the peer confirmed that nothing of it is written any more
+
+
+class PythonTransferJob(TransferJob):
+    """A job of the Python I/O threads: its spans, frames and progress, and the flags those threads poll."""
+
+    __slots__ = ("addr", "bounds", "ends", "inflight", "length", "moved", "next_frame", "offsets", "ready", "stop",
+                 "total")
+
+    def __init__(self, kind: str, flag: int, tid: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(kind, flag, tid, loop)
+        self.stop = StopFlag()
+        self.ready = threading.Event()  # receive jobs: the destination spans are known
+        self.inflight = 0
         self.total = 0
         self.moved = 0
-        self.addr: UInt64Array = np.empty(0, dtype=np.uint64)
-        self.length: UInt64Array = np.empty(0, dtype=np.uint64)
-        self.ends: UInt64Array = np.empty(0, dtype=np.uint64)  # receive: running byte sums of the spans
-        self.handle: int | None = None  # native plane: the helper's job
+        self.addr: UInt64Array = _NO_SPANS
+        self.length: UInt64Array = _NO_SPANS
+        self.ends: UInt64Array = _NO_SPANS  # receive: running byte sums of the spans
         self.bounds: list[int] = [0]  # send: frame boundaries (span indices)
         self.offsets: list[int] = [0]  # send: stream offset of each frame boundary
         self.next_frame = 0
-        self.fenced = False  # send: cut short, and the peer confirmed that nothing of it is written any more
+
+
+_NO_SPANS: UInt64Array = np.empty(0, dtype=np.uint64)
+_NO_SPANS.flags.writeable = False
 
 
 class PlaneJob(Protocol):

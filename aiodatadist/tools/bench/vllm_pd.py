@@ -533,23 +533,24 @@ def _fmt(value: Any, spec: str = "") -> str:
 
 def format_table(reference: dict[str, Any], results: list[dict[str, Any]]) -> str:
     """The results as a text table, the reference (a local prefill) first."""
-    header = f"{'config':<14} {'tokens identical':>16} {'D generate(1) ms':>17} {'transfer ms':>12} " \
+    w = max([14, *(len(res["config"]) for res in results)])
+    header = f"{'config':<{w}} {'tokens identical':>16} {'D generate(1) ms':>17} {'transfer ms':>12} " \
              f"{'transfers':>9} {'startup s (P/D)':>16}"
     lines = [header, "-" * len(header),
-             (f"{'reference':<14} {'(local prefill)':>16} {_fmt(reference['generate1_ms'], '.1f'):>17} "
+             (f"{'reference':<{w}} {'(local prefill)':>16} {_fmt(reference['generate1_ms'], '.1f'):>17} "
               f"{'-':>12} {'-':>9} {_fmt(reference['startup_s'], '.1f'):>16}")]
     for res in results:
         if res.get("skipped"):
-            lines.append(f"{res['config']:<14} skipped: {res['skipped']}")
+            lines.append(f"{res['config']:<{w}} skipped: {res['skipped']}")
             continue
         startup = f"{_fmt(res.get('startup_p_s'), '.1f')}/{_fmt(res.get('startup_d_s'), '.1f')}"
-        lines.append(f"{res['config']:<14} {'yes' if res.get('identical') else 'NO':>16} "
+        lines.append(f"{res['config']:<{w}} {'yes' if res.get('identical') else 'NO':>16} "
                      f"{_fmt(res.get('d_generate1_ms'), '.1f'):>17} {_fmt(res.get('transfer_ms'), '.1f'):>12} "
                      f"{_fmt(res.get('transfers')):>9} {startup:>16}")
         if res.get("error"):
-            lines.append(f"{'':<14} error: {res['error'].strip().splitlines()[-1]}")
+            lines.append(f"{'':<{w}} error: {res['error'].strip().splitlines()[-1]}")
         for miss in res.get("mismatches", ()):
-            lines.append(f"{'':<14} prompt {miss['prompt']}: reference {miss['reference']} != D {miss['decode']}")
+            lines.append(f"{'':<{w}} prompt {miss['prompt']}: reference {miss['reference']} != D {miss['decode']}")
     return "\n".join(lines)
 
 

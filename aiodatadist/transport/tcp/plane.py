@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
+
 from ..._aio import wait_through_cancellation
 from ..._checks import I64_MAX
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
@@ -155,8 +157,10 @@ class NativeTcpPlane(TcpPlane):
         conns, plan, descriptor, local = self.conns, transfer.plan, transfer.descriptor, transfer.local
         where = (resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id)
         if transfer.pull:
-            job = conns.read(transfer.tid, *where, plan_side_spans(plan, descriptor.addrs, "src"),
-                             plan_side_spans(plan, local.addrs, "dst"))
+            runs = plan.runs  # the owner's spans as a grid: a few words on the wire however many spans
+            grid = (descriptor.addrs[plan.src_tensor], np.ascontiguousarray(runs.src_offset),
+                    np.ascontiguousarray(runs.length))
+            job = conns.read(transfer.tid, *where, grid, plan_side_spans(plan, local.addrs, "dst"))
         else:
             job = transfer.job = conns.write(transfer.tid, *where, plan_side_spans(plan, descriptor.addrs, "dst"),
                                              plan_side_spans(plan, local.addrs, "src"))

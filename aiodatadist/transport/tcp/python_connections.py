@@ -33,7 +33,7 @@ from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...layout import Spans
 from ...native import TID_MASK
 from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in _net.c)
-from ..base import TransferJob, WaitingMixin
+from ..base import PythonTransferJob, TransferJob, WaitingMixin
 from .frames import (
     FRAME_BYTES,
     HEADER,
@@ -54,6 +54,12 @@ SCRATCH_BYTES = 1 << 20
 JOIN_TIMEOUT = 5.0  # seconds aclose() waits for each I/O thread (they end at once once their socket is shut down)
 
 
+def _own(job: TransferJob) -> PythonTransferJob:
+    """A job of these connections (the plane hands back what :meth:`PythonConnections.send`/``receive`` made)."""
+    assert isinstance(job, PythonTransferJob)
+    return job
+
+
 class PythonConnections(WaitingMixin[TransferJob]):
     """The data connections of one link and the transfers running on them (Python I/O threads: the fallback
     where the native helper is not built; it does not serve one-sided reads)."""
@@ -66,9 +72,9 @@ class PythonConnections(WaitingMixin[TransferJob]):
         self._loop = loop
         self._on_broken = on_broken
         self._cv = threading.Condition()
-        self._queue: deque[TransferJob] = deque()  # send jobs with frames left, round-robin
-        self._receiving: dict[int, TransferJob] = {}
-        self._jobs: set[TransferJob] = set()
+        self._queue: deque[PythonTransferJob] = deque()  # send jobs with frames left, round-robin
+        self._receiving: dict[int, PythonTransferJob] = {}
+        self._jobs: set[PythonTransferJob] = set()
         self._socks: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self.closed: LLMException | None = None
@@ -105,9 +111,9 @@ class PythonConnections(WaitingMixin[TransferJob]):
             thread.start()
 
     # -- jobs (event loop thread) ----------------------------------------------------------------------------
-    def send(self, flag: int, tid: int, addr: UInt64Array, length: UInt64Array) -> TransferJob:
+    def send(self, flag: int, tid: int, addr: UInt64Array, length: UInt64Array) -> PythonTransferJob:
         """Queue the bytes of spans (in order) as transfer ``(flag, tid)``; await it with :meth:`wait`."""
-        job = TransferJob("send", flag, tid, self._loop)
+        job = PythonTransferJob("send", flag, tid, self._loop)
         spans, bounds = split_spans(Spans(addr, addr, length), FRAME_BYTES)
         job.addr = np.ascontiguousarray(spans.src, dtype=np.uint64)
         job.length = np.ascontiguousarray(spans.length, dtype=np.uint64)
@@ -124,10 +130,10 @@ class PythonConnections(WaitingMixin[TransferJob]):
             self._finish_if_idle(job)
         return job
 
-    def receive(self, flag: int, tid: int) -> TransferJob:
+    def receive(self, flag: int, tid: int) -> PythonTransferJob:
         """Register the receiving end of ``(flag, tid)`` before its frames can arrive; frames wait for
         :meth:`set_destination` (a pull registers before it knows the owner's layout)."""
-        job = TransferJob("receive", flag, tid, self._loop)
+        job = PythonTransferJob("receive", flag, tid, self._loop)
         with self._cv:
             self._check_open()
             if job.key in self._receiving:
@@ -136,7 +142,8 @@ class PythonConnections(WaitingMixin[TransferJob]):
             self._jobs.add(job)
         return job
 
-    def set_destination(self, job: TransferJob, addr: UInt64Array, length: UInt64Array) -> None:
+    def set_destination(self, transfer_job: TransferJob, addr: UInt64Array, length: UInt64Array) -> None:
+        job = _own(transfer_job)
         job.addr = np.ascontiguousarray(addr, dtype=np.uint64)
         job.length = np.ascontiguousarray(length, dtype=np.uint64)
         job.ends = np.cumsum(job.length, dtype=np.uint64)
@@ -145,8 +152,9 @@ class PythonConnections(WaitingMixin[TransferJob]):
             job.ready.set()
             self._finish_if_idle(job)
 
-    def cancel(self, job: TransferJob, error: BaseException | None = None) -> None:
+    def cancel(self, transfer_job: TransferJob, error: BaseException | None = None) -> None:
         """Stop a job: no new frame is sent or written; its waiter gets ``error`` if given."""
+        job = _own(transfer_job)
         job.stop.set()
         with self._cv:
             if error is not None and job.error is None and not job.done:
@@ -162,7 +170,7 @@ class PythonConnections(WaitingMixin[TransferJob]):
         if self.closed is not None:
             raise self.closed
 
-    def _finish_if_idle(self, job: TransferJob) -> None:
+    def _finish_if_idle(self, job: PythonTransferJob) -> None:
         if job.done or job.inflight:
             return
         if job.kind == "send":
@@ -210,7 +218,7 @@ class PythonConnections(WaitingMixin[TransferJob]):
         header = bytearray(HEADER.size)
         scratch = ctypes.create_string_buffer(SCRATCH_BYTES)
         while True:
-            job: TransferJob | None = None
+            job: PythonTransferJob | None = None
             try:
                 recv_exact(sock, header)
                 magic, kind, key, offset, nbytes, _, _ = HEADER.unpack(header)
@@ -246,7 +254,7 @@ class PythonConnections(WaitingMixin[TransferJob]):
                     self._thread_failed(None, exc)
                     return
 
-    def _thread_failed(self, job: TransferJob | None, exc: FrameError) -> None:
+    def _thread_failed(self, job: PythonTransferJob | None, exc: FrameError) -> None:
         error = LLMLinkError(f"data connection of link {self.name} failed: {exc.strerror or exc}")
         with self._cv:
             if job is not None:
@@ -260,7 +268,7 @@ class PythonConnections(WaitingMixin[TransferJob]):
             self._on_broken(error)
 
     # -- lifetime --------------------------------------------------------------------------------------------
-    def close(self, error: LLMException) -> list[TransferJob]:
+    def close(self, error: LLMException) -> list[PythonTransferJob]:
         """Fail every job, stop the threads (sockets shut down); returns the jobs to wait for."""
         with self._cv:
             if self.closed is None:
