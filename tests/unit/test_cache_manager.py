@@ -847,7 +847,7 @@ async def test_deallocate_during_copy_keeps_memory_alive(cache_manager: CacheMan
         assert (view == row).all()
 
 
-async def test_unregister_during_copy_aborts_it(cache_manager: CacheManager, paced_copier: Any,
+async def test_unregister_during_copy_aborts_it(cache_manager: CacheManager, held_copier: Any,
                                                 spawn: Any) -> None:
     memory = np.zeros((BIG_TENSORS, BIG_BLOCKS, BIG_BLOCK_BYTES), np.uint8)
     rng = np.random.default_rng(8)
@@ -963,16 +963,23 @@ class SlowCopier:
     until ``gate`` is set) before really copying.  Late writes therefore land long after a broken
     implementation would have returned."""
 
-    def __init__(self, delay: float | None) -> None:
+    def __init__(self, delay: float | None, *, hold_after_first: bool = False) -> None:
         self.delay = delay
+        self.hold_after_first = hold_after_first  # the chunk at span 0 runs at once, every other one is held
         self.started = threading.Event()
         self.gate = threading.Event()
         self.chunks = 0
 
-    def before_chunk(self) -> None:
+    def before_chunk(self, lo: int, stop: Any) -> None:
         self.chunks += 1
         self.started.set()
-        if self.delay is not None:
+        if self.hold_after_first:
+            # Held until the gate opens or the job is stopped: the copy stays mid-way however slow the machine,
+            # and a stop lets the chunk go at once (to copy nothing, if the stop works).
+            deadline = time.monotonic() + 10.0
+            while lo != 0 and not self.gate.is_set() and not stop.is_set() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        elif self.delay is not None:
             time.sleep(self.delay)
         else:
             self.gate.wait(10.0)
@@ -986,7 +993,7 @@ class SlowCopier:
             run_real = real(spec, spans)
 
             def run(lo: int, hi: int, stop: Any) -> None:
-                self.before_chunk()
+                self.before_chunk(lo, stop)
                 run_real(lo, hi, stop)
 
             return run
@@ -1000,6 +1007,17 @@ class SlowCopier:
 @pytest.fixture
 def slow_copier(monkeypatch: pytest.MonkeyPatch, cache_manager: CacheManager) -> Iterator[SlowCopier]:
     copier = SlowCopier(0.1)
+    executor = copier.install(monkeypatch, cache_manager)
+    yield copier
+    copier.gate.set()
+    executor.shutdown()
+
+
+@pytest.fixture
+def held_copier(monkeypatch: pytest.MonkeyPatch, cache_manager: CacheManager) -> Iterator[SlowCopier]:
+    """The real copier: the first chunk copies at once, the others wait until the job is stopped (or the gate
+    opens), so a copy is mid-way for as long as a test needs."""
+    copier = SlowCopier(None, hold_after_first=True)
     executor = copier.install(monkeypatch, cache_manager)
     yield copier
     copier.gate.set()
