@@ -39,7 +39,6 @@ import functools
 import json
 import statistics
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -55,6 +54,7 @@ from ...testing import PeerProcess, cluster_info, fill_pattern, free_port
 from ...types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 from .baselines import copyto_gbps, socket_stream_gbps, stream_copy_gbps
 from .baselines import gbps as _gbps
+from .timing import stderr_progress
 from .timing import times as _times
 
 __all__ = ["main", "run_bench"]
@@ -357,11 +357,7 @@ def _device_main(ordinal: int, repeat: int, quiet: bool, json_path: str | None) 
     except LLMException as exc:
         sys.stderr.write(f"bench --device: {exc}\n")
         return 2
-    started = time.perf_counter()
-
-    def progress(line: str) -> None:
-        if not quiet:
-            sys.stderr.write(f"[{time.perf_counter() - started:6.1f} s] {line}\n")
+    progress = stderr_progress(quiet)
 
     sys.stdout.write(f"aiodatadist bench --device: {device.name} ({cuda_status()}, {device.driver.path}), "
                      f"repeat={repeat}; medians, baselines measured in this run\n")
@@ -418,12 +414,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not nixl_available():
             parser.error("--peers and --transport nixl need NIXL: pip install 'aiodatadist[nixl]'")
-    started = time.perf_counter()
-
-    def progress(line: str) -> None:
-        if not args.quiet:
-            sys.stderr.write(f"[{time.perf_counter() - started:6.1f} s] {line}\n")
-            sys.stderr.flush()
+    progress = stderr_progress(args.quiet)
 
     sys.stdout.write(f"aiodatadist bench: repeat={args.repeat}, native helper={'yes' if native_available() else 'no'}"
                      "; medians, baselines measured in this run\n")

@@ -49,6 +49,7 @@ from ...types import Transport
 from .baselines import copyto_gbps, gbps
 from .cluster_net import Network, _network
 from .cluster_worker import MODELS, Lengths
+from .timing import stderr_progress
 
 __all__ = ["ClusterOptions", "main", "passed", "run_cluster"]
 
@@ -329,12 +330,7 @@ def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     opts = _options(parser, args)
-    started = time.perf_counter()
-
-    def progress(line: str) -> None:
-        if not args.quiet:
-            sys.stderr.write(f"[{time.perf_counter() - started:6.1f} s] {line}\n")
-            sys.stderr.flush()
+    progress = stderr_progress(args.quiet)
 
     model = MODELS[opts.model]
     loop = f"Poisson {opts.rate:g} req/s per decoder" if opts.rate else "closed loop"

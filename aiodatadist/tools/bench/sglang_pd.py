@@ -51,6 +51,7 @@ from typing import Any
 
 from .sglang_servers import Router, Server, ServerError, ServerSettings, generate, metric
 from .sglang_tweaks import site_dir
+from .timing import exit_on_sigterm, stderr_progress
 
 __all__ = ["CONFIGS", "BackendConfig", "main", "run_sglang_bench"]
 
@@ -255,10 +256,6 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``bench sglang`` command line: 0 when every configuration gave identical tokens, 1 otherwise, 2 without
     SGLang or on bad options."""
@@ -291,13 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         sys.stderr.write(f"bench sglang: {missing} need NIXL (pip install nixl-cu13==1.5.1; nixl==1.5.1 --no-deps)\n")
         return 2
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # runs the finally clauses that stop the servers
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # runs the finally clauses that stop the servers
     started = time.perf_counter()
-
-    def progress(line: str) -> None:
-        if not args.quiet:
-            sys.stderr.write(f"[{time.perf_counter() - started:6.1f} s] {line}\n")
-            sys.stderr.flush()
+    progress = stderr_progress(args.quiet, started)
 
     report = run_sglang_bench(configs, args.prompts, args.prompt_tokens, args.layers, args.rounds, args.page_size,
                               args.log_dir, progress, pin=not args.no_pin)

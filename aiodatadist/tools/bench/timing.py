@@ -1,12 +1,30 @@
-"""Timing awaited calls, for the benchmarks."""
+"""Timing awaited calls, progress lines and SIGTERM handling, for the benchmarks."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["times"]
+__all__ = ["exit_on_sigterm", "stderr_progress", "times"]
+
+
+def stderr_progress(quiet: bool = False, started: float | None = None) -> Callable[[str], None]:
+    """A progress callback writing ``[seconds since started] line`` to stderr (nothing when ``quiet``)."""
+    origin = time.perf_counter() if started is None else started
+
+    def progress(line: str) -> None:
+        if not quiet:
+            sys.stderr.write(f"[{time.perf_counter() - origin:6.1f} s] {line}\n")
+            sys.stderr.flush()
+
+    return progress
+
+
+def exit_on_sigterm(signum: int, frame: object) -> None:
+    """A SIGTERM handler that raises ``SystemExit``, so that ``finally`` clauses stop servers and engines."""
+    raise SystemExit(128 + signum)
 
 
 async def times(fn: Callable[[], Awaitable[Any]], repeat: int, warmup: int = 1) -> list[float]:

@@ -46,6 +46,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
+from .timing import exit_on_sigterm, stderr_progress
+
 __all__ = ["CONFIGS", "ConnectorConfig", "EngineSettings", "main", "run_vllm_bench"]
 
 PROMPT_TOKENS = 448
@@ -595,10 +597,6 @@ def run_vllm_bench(configs: list[ConnectorConfig], prompt_count: int, layers: in
             "results": results}
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -626,13 +624,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         sys.stderr.write(f"bench vllm: {exc}\n")
         return 2
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # runs the finally clauses that stop the engines
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # runs the finally clauses that stop the engines
     started = time.perf_counter()
-
-    def progress(line: str) -> None:
-        if not args.quiet:
-            sys.stderr.write(f"[{time.perf_counter() - started:6.1f} s] {line}\n")
-            sys.stderr.flush()
+    progress = stderr_progress(args.quiet, started)
 
     report = run_vllm_bench(configs, args.prompts, args.layers, args.quiet, progress)
     report["results"] += skipped
