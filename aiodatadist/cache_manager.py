@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -206,6 +206,33 @@ class CacheManager:
         self._host_memories = [m for m in self._host_memories if not m.closed]
         self._host_memories.append(memory)
         log.debug("allocated %d bytes of shareable host memory at %#x", memory.size, memory.address)
+        return memory
+
+    def share_host_memory(self, ranges: Sequence[tuple[int, int]]) -> HostMemory:
+        """Make host memory this process already allocated (an engine's KV tensors: ``(address, size)`` ranges)
+        shareable where it lies, and return it as a :class:`HostMemory`: caches registered afterwards with every
+        tensor inside one of the ranges take the mapped path, as inside :meth:`allocate_host_memory` memory.
+
+        Each range's whole pages are moved into shared memory in place (same addresses, same content); the
+        partial pages at its ends stay private, and the few bytes of a tensor there are copied the unshared way.
+        Call it before the memory is in use: a write to it by another thread during the call may be lost.
+        Ranges must not overlap; ranges scattered across the address space (holes larger than the memory
+        shared, and 64 MiB) and ranges without a whole page raise ``LLM_PARAM_INVALID``.  ``HostMemory.close()``
+        (or ``finalize``) stops sharing it; the memory stays the caller's.
+        """
+        self._check_open()
+        check_isinstance("ranges", ranges, (list, tuple))
+        checked = []
+        for item in ranges:
+            if not (isinstance(item, (list, tuple)) and len(item) == 2):
+                raise TypeError(f"ranges must hold (address, size) pairs, got {item!r}.")
+            checked.append((check_int("address", item[0], "uint64"), check_int("size", item[1], "int64")))
+        require(all(size > 0 for _, size in checked), "every range's size must be > 0.")
+        memory = HostMemory.in_place(checked, name=f"aiodatadist-{self._cluster_id}-in-place")
+        self._host_memories = [m for m in self._host_memories if not m.closed]
+        self._host_memories.append(memory)
+        log.debug("shared %d range(s) of host memory in place (%d bytes from %#x)", len(checked), memory.size,
+                  memory.address)
         return memory
 
     def _host_memory_of(self, addrs: list[int], tensor_size: int) -> HostMemory | None:

@@ -20,6 +20,7 @@ from ._checks import I64_MAX, require
 from .errors import LLMException, LLMStatusCode
 from .layout import CacheGeometry
 from .memory import HostMemory, SharedSegment
+from .memory.in_place import InPlaceSegment
 from .publication import CacheDirectory
 from .segment_identity import SegmentIdentity
 from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
@@ -78,7 +79,7 @@ class CacheEntry:
     on_idle: list[Callable[[], None]] = field(default_factory=list)  # told once, when its last lease ends
 
     @property
-    def shared_segment(self) -> SharedSegment | None:
+    def shared_segment(self) -> SharedSegment | InPlaceSegment | None:
         """The segment same-host peers map to reach this cache: its own (allocated) or its HostMemory's."""
         if self.segment is not None:
             return self.segment
@@ -86,10 +87,18 @@ class CacheEntry:
         return memory.segment if memory is not None and not memory.closed else None
 
     @property
+    def shared_window(self) -> tuple[int, int] | None:
+        """The bytes ``[low, high)`` of each tensor that :attr:`shared_segment` holds (None: all of them)."""
+        memory = self.host_memory
+        return memory.window(self.addrs, self.desc.size) if memory is not None and self.segment is None else None
+
+    @property
     def tcp_readable(self) -> bool:
         """True when its directory row serves one-sided TCP reads (its memory is aiodatadist's or a
-        HostMemory's; caller memory elsewhere goes through the owner's lease, device memory does not go over TCP)."""
-        return self.shared_segment is not None
+        HostMemory's; caller memory elsewhere, memory shared in place included (the span of its tensors may hold
+        other data of the process), goes through the owner's lease, device memory does not go over TCP)."""
+        memory = self.host_memory
+        return self.shared_segment is not None and not (memory is not None and memory.is_in_place)
 
     @property
     def geometry(self) -> CacheGeometry:
@@ -178,13 +187,14 @@ class CacheRegistry:
         if remote_accessible and self.directory is not None:
             if segment is not None:
                 entry.published = self.directory.publish(cache_id, model, segment.address, segment.size)
-            elif host_memory is not None:  # registered inside shareable memory: the tensors' span, no more
+            elif host_memory is not None and not host_memory.is_in_place:  # the tensors' span, no more
                 low = int(entry.addrs.min())
                 entry.published = self.directory.publish(cache_id, model, low,
                                                          int(entry.addrs.max()) + desc.size - low)
             else:
-                # Device memory, or caller memory outside any HostMemory: same-host peers only (CUDA IPC,
-                # process_vm_readv), so no byte of it is served to one-sided TCP reads (size 0).
+                # Device memory, or caller memory outside any HostMemory or shared in place: same-host peers only
+                # (CUDA IPC, process_vm_readv, the in-place segment), so no byte of it is served to one-sided TCP
+                # reads (size 0).
                 entry.published = self.directory.publish(cache_id, model, 0, 0)
         if segment is None and device_memory is None:
             self._registered_addrs += len(addrs)

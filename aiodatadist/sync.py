@@ -27,7 +27,7 @@ holds the wrappers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -246,6 +246,9 @@ class CacheManager:
 
     def allocate_host_memory(self, nbytes: int) -> HostMemory:
         return _RUNNER.call(lambda: _plain(self._cm.allocate_host_memory, nbytes))
+
+    def share_host_memory(self, ranges: Sequence[tuple[int, int]]) -> HostMemory:
+        return _RUNNER.call(lambda: _plain(self._cm.share_host_memory, ranges))
 
     def register_cache(self, cache_desc: CacheDesc, addrs: list[int],
                        cache_keys: tuple[CacheKey, ...] | list[CacheKey] = (),

@@ -11,7 +11,7 @@ directory, ``reads``, the server's ``plane``, its data-connection offer, ...) de
 empty tuple, ``False``) instead of raising, exactly as the readers did: a wrong announcement only costs an
 optimisation.  Absent optional fields decode to their defaults.
 
-The wire format is that of protocol version 7 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`, whose
+The wire format is that of protocol version 8 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`, whose
 comment lists what each version added); the handshake refuses a peer of any other version.
 """
 
@@ -270,11 +270,14 @@ def published_from_wire(value: Any) -> tuple[int, int]:
     return value[0], value[1]
 
 
-def _addrs_inside(addrs: UInt64Array, tensor_size: int, segment: tuple[SegmentIdentity, int] | None) -> bool:
+def _addrs_inside(addrs: UInt64Array, tensor_size: int, segment: tuple[SegmentIdentity, int] | None,
+                  window: tuple[int, int] | None) -> bool:
+    """Whether the bytes ``window`` (None: all) of every tensor lie inside ``segment`` (if any)."""
     if segment is None:
         return True
     identity, base = segment
-    return bool(((addrs >= base) & (addrs + np.uint64(tensor_size) <= base + identity.size)).all())
+    low, high = window if window is not None else (0, tensor_size)
+    return bool(((addrs + np.uint64(low) >= base) & (addrs + np.uint64(high) <= base + identity.size)).all())
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +306,8 @@ class Descriptor:
     if any), that segment and its base address (None: caller-registered memory outside any shareable segment),
     device allocations to open by CUDA IPC (None: a host cache); ``borrowed``: caller-owned memory (registered,
     possibly inside a shareable segment), which pushes always reach through the owner (so that unregistering it
-    aborts them)."""
+    aborts them); ``window``: the bytes ``[low, high)`` of each tensor that the segment holds (None: all; memory
+    shared in place leaves out the partial pages at its ends, which are copied the unshared way)."""
 
     geometry: CacheGeometry
     addrs: UInt64Array
@@ -311,12 +315,14 @@ class Descriptor:
     ipc: tuple[IpcAllocation, ...] | None = None
     borrowed: bool = False
     nixl: NixlReach | None = None
+    window: tuple[int, int] | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Descriptor):
             return NotImplemented
         return (self.geometry == other.geometry and self.segment == other.segment and self.ipc == other.ipc
-                and self.borrowed == other.borrowed and self.nixl == other.nixl and np.array_equal(self.addrs, other.addrs))
+                and self.borrowed == other.borrowed and self.nixl == other.nixl and self.window == other.window
+                and np.array_equal(self.addrs, other.addrs))
 
     def to_wire(self) -> dict[str, Any]:
         segment = self.segment
@@ -330,6 +336,8 @@ class Descriptor:
             out["borrowed"] = True
         if self.nixl is not None:
             out["nixl"] = self.nixl.to_wire()
+        if self.window is not None:
+            out["window"] = list(self.window)
         return out
 
     @classmethod
@@ -339,14 +347,19 @@ class Descriptor:
         geometry = geometry_from_wire(value.get("geometry"))
         addrs = uint64_array(value, "addrs")
         segment = segment_from_wire(value.get("segment"))
-        if len(addrs) != geometry.num_tensors or not _addrs_inside(addrs, geometry.tensor_size, segment):
+        window = value.get("window")
+        if window is not None and not (isinstance(window, list) and len(window) == 2 and all(map(_is_int, window))
+                                       and 0 <= window[0] < window[1] <= geometry.tensor_size):
+            raise ProtocolError("invalid window in a cache descriptor")
+        window = (int(window[0]), int(window[1])) if window is not None else None
+        if len(addrs) != geometry.num_tensors or not _addrs_inside(addrs, geometry.tensor_size, segment, window):
             raise ProtocolError("the owner announced addresses outside its cache")
         borrowed = value.get("borrowed", False)
         if not isinstance(borrowed, bool):
             raise ProtocolError("invalid cache descriptor")
         nixl = value.get("nixl")
         return cls(geometry, addrs, segment, ipc_from_wire(value.get("ipc")), borrowed,
-                   NixlReach.from_wire(nixl) if nixl is not None else None)
+                   NixlReach.from_wire(nixl) if nixl is not None else None, window)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import mmap
 import os
 import sys
 import time
@@ -116,13 +117,21 @@ class Agent:
         return {"cache_id": cache.cache_id}
 
     async def cmd_register(self, a: dict[str, Any]) -> Any:
-        """A cache description, ``host_memory`` (register inside ``allocate_host_memory``), ``remote_accessible``
+        """A cache description, ``host_memory`` (register inside ``allocate_host_memory``), ``in_place`` (this
+        process's memory, shared in place with ``share_host_memory``), ``remote_accessible``
         -> ``{"cache_id"}`` (a registered cache over zeroed memory of this process)."""
         desc = self._desc(a)
         if a.get("host_memory"):  # inside shareable memory from allocate_host_memory (one block per cache)
             memory = self.cm.allocate_host_memory(desc.size * desc.num_tensors)
             whole = memory.array()
             arrays = [whole[i * desc.size: (i + 1) * desc.size] for i in range(desc.num_tensors)]
+        elif a.get("in_place"):  # this process's memory, tensors 64 bytes past a page and a page apart, shared in place
+            page = mmap.PAGESIZE
+            pitch = (desc.size + 2 * page) // page * page
+            whole = np.zeros(desc.num_tensors * pitch + 2 * page, dtype=np.uint8)
+            first = -whole.ctypes.data % page + 64
+            arrays = [whole[first + i * pitch: first + i * pitch + desc.size] for i in range(desc.num_tensors)]
+            self.cm.share_host_memory([(int(x.ctypes.data), desc.size) for x in arrays])
         else:
             arrays = [np.zeros(desc.size, dtype=np.uint8) for _ in range(desc.num_tensors)]
         addrs = [int(x.ctypes.data) for x in arrays]

@@ -18,6 +18,8 @@ from ..errors import LLMException, LLMStatusCode
 from ..layout import transfer_plan
 from ..link.link import Link
 from ..link.manager import LinkManager
+from ..memory import SharedSegment
+from ..memory.in_place import InPlaceSegment
 from ..protocol.messages import (
     Abort,
     Begin,
@@ -113,7 +115,7 @@ class Owner:
             shared = entry.shared_segment
             segment = (shared.identity, shared.address) if shared is not None else None
             descriptor = Descriptor(entry.geometry, entry.addrs, segment, ipc, borrowed=not entry.owned,
-                                    nixl=link.plane.reach(entry))
+                                    nixl=link.plane.reach(entry), window=entry.shared_window)
         published = entry.published if link.plane.publishes(entry.tcp_readable) else None
         if published is not None and not entry.owned:  # the peer may write it one-sided: WITHDRAW at release
             state.writable.add(entry.cache_id)
@@ -174,7 +176,7 @@ class Owner:
     def announce_freed(self, entry: CacheEntry) -> None:
         """``entry``'s memory is gone; same-host peers that mapped it let go of their mappings (a peer's mapping
         would otherwise keep freed pages alive until the link closes)."""
-        segment = entry.segment
+        segment: SharedSegment | InPlaceSegment | None = entry.segment
         memory = entry.host_memory
         if memory is not None and memory.registrations == 0 and not memory.closed:
             segment = memory.segment  # its last registration went: peers let go of their mappings (until the next)

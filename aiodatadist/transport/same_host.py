@@ -161,12 +161,15 @@ class PeerMemory:
         if found is None:
             if self.caps.fds:
                 raise OSError(0, f"peer segment {identity.inode} was not handed over (PeerMemory.ensure)")
-            found = self._adopt(key, map_peer_segment(identity), identity.size)  # lazy: O(1) whatever the size
+            dense = _dense(os.stat(f"/proc/{identity.pid}/fd/{identity.fd}"), identity.size)
+            found = self._adopt(key, map_peer_segment(identity), identity.size, dense)  # lazy: O(1) whatever the size
         return found[1]
 
-    def _adopt(self, key: tuple[int, int], mapping: mmap.mmap, size: int) -> tuple[mmap.mmap, int]:
+    def _adopt(self, key: tuple[int, int], mapping: mmap.mmap, size: int, dense: bool) -> tuple[mmap.mmap, int]:
         found = (mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
         self._mappings[key] = found
+        if not dense:  # memory shared in place: faulting the file's holes would fill them with pages
+            return found
         # Fault the page tables in the background (GIL released); transfers need not wait for it.
         task = asyncio.ensure_future(asyncio.to_thread(populate, found[1], size, write=True))
         self._populating[key] = task
@@ -183,7 +186,7 @@ class PeerMemory:
         fd = await asyncio.to_thread(request_fd, name, SEGMENT, token, identity.inode, identity.device)
         try:
             if key not in self._mappings:  # (another transfer may have mapped it meanwhile)
-                self._adopt(key, map_segment_fd(fd, identity), identity.size)
+                self._adopt(key, map_segment_fd(fd, identity), identity.size, _dense(os.fstat(fd), identity.size))
         finally:
             os.close(fd)
 
@@ -278,6 +281,11 @@ class PeerMemory:
                 pass
         self._mappings.clear()
         self._forgotten.clear()
+
+
+def _dense(st: os.stat_result, size: int) -> bool:
+    """Whether a segment's file has every page (aiodatadist's own segments do; memory shared in place has holes)."""
+    return st.st_blocks * 512 >= size
 
 
 def _unreachable_reason(caps: PeerCapabilities, segment: tuple[SegmentIdentity, int] | None) -> str:

@@ -21,7 +21,7 @@ import numpy as np
 from .._checks import U64_LIMIT
 from ..copy.spans import STREAMING_THRESHOLD
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
-from ..layout import CacheGeometry
+from ..layout import CacheGeometry, CopyPlan
 from ..protocol.messages import Descriptor, Freed, IpcAllocation
 from ..segment_identity import SegmentIdentity
 from .device import LinkDeviceState
@@ -90,6 +90,8 @@ class SameHostPlane(DataPlane):
         """Copy the bytes (the caller holds a lease on the local cache); closing the link cancels the copy."""
         descriptor, local, plan, pull = transfer.descriptor, transfer.local, transfer.plan, transfer.pull
         segment, ipc = descriptor.segment, list(descriptor.ipc) if descriptor.ipc is not None else None
+        if segment is not None and descriptor.window is not None and not _inside(plan, descriptor.window, pull):
+            segment = None  # bytes outside what the peer shares in place: the unshared way (process_vm_*)
         if segment is not None and self.caps.fds:  # a peer under another user hands its segments over (once)
             try:
                 await self.memory.ensure(segment[0])
@@ -180,3 +182,12 @@ class SameHostPlane(DataPlane):
         finally:
             if self.directory is not None:
                 self.directory.close()
+
+
+def _inside(plan: CopyPlan, window: tuple[int, int], pull: bool) -> bool:
+    """Whether every byte ``plan`` touches in the peer's tensors lies in their ``window``."""
+    runs = plan.runs
+    offsets = runs.src_offset if pull else runs.dst_offset
+    if len(offsets) == 0:
+        return True
+    return bool(window[0] <= int(offsets.min()) and int((offsets + runs.length).max()) <= window[1])

@@ -110,6 +110,44 @@ def test_options_come_from_the_environment() -> None:
         BackendOptions.from_environ({"AIODATADIST_SGLANG_LINK_TIMEOUT_MS": "0"})
     with pytest.raises(ValueError, match="unknown variables"):
         BackendOptions.from_environ({"AIODATADIST_SGLANG_TRANSPROT": "tcp"})
+    assert BackendOptions().share_kv == "on"
+    assert BackendOptions.from_environ({"AIODATADIST_SGLANG_SHARE_KV": "off"}).share_kv == "off"
+    with pytest.raises(ValueError, match="AIODATADIST_SGLANG_SHARE_KV"):
+        BackendOptions.from_environ({"AIODATADIST_SGLANG_SHARE_KV": "no"})
+
+
+def test_a_decode_endpoint_shares_its_kv_in_place_and_pushes_land_exactly() -> None:
+    """The decode side's KV buffers (its own memory) are shared in place before registering: their content stays,
+    and pages pushed into them land byte-exact, those on the buffers' partial edge pages included."""
+    layers, pages, page_bytes = 3, 64, 8192
+    rng = np.random.default_rng(1)
+    p_kv = [rng.integers(1, 256, (pages, page_bytes), dtype=np.uint8) for _ in range(2 * layers)]
+    d_kv = [rng.integers(1, 256, (pages, page_bytes), dtype=np.uint8) for _ in range(2 * layers)]
+    before = [a.copy() for a in d_kv]
+    kv_groups = [group_buffers([a.ctypes.data for a in kv], [a.nbytes for a in kv], [page_bytes] * len(kv))
+                 for kv in (p_kv, d_kv)]
+    decode = Endpoint(BackendOptions(), "127.0.0.1")
+    prefill = Endpoint(BackendOptions(), None)
+    try:
+        assert decode.share_in_place(kv_groups[1])
+        assert all(np.array_equal(a, b) for a, b in zip(before, d_kv))
+        decode.register(kv_groups[1])
+        prefill.register(kv_groups[0])
+        host, port = decode.address
+        src, dst = np.array([5, 1, 2, 63, 0]), np.array([0, 6, 7, 62, 63])
+
+        async def transfer() -> None:
+            await prefill.link(decode.cluster_id, host, port)
+            await prefill.push_pages(decode.cluster_id, 0, src, dst)
+
+        sync.submit(transfer).result(30)
+        for mine, theirs, old in zip(p_kv, d_kv, before, strict=True):
+            assert np.array_equal(theirs[dst], mine[src])
+            untouched = np.setdiff1d(np.arange(pages), dst)
+            assert np.array_equal(theirs[untouched], old[untouched])
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_buffers_group_by_item_size_and_aux_pushes_cover_the_shared_prefix() -> None:

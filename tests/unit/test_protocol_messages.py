@@ -115,7 +115,7 @@ def test_hello_golden() -> None:
     assert answered.to_wire() == second and list(answered.to_wire()) == list(second)
     # Channel.request: {**body, "k": kind, "i": req_id}
     assert encode(request_to_wire(answered, 1)) == pack({**second, "k": "hello", "i": 1})
-    assert PROTOCOL_VERSION == 7  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE; 7: WITHDRAW
+    assert PROTOCOL_VERSION == 8  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE; 7: WITHDRAW; 8: window
 
 
 def test_hello_reply_golden() -> None:
@@ -690,3 +690,19 @@ def test_resolve_golden_and_malformed() -> None:
     for bad_reply in ({"at": [[1, 2, 3]]}, {"at": [[1, 2, 3, 0, "x"]]}, {"at": "no"}, {}):
         with pytest.raises(ProtocolError):
             ResolveReply.from_wire(bad_reply)
+
+
+def test_a_descriptor_window_travels_and_bounds_the_tensors() -> None:
+    """Memory shared in place: the window of each tensor the segment holds; the tensors' own starts may lie before
+    the segment (their partial head page is not in it), the window's bytes may not."""
+    addrs = np.array([SEG_BASE - 64, SEG_BASE + 9 * 4096 - 64], dtype=np.uint64)
+    shared = Descriptor(GEOMETRY, addrs, (SEG, SEG_BASE), window=(64, 8 * 4096 - 4096 + 64))
+    wire = shared.to_wire()
+    assert wire["window"] == [64, 7 * 4096 + 64]
+    assert Descriptor.from_wire(wire) == shared
+    assert Descriptor.from_wire(wire) != Descriptor(GEOMETRY, addrs, (SEG, SEG_BASE), window=(64, 4096))
+    with pytest.raises(ProtocolError):  # without the window, the first tensor starts outside the segment
+        Descriptor.from_wire({key: value for key, value in wire.items() if key != "window"})
+    for bad in ([0], [10, 5], [-1, 5], [0, 8 * 4096 + 1], ["0", 5], {"low": 0}, [0, 64]):
+        with pytest.raises(ProtocolError):
+            Descriptor.from_wire({**wire, "window": bad})

@@ -84,6 +84,18 @@ class Endpoint:
             key = BlocksCacheKey(self.cluster_id, group.model_id)
             self.caches[group.model_id] = self.dd.cache_manager.register_blocks_cache(desc, list(group.addrs), key)
 
+    def share_in_place(self, groups: Sequence[BufferGroup]) -> bool:
+        """Share the groups' host buffers with same-host peers where they lie (``share_host_memory``, before they
+        are registered): a peer then copies into them with ``memcpy`` instead of ``process_vm_writev``.  False,
+        having changed nothing, where the memory cannot be shared so (the transfers still work, slower)."""
+        ranges = [(addr, group.blocks * group.item_len) for group in groups for addr in group.addrs]
+        try:
+            self.dd.cache_manager.share_host_memory(ranges)
+        except LLMException as exc:
+            log.info("aiodatadist: KV buffers not shared in place (%s); same-host peers use process_vm_writev", exc)
+            return False
+        return True
+
     def run(self, coroutine_factory: Callable[[], Coroutine[Any, Any, None]]) -> TransferFuture[None]:
         """Start a long-running coroutine (a reader) on the loop thread; :meth:`close` cancels it."""
         future = submit(coroutine_factory)

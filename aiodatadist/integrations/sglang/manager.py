@@ -5,7 +5,9 @@ rank pairing, registration and per-request metadata over ZeroMQ, timeouts, abort
 bytes move:
 
 * at start-up it registers SGLang's KV buffers (one cache per page size: all layers' K and V) and aux buffers as
-  aiodatadist blocks caches, once (:mod:`.layout`, :class:`.endpoint.Endpoint`);
+  aiodatadist blocks caches, once (:mod:`.layout`, :class:`.endpoint.Endpoint`); a decode rank's KV buffers in
+  host memory are first shared in place (``share_host_memory``), so that prefill ranks on the same host push
+  into them with ``memcpy``;
 * a decode rank's instance listens, and its registration tells each prefill rank where (:mod:`.wire`);
 * a prefill rank pushes each chunk's pages straight into the decode rank's pages (``push_blocks`` of page
   indices, every layer in one call), then the aux row, then notifies the decode rank (:mod:`.prefill_side`,
@@ -76,6 +78,8 @@ class AiodatadistKVManager(common.CommonKVManager):
         self.endpoint = Endpoint(self.options, listen, args.gpu_id if device == "cuda" else None)
         kv_groups = group_buffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         aux_groups = group_buffers(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, AUX_MODEL_BASE)
+        if decode and device == "cpu" and self.options.share_kv == "on":  # prefill ranks push into these pages
+            self.endpoint.share_in_place(kv_groups)
         self.endpoint.register(kv_groups)
         self.endpoint.register(aux_groups, Placement.HOST)  # SGLang keeps its metadata buffers in host memory
         log.info("aiodatadist: %s rank %d registered %d KV buffers (%s) and %d aux buffers as cluster %d%s",

@@ -13,6 +13,9 @@ variable                              default       meaning
 ``AIODATADIST_SGLANG_LISTEN_HOST``    SGLang's IP   address the decode engine's instance listens on and announces
 ``AIODATADIST_SGLANG_PUSH_TIMEOUT_MS``  30000       bound of one push (``sync_kv_timeout``)
 ``AIODATADIST_SGLANG_LINK_TIMEOUT_MS``  5000        bound of linking a prefill rank to a decode rank
+``AIODATADIST_SGLANG_SHARE_KV``       ``on``        ``on``: a decode rank shares its host KV buffers in place
+                                                    (``share_host_memory``: same-host prefill ranks push with
+                                                    ``memcpy``); ``off``: left private (``process_vm_writev``)
 ====================================  ============  ==========================================================
 """
 
@@ -37,6 +40,7 @@ class BackendOptions:
     listen_host: str = ""
     push_timeout_ms: int = 30000
     link_timeout_ms: int = 5000
+    share_kv: str = "on"
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> BackendOptions:
@@ -61,6 +65,8 @@ class BackendOptions:
             else:
                 values[name] = raw
         options = cls(**values)  # type: ignore[arg-type]
+        if options.share_kv not in ("on", "off"):
+            raise ValueError(f"{ENV_PREFIX}SHARE_KV must be on or off, got {options.share_kv!r}")
         if options.transport not in TRANSPORTS:
             raise ValueError(f"{ENV_PREFIX}TRANSPORT must be one of {', '.join(TRANSPORTS)}, got "
                              f"{options.transport!r}")

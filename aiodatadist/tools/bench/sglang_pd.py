@@ -83,6 +83,9 @@ CONFIGS: tuple[BackendConfig, ...] = (
     BackendConfig("nixl", "nixl", "SGLang's NIXL backend as shipped (UCX tcp/sm on loopback, host-memory pool)",
                   "nixl_dram", "nixl_dram", dict(_UCX_LOOPBACK), "nixl._api"),
     BackendConfig("aiodatadist", "aiodatadist", "--disaggregation-transfer-backend aiodatadist, no settings"),
+    BackendConfig("aiodatadist-private", "aiodatadist", "the same with D's KV buffers left private "
+                  "(AIODATADIST_SGLANG_SHARE_KV=off: P pushes with process_vm_writev)",
+                  env={"AIODATADIST_SGLANG_SHARE_KV": "off"}),
 )
 DEFAULT_CONFIGS = ("nixl-best", "aiodatadist")
 
