@@ -216,7 +216,7 @@ class CacheManager:
         Each range's whole pages are moved into shared memory in place (same addresses, same content); the
         partial pages at its ends stay private, and the few bytes of a tensor there are copied the unshared way.
         Call it before the memory is in use: a write to it by another thread during the call may be lost.
-        Ranges must not overlap; ranges scattered across the address space (holes larger than the memory
+        Ranges must not overlap; ranges scattered across the address space (holes larger than eight times the memory
         shared, and 64 MiB) and ranges without a whole page raise ``LLM_PARAM_INVALID``.  ``HostMemory.close()``
         (or ``finalize``) stops sharing it; the memory stays the caller's.
         """

@@ -13,7 +13,7 @@ unchanged.
   cache's tensors that is, and a peer copies anything outside it the unshared way.
 * The file mirrors the address range from the first shared page to the last (file offset = address - base), so
   a peer translates addresses with one offset exactly as for memory aiodatadist allocated; the gaps between
-  ranges are holes of the file, which cost no memory (peers do not pre-fault a file with holes).  Ranges
+  ranges are holes of the file, which cost no memory (peers pre-fault only the file's data extents).  Ranges
   scattered across the address space would still make a peer's mapping far larger than the memory shared, so
   they are refused (``LLM_PARAM_INVALID``).
 * Nothing may write the memory while it is being switched (a write between the copy and the remap would be
@@ -35,13 +35,13 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import LLMException, LLMStatusCode
-from ..native.syscalls import libc
+from ..native.syscalls import libc, populate
 from ..segment_identity import SegmentIdentity
 
 __all__ = ["MAX_HOLE_FRACTION", "InPlaceSegment"]
 
 PAGE = mmap.PAGESIZE
-MAX_HOLE_FRACTION = 1.0
+MAX_HOLE_FRACTION = 8.0
 """Refused when the holes between the ranges exceed this fraction of the shared pages (and 64 MiB)."""
 _MAX_HOLE_FLOOR = 64 << 20
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004)
@@ -122,6 +122,7 @@ class InPlaceSegment:
             err = ctypes.get_errno()
             raise LLMException(f"cannot share host memory at {address:#x} in place: {os.strerror(err)}",
                                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+        populate(address, length, write=True)  # the new mapping's page tables: no first-touch faults later
 
     # -- what registrations ask ------------------------------------------------------------------------------
     def _range_of(self, addrs: npt.NDArray[np.uint64], tensor_size: int) -> npt.NDArray[np.intp] | None:

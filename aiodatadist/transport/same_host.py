@@ -161,17 +161,21 @@ class PeerMemory:
         if found is None:
             if self.caps.fds:
                 raise OSError(0, f"peer segment {identity.inode} was not handed over (PeerMemory.ensure)")
-            dense = _dense(os.stat(f"/proc/{identity.pid}/fd/{identity.fd}"), identity.size)
-            found = self._adopt(key, map_peer_segment(identity), identity.size, dense)  # lazy: O(1) whatever the size
+            mapping = map_peer_segment(identity)  # lazy: O(1) whatever the size
+            fd = os.open(f"/proc/{identity.pid}/fd/{identity.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                extents = data_extents(fd, identity.size)
+            finally:
+                os.close(fd)
+            found = self._adopt(key, mapping, extents)
         return found[1]
 
-    def _adopt(self, key: tuple[int, int], mapping: mmap.mmap, size: int, dense: bool) -> tuple[mmap.mmap, int]:
+    def _adopt(self, key: tuple[int, int], mapping: mmap.mmap, extents: list[tuple[int, int]]) -> tuple[mmap.mmap, int]:
         found = (mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
         self._mappings[key] = found
-        if not dense:  # memory shared in place: faulting the file's holes would fill them with pages
-            return found
-        # Fault the page tables in the background (GIL released); transfers need not wait for it.
-        task = asyncio.ensure_future(asyncio.to_thread(populate, found[1], size, write=True))
+        # Fault the page tables in the background (GIL released); transfers need not wait for it.  Only where the
+        # file has pages: memory shared in place has holes, which faulting would fill.
+        task = asyncio.ensure_future(asyncio.to_thread(_populate_extents, found[1], extents))
         self._populating[key] = task
         task.add_done_callback(lambda _: self._populated(key))
         return found
@@ -186,7 +190,7 @@ class PeerMemory:
         fd = await asyncio.to_thread(request_fd, name, SEGMENT, token, identity.inode, identity.device)
         try:
             if key not in self._mappings:  # (another transfer may have mapped it meanwhile)
-                self._adopt(key, map_segment_fd(fd, identity), identity.size, _dense(os.fstat(fd), identity.size))
+                self._adopt(key, map_segment_fd(fd, identity), data_extents(fd, identity.size))
         finally:
             os.close(fd)
 
@@ -283,9 +287,27 @@ class PeerMemory:
         self._forgotten.clear()
 
 
-def _dense(st: os.stat_result, size: int) -> bool:
-    """Whether a segment's file has every page (aiodatadist's own segments do; memory shared in place has holes)."""
-    return st.st_blocks * 512 >= size
+def data_extents(fd: int, size: int) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` ranges of a segment's file that hold pages (all of it for aiodatadist's own
+    segments; memory shared in place has holes between its ranges)."""
+    if os.fstat(fd).st_blocks * 512 >= size:
+        return [(0, size)]
+    extents: list[tuple[int, int]] = []
+    offset = 0
+    try:
+        while offset < size:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            extents.append((start, end - start))
+            offset = end
+    except OSError:  # ENXIO: no data past offset
+        pass
+    return extents
+
+
+def _populate_extents(base: int, extents: list[tuple[int, int]]) -> None:
+    for offset, length in extents:
+        populate(base + offset, length, write=True)
 
 
 def _unreachable_reason(caps: PeerCapabilities, segment: tuple[SegmentIdentity, int] | None) -> str:

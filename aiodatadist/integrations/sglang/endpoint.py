@@ -92,7 +92,7 @@ class Endpoint:
         try:
             self.dd.cache_manager.share_host_memory(ranges)
         except LLMException as exc:
-            log.info("aiodatadist: KV buffers not shared in place (%s); same-host peers use process_vm_writev", exc)
+            log.warning("aiodatadist: KV buffers not shared in place (%s); same-host peers use process_vm_writev", exc)
             return False
         return True
 
