@@ -122,7 +122,13 @@ def test_a_decode_endpoint_shares_its_kv_in_place_and_pushes_land_exactly() -> N
     layers, pages, page_bytes = 3, 64, 8192
     rng = np.random.default_rng(1)
     p_kv = [rng.integers(1, 256, (pages, page_bytes), dtype=np.uint8) for _ in range(2 * layers)]
-    d_kv = [rng.integers(1, 256, (pages, page_bytes), dtype=np.uint8) for _ in range(2 * layers)]
+    # D's buffers: one allocation each in SGLang; here slices of one block (64 bytes past a page, a page apart),
+    # so that they are near each other whatever this process allocated before
+    pitch = pages * page_bytes + 4096
+    pool = rng.integers(1, 256, 2 * layers * pitch + 8192, dtype=np.uint8)
+    first = -pool.ctypes.data % 4096 + 64
+    d_kv = [pool[first + i * pitch: first + i * pitch + pages * page_bytes].reshape(pages, page_bytes)
+            for i in range(2 * layers)]
     before = [a.copy() for a in d_kv]
     kv_groups = [group_buffers([a.ctypes.data for a in kv], [a.nbytes for a in kv], [page_bytes] * len(kv))
                  for kv in (p_kv, d_kv)]
