@@ -26,6 +26,7 @@ from helpers.ids import new_cluster_id
 from hypothesis import settings
 
 from aiodatadist import CacheManager, LLMConfig, LLMDataDist, LLMRole
+from aiodatadist.testing import PeerProcess, cluster_info, free_port
 
 _TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
@@ -73,3 +74,19 @@ async def datadist() -> AsyncIterator[LLMDataDist]:
 def cache_manager(datadist: LLMDataDist) -> CacheManager:
     """The cache manager of the ``datadist`` fixture."""
     return datadist.cache_manager
+
+
+# A real peer process (PROMPT, cluster 1) linked to a decoder here (cluster 2), process_vm_* refused on both sides.
+@pytest.fixture
+async def peer_without_pvm(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[PeerProcess, LLMDataDist]]:
+    monkeypatch.setenv("AIODATADIST_SAME_HOST", "map")
+    port = free_port()
+    peer = await PeerProcess.start(env={"AIODATADIST_SAME_HOST": "map"})
+    try:
+        await peer.call("init", role="PROMPT", cluster_id=1, options={"llm.listenIpInfo": f"127.0.0.1:{port}"})
+        async with LLMDataDist(LLMRole.DECODER, 2) as dd:
+            await dd.init({})
+            await dd.link_clusters([cluster_info(1, port)])
+            yield peer, dd
+    finally:
+        await peer.close()

@@ -25,7 +25,6 @@ unchanged.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import mmap
 import os
 import threading
@@ -37,6 +36,7 @@ import numpy.typing as npt
 from ..errors import LLMException, LLMStatusCode
 from ..native.syscalls import libc, populate
 from ..segment_identity import SegmentIdentity
+from .segment import sealed_memfd
 
 __all__ = ["MAX_HOLE_FRACTION", "InPlaceSegment"]
 
@@ -44,8 +44,6 @@ PAGE = mmap.PAGESIZE
 MAX_HOLE_FRACTION = 8.0
 """Refused when the holes between the ranges exceed this fraction of the shared pages (and 64 MiB)."""
 _MAX_HOLE_FLOOR = 64 << 20
-_SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004)
-_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -92,18 +90,8 @@ class InPlaceSegment:
 
     def _switch(self, name: str, lows: npt.NDArray[np.uint64], highs: npt.NDArray[np.uint64]) -> int:
         """Copy each range's whole pages into a new memfd and map it over them; returns the memfd."""
-        flags = getattr(os, "MFD_CLOEXEC", 1) | getattr(os, "MFD_ALLOW_SEALING", 2)
+        fd = sealed_memfd(name, self.size)
         try:
-            fd = os.memfd_create(name, flags)
-            os.ftruncate(fd, self.size)
-        except (AttributeError, OSError) as exc:
-            raise LLMException(f"cannot create shared memory: {exc}",
-                               status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
-        try:
-            try:
-                fcntl.fcntl(fd, _ADD_SEALS, _SEALS)
-            except OSError:
-                pass  # sealing is a safety net, not a requirement
             for low, high in zip(lows.tolist(), highs.tolist(), strict=True):
                 self._switch_one(fd, low, high - low)
         except BaseException:

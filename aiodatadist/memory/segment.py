@@ -20,13 +20,34 @@ from ..errors import LLMException, LLMStatusCode
 from ..native import advise_hugepages, populate
 from ..segment_identity import SegmentIdentity
 
-__all__ = ["PAGE", "SegmentIdentity", "SharedSegment", "map_peer_segment", "map_segment_fd"]
+__all__ = ["PAGE", "SegmentIdentity", "SharedSegment", "map_peer_segment", "map_segment_fd", "sealed_memfd"]
 
 PAGE = mmap.PAGESIZE
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004) | getattr(
     fcntl, "F_SEAL_SEAL", 0x0001
 )
 _ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A new ``memfd`` of ``size`` bytes (holes until written), its size sealed where the kernel allows;
+    ``LLM_OUT_OF_MEMORY`` if it cannot be created."""
+    flags = getattr(os, "MFD_CLOEXEC", 1) | getattr(os, "MFD_ALLOW_SEALING", 2)
+    try:
+        fd = os.memfd_create(name, flags)
+    except (AttributeError, OSError) as exc:
+        raise LLMException(f"cannot create shared memory: {exc}", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
+    try:
+        os.ftruncate(fd, size)
+    except OSError as exc:
+        os.close(fd)
+        raise LLMException(f"cannot allocate {size} bytes of shared memory: {exc}",
+                           status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
+    try:
+        fcntl.fcntl(fd, _ADD_SEALS, _SEALS)
+    except OSError:
+        pass  # sealing is a safety net, not a requirement
+    return fd
 
 
 class SharedSegment:
@@ -36,17 +57,8 @@ class SharedSegment:
         if size <= 0:
             raise ValueError("segment size must be > 0")
         self.size = (size + PAGE - 1) // PAGE * PAGE
-        flags = getattr(os, "MFD_CLOEXEC", 1) | getattr(os, "MFD_ALLOW_SEALING", 2)
+        fd = sealed_memfd(name, self.size)
         try:
-            fd = os.memfd_create(name, flags)
-        except (AttributeError, OSError) as exc:
-            raise LLMException(f"cannot create shared memory: {exc}", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
-        try:
-            os.ftruncate(fd, self.size)
-            try:
-                fcntl.fcntl(fd, _ADD_SEALS, _SEALS)
-            except OSError:
-                pass  # sealing is a safety net, not a requirement
             self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
         except OSError as exc:
             os.close(fd)

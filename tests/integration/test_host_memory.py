@@ -6,7 +6,6 @@ memory outside it.  ``AIODATADIST_SAME_HOST=map`` stands in for an OS that refus
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.memory.segment import PAGE
-from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
+from aiodatadist.testing import PeerProcess, linked_pair
 
 DESC = CacheDesc(4, (8, 4096), DataType.DT_UINT8, Placement.HOST)
 NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
@@ -187,20 +186,7 @@ async def test_unregister_during_a_transfer_aborts_it(op: str) -> None:
         assert all(np.array_equal(a, b) for a, b in zip(blocks(cache, [4, 5]), blocks(dst, [4, 5])))
 
 
-# -- with a real peer process, process_vm_* refused on both sides ----------------------------------------------
-@pytest.fixture
-async def peer_without_pvm(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[PeerProcess, LLMDataDist]]:
-    monkeypatch.setenv("AIODATADIST_SAME_HOST", "map")
-    port = free_port()
-    peer = await PeerProcess.start(env={"AIODATADIST_SAME_HOST": "map"})
-    try:
-        await peer.call("init", role="PROMPT", cluster_id=1, options={"llm.listenIpInfo": f"127.0.0.1:{port}"})
-        async with LLMDataDist(LLMRole.DECODER, 2) as dd:
-            await dd.init({})
-            await dd.link_clusters([cluster_info(1, port)])
-            yield peer, dd
-    finally:
-        await peer.close()
+# -- with a real peer process, process_vm_* refused on both sides (fixture peer_without_pvm: conftest) ----------
 
 
 async def test_another_process_s_host_memory_without_pvm(peer_without_pvm: tuple[PeerProcess, LLMDataDist]) -> None:

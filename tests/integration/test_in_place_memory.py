@@ -26,7 +26,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
+from aiodatadist.testing import PeerProcess, linked_pair
 
 PAGE = mmap.PAGESIZE
 DESC = CacheDesc(4, (8, 4096), DataType.DT_UINT8, Placement.HOST)  # 8 blocks of 4 KiB a tensor
@@ -164,36 +164,27 @@ async def test_transfers_inside_the_shared_pages_take_the_mapped_path(same_host:
         assert os.fstat(fd).st_blocks * 512 == DESC.num_tensors * (DESC.size // PAGE - 1) * PAGE < memory.size
 
 
-async def test_another_process_s_memory_shared_in_place_without_pvm(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_another_process_s_memory_shared_in_place_without_pvm(
+        peer_without_pvm: tuple[PeerProcess, LLMDataDist]) -> None:
     """A real peer process shares its registered tensors in place; process_vm_* is refused, so every byte that
     moves goes through the shared pages."""
-    monkeypatch.setenv("AIODATADIST_SAME_HOST", "map")
-    port = free_port()
-    peer = await PeerProcess.start(env={"AIODATADIST_SAME_HOST": "map"})
-    try:
-        await peer.call("init", role="PROMPT", cluster_id=1, options={"llm.listenIpInfo": f"127.0.0.1:{port}"})
-        async with LLMDataDist(LLMRole.DECODER, 2) as dd:
-            await dd.init({})
-            await dd.link_clusters([cluster_info(1, port)])
-            assert dd.links()[0]["peer"] == "same host (map)"
-            shape = [int(d) for d in DESC.shape]
-            mine = await peer.call("register", blocks=True, num_tensors=4, shape=shape, blocks_key=[1, 0],
-                                   in_place=True)
-            await peer.call("fill", cache_id=mine["cache_id"], seed=7)
-            cm = dd.cache_manager
-            dst = cm.allocate_blocks_cache(DESC)
-            await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [1, 6, 3], [3, 4, 5])
-            for t, tensor in enumerate(dst.tensors):
-                expected = pattern(7, t, DESC.size).reshape(8, -1)
-                assert np.array_equal(tensor.reshape(8, -1)[[3, 4, 5]], expected[[1, 6, 3]])
-            for t, tensor in enumerate(dst.tensors):
-                tensor.reshape(-1)[:] = pattern(9, t, DESC.size)
-            await cm.push_blocks(BlocksCacheKey(1, 0), dst, [2], [5])
-            for t in range(4):
-                got = await peer.call("read", cache_id=mine["cache_id"], tensor=t, offset=5 * 4096, nbytes=4096)
-                assert bytes.fromhex(got) == pattern(9, t, DESC.size)[2 * 4096: 3 * 4096].tobytes()
-            with pytest.raises(LLMException) as info:  # block 0 lies partly on an unshared page
-                await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
-            assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
-    finally:
-        await peer.close()
+    peer, dd = peer_without_pvm
+    assert dd.links()[0]["peer"] == "same host (map)"
+    shape = [int(d) for d in DESC.shape]
+    mine = await peer.call("register", blocks=True, num_tensors=4, shape=shape, blocks_key=[1, 0], in_place=True)
+    await peer.call("fill", cache_id=mine["cache_id"], seed=7)
+    cm = dd.cache_manager
+    dst = cm.allocate_blocks_cache(DESC)
+    await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [1, 6, 3], [3, 4, 5])
+    for t, tensor in enumerate(dst.tensors):
+        expected = pattern(7, t, DESC.size).reshape(8, -1)
+        assert np.array_equal(tensor.reshape(8, -1)[[3, 4, 5]], expected[[1, 6, 3]])
+    for t, tensor in enumerate(dst.tensors):
+        tensor.reshape(-1)[:] = pattern(9, t, DESC.size)
+    await cm.push_blocks(BlocksCacheKey(1, 0), dst, [2], [5])
+    for t in range(4):
+        got = await peer.call("read", cache_id=mine["cache_id"], tensor=t, offset=5 * 4096, nbytes=4096)
+        assert bytes.fromhex(got) == pattern(9, t, DESC.size)[2 * 4096: 3 * 4096].tobytes()
+    with pytest.raises(LLMException) as info:  # block 0 lies partly on an unshared page
+        await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+    assert info.value.status_code == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
