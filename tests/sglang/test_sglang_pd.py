@@ -148,6 +148,16 @@ class TestPageSize16:
         for name in ("a", "b", "c"):
             assert pair16.tokens(prompts[name]) == references[16][name], name
 
+    def test_the_copy_threads_run_at_the_schedulers_priority(self, pair16: Pair,
+                                                            prompts: dict[str, list[int]]) -> None:
+        """P's copy threads (the only ``SCHED_BATCH`` threads of its processes) have their process's nice value,
+        not the library's default of 10 more: SGLang's scheduler thread polls without sleeping while a transfer is
+        in flight, and would leave them a fraction of the core."""
+        pair16.tokens(prompts["a"])
+        threads = _batch_threads(pair16.prefill.process.pid)
+        assert threads, "no copy thread found in P's processes"
+        assert all(nice == process_nice for nice, process_nice in threads), threads
+
     def test_a_radix_cache_hit_on_the_prefill(self, pair16: Pair, prompts: dict[str, list[int]],
                                               references: dict[int, dict[str, list[int]]]) -> None:
         """P holds the first 10 pages of "prefix" (from "a"): it computes only the rest, and still sends every page
@@ -189,6 +199,26 @@ class TestPageSize16:
         pair16.restart_decode(prompts["d"])
         for name in ("a", "c"):
             assert pair16.tokens(prompts[name]) == references[16][name], name
+
+
+def _batch_threads(group: int) -> list[tuple[int, int]]:
+    """(nice, its process's nice) of every ``SCHED_BATCH`` thread in process group ``group``."""
+    def fields(stat: Path) -> list[str]:
+        return stat.read_text().rsplit(")", 1)[1].split()  # fields from the 3rd (state) on
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or int(fields(proc / "stat")[2]) != group:
+                continue
+            process_nice = int(fields(proc / "stat")[16])
+            for task in (proc / "task").iterdir():
+                values = fields(task / "stat")
+                if int(values[38]) == 3:  # SCHED_BATCH
+                    found.append((int(values[16]), process_nice))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
 
 
 @pytest.mark.usefixtures("references")

@@ -86,6 +86,9 @@ CONFIGS: tuple[BackendConfig, ...] = (
     BackendConfig("aiodatadist-private", "aiodatadist", "the same with D's KV buffers left private "
                   "(AIODATADIST_SGLANG_SHARE_KV=off: P pushes with process_vm_writev)",
                   env={"AIODATADIST_SGLANG_SHARE_KV": "off"}),
+    BackendConfig("aiodatadist-nice10", "aiodatadist", "the same with the copy threads below the scheduler's "
+                  "priority (AIODATADIST_COPY_NICE=10, the library's default outside SGLang)",
+                  env={"AIODATADIST_COPY_NICE": "10"}),
 )
 DEFAULT_CONFIGS = ("nixl-best", "aiodatadist")
 
