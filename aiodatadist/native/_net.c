@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -135,12 +137,12 @@ static void unqueue(adt_net *n, net_job *j)
         }
 }
 
-static void enqueue(adt_net *n, net_job *j)
+static void enqueue(adt_net *n, net_job *j)   /* one sender is woken: any of them sends any job's frame */
 {
     j->next_tx = NULL;
     if (n->tx_tail) n->tx_tail->next_tx = j; else n->tx_head = j;
     n->tx_tail = j;
-    pthread_cond_broadcast(&n->work);
+    pthread_cond_signal(&n->work);
 }
 
 static void queue_ctrl_to(adt_net *n, int conn, uint32_t type, uint64_t key, uint64_t offset, uint8_t *payload,
@@ -419,11 +421,33 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
 
 typedef struct { adt_net *n; int fd, index; } conn_arg;
 
+static int send_small(int fd, const adt_hdr *h, const uint8_t *payload, size_t plen);
+
+/* A receiver thread's answer to a frame (a WRITE's acknowledgement) sent on its own connection, when that is idle
+ * and its send queue is short: waking a sender thread for a 40-byte frame costs a thread hand-off on the push's
+ * path.  A receiver must never block in a send (two of them, each waiting for the other to read, would hang the
+ * link), so the frame goes inline only while under a quarter of the send buffer is queued (its accounting counts each
+ * byte about twice): the non-blocking send then takes it whole.  0 sent, -1 not sent (queue it), or the errno
+ * that ended the connection. */
+static int reply_inline(adt_net *n, int index, int fd, uint32_t type, uint64_t key, uint64_t value)
+{
+    int queued = 0, buffer = 0;
+    socklen_t size = sizeof buffer;
+    if (ioctl(fd, SIOCOUTQ, &queued) != 0 || getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, &size) != 0
+        || queued > buffer / 4)
+        return -1;
+    if (pthread_mutex_trylock(&n->send_lock[index]) != 0) return -1;
+    adt_hdr h = {NET_MAGIC, type, key, value, 0, 0, 0};
+    int err = send_small(fd, &h, NULL, 0);
+    pthread_mutex_unlock(&n->send_lock[index]);
+    return err;
+}
+
 static void *receiver(void *arg)
 {
     conn_arg *c = (conn_arg *)arg;
     adt_net *n = c->n;
-    int fd = c->fd;
+    int fd = c->fd, index = c->index;
     free(c);
     uint8_t *scratch = malloc(SCRATCH);
     static const volatile int32_t always = 1;
@@ -492,10 +516,20 @@ static void *receiver(void *arg)
             uint64_t written = 0;
             long status = serve_write(n, fd, &h, scratch, &written);
             if (status < 0) { err = (int)-status; break; }
+            uint32_t type = status ? T_ERROR : T_WRITE_ACK;
+            uint64_t value = status ? (uint64_t)status : written;
             pthread_mutex_lock(&n->lock);
-            if (status) { n->served[5]++; queue_ctrl(n, T_ERROR, h.key, (uint64_t)status, NULL, 0, 0, 0); }
-            else { n->served[3]++; n->served[4] += written; queue_ctrl(n, T_WRITE_ACK, h.key, written, NULL, 0, 0, 0); }
+            n->served[status ? 5 : 3]++;
+            if (!status) n->served[4] += written;
+            int queued = n->ctrl_head != NULL;
             pthread_mutex_unlock(&n->lock);
+            int sent = queued ? -1 : reply_inline(n, index, fd, type, h.key, value);
+            if (sent > 0) { err = sent; break; }
+            if (sent < 0) {
+                pthread_mutex_lock(&n->lock);
+                queue_ctrl(n, type, h.key, value, NULL, 0, 0, 0);
+                pthread_mutex_unlock(&n->lock);
+            }
         } else if (h.type == T_WRITE_ACK) {
             pthread_mutex_lock(&n->lock);
             net_job *j = find(n, h.key, 1);
