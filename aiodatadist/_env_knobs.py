@@ -48,6 +48,7 @@ __all__ = [
     "SAME_HOST_MECHANISMS",
     "EnvKnobs",
     "Knob",
+    "default_unless_set",
     "describe_value",
     "env_knobs",
     "env_knobs_cache_clear",
@@ -296,6 +297,15 @@ def env_knobs() -> EnvKnobs:
     """The ``AIODATADIST_*`` variables of this process, parsed once per distinct set of values (a warning is
     logged once, not at every use; a test that sets a variable gets it re-read)."""
     return _parsed(tuple(os.environ.get(name) for name in _NAMES))
+
+
+def default_unless_set(env: str, value: str) -> None:
+    """Make ``value`` this process's value of variable ``env`` (one of :data:`KNOBS`) unless the environment sets
+    it: for an integration that knows its host better than the library's defaults do.  Only what is read after
+    the call sees it (the copy threads, e.g., take their values when the first instance starts them)."""
+    if env not in _NAMES:
+        raise ValueError(f"{env} is not an aiodatadist environment variable")
+    os.environ.setdefault(env, value)
 
 
 env_knobs_cache_clear = _parsed.cache_clear  # tests: forget parsed values (so warnings are logged again)

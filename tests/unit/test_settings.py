@@ -14,7 +14,7 @@ import pytest
 import aiodatadist
 from aiodatadist import LLMConfig, LLMException, LLMStatusCode
 from aiodatadist import _env_knobs as env_module
-from aiodatadist._env_knobs import KNOBS, EnvKnobs, env_knobs, env_knobs_cache_clear
+from aiodatadist._env_knobs import KNOBS, EnvKnobs, default_unless_set, env_knobs, env_knobs_cache_clear
 from aiodatadist._settings import Settings, parse_options
 from aiodatadist.config import MAX_TCP_CONNECTIONS, OptionKey
 
@@ -174,6 +174,19 @@ def test_per_link_settings_default_to_the_variables() -> None:
     k = knobs(AIODATADIST_NET="python", AIODATADIST_DIRECTORY="0", AIODATADIST_TCP_CONNECTIONS="5")
     s = parse_options({}, k)
     assert (s.native_net, s.directory, s.tcp_connections) == (False, False, 5)
+
+
+def test_an_integration_default_yields_to_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIODATADIST_COPY_NICE", "1")  # recorded, so that the test's own value is undone
+    monkeypatch.delenv("AIODATADIST_COPY_NICE")
+    default_unless_set("AIODATADIST_COPY_NICE", "0")
+    assert env_knobs().copy_nice == 0
+    monkeypatch.setenv("AIODATADIST_COPY_NICE", "5")
+    default_unless_set("AIODATADIST_COPY_NICE", "0")
+    assert env_knobs().copy_nice == 5
+    with pytest.raises(ValueError, match="AIODATADIST_NOPE"):
+        default_unless_set("AIODATADIST_NOPE", "1")
+    assert "AIODATADIST_NOPE" not in os.environ
 
 
 def test_parse_options_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,12 +22,11 @@ with extra state (Mamba, sliding window, DSA, ...) are refused at start-up with 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import numpy as np
 
-from ..._env_knobs import ENV_COPY_NICE
+from ..._env_knobs import ENV_COPY_NICE, default_unless_set
 from ...errors import LLMException, LLMStatusCode
 from ...types import Placement
 from ._sglang import base, common, utils
@@ -80,7 +79,7 @@ class AiodatadistKVManager(common.CommonKVManager):
         # priority (the library's default, for an asyncio server's loop) got a fraction of a pinned core, and a
         # 2.5 ms push took 7-9 ms.  Set before the endpoint starts the process's copy threads; a value the user
         # set is kept.
-        os.environ.setdefault(ENV_COPY_NICE, "0")
+        default_unless_set(ENV_COPY_NICE, "0")
         listen = (self.options.listen_host or self.local_ip) if decode else None
         self.endpoint = Endpoint(self.options, listen, args.gpu_id if device == "cuda" else None)
         kv_groups = group_buffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
