@@ -50,6 +50,18 @@ def test_bench_tcp_measures_against_a_plain_socket_stream(tmp_path: Path) -> Non
     assert {r["direction"] for r in results if r["workload"] == "small"} == {"pull", "push"}
 
 
+def test_bench_calls_times_both_sizes_in_turn(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = run("-m", "aiodatadist", "bench", "calls", "--repeat", "1", "--transport", "shm", "--direction", "pull",
+                 "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [r for r in json.loads(out.read_text()) if r["workload"] == "calls"]
+    assert [r["spans"] for r in rows] == [64, 8192]
+    assert all(r["runs"] == 500 and 0 < r["p50_us"] <= r["p99_us"] for r in rows)
+    assert "ns_per_extra_span" in rows[1] and "ns_per_extra_span" not in rows[0]
+    assert "calls of 64 and 8192 spans in turn" in result.stderr
+
+
 def test_bench_rejects_unknown_workloads_and_transports() -> None:
     result = run("-m", "aiodatadist", "bench", "nonsense")
     assert result.returncode == 2 and "unknown workloads" in result.stderr

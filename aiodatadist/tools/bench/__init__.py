@@ -12,8 +12,8 @@ the same bytes between two processes for ``tcp``.  The prompt runs in its own pr
 * ``concurrent``: ``--concurrency`` (64) concurrent 4 MiB ``pull_blocks`` / ``push_blocks``, aggregate throughput
   against the single paged figure;
 * ``calls``: what a call costs around its bytes: ``pull_blocks`` / ``push_blocks`` of tiny 64-byte blocks of a
-  64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), per-call p50/p99, and the marginal
-  cost of a span.
+  64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), called in turn, per-call p50/p99,
+  and the marginal cost of a span.
 
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
 aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
@@ -54,7 +54,7 @@ from ...testing import PeerProcess, cluster_info, fill_pattern, free_port
 from ...types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 from .baselines import copyto_gbps, socket_stream_gbps, stream_copy_gbps
 from .baselines import gbps as _gbps
-from .timing import stderr_progress
+from .timing import interleaved_times, stderr_progress
 from .timing import times as _times
 
 __all__ = ["main", "run_bench"]
@@ -246,15 +246,17 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
 
 async def _measure_calls(session: _Session, plane: str, direction: str, repeat: int,
                          progress: Progress) -> list[dict[str, Any]]:
-    """Per-call latency of 64 and 8192 spans of 64 bytes; the 8192-span row also gives the marginal cost of a span
-    (its p50 minus the 64-span p50, per extra span)."""
+    """Per-call latency of 64 and 8192 spans of 64 bytes, the two sizes called in turn; the 8192-span row also
+    gives the marginal cost of a span (its p50 minus the 64-span p50, per extra span)."""
     runs = max(500, repeat * 100)
+    progress(f"{plane} {direction} calls of {' and '.join(map(str, CALL_SPANS))} spans in turn x {runs}")
+    calls = [functools.partial(session.call, direction, blocks, blocks)
+             for blocks in (list(range(0, 2 * (spans // TENSORS), 2)) for spans in CALL_SPANS)]  # no coalescing
+    samples = await interleaved_times(calls, runs, 20)
     rows: list[dict[str, Any]] = []
     p50s: dict[int, float] = {}
-    for spans in CALL_SPANS:
-        blocks = list(range(0, 2 * (spans // TENSORS), 2))  # every other block: no two spans coalesce
-        progress(f"{plane} {direction} calls of {spans} spans x {runs}")
-        lat = sorted(t * 1e6 for t in await _times(functools.partial(session.call, direction, blocks, blocks), runs, 20))
+    for spans, seconds in zip(CALL_SPANS, samples):
+        lat = sorted(t * 1e6 for t in seconds)
         p50s[spans] = statistics.median(lat)
         row = {"workload": "calls", "transport": plane, "direction": direction, "bytes": spans * TINY_BYTES,
                "spans": spans, "p50_us": p50s[spans], "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-__all__ = ["exit_on_sigterm", "stderr_progress", "times"]
+__all__ = ["exit_on_sigterm", "interleaved_times", "stderr_progress", "times"]
 
 
 def stderr_progress(quiet: bool = False, started: float | None = None) -> Callable[[str], None]:
@@ -36,4 +36,20 @@ async def times(fn: Callable[[], Awaitable[Any]], repeat: int, warmup: int = 1) 
         start = time.perf_counter()
         await fn()
         out.append(time.perf_counter() - start)
+    return out
+
+
+async def interleaved_times(fns: Sequence[Callable[[], Awaitable[Any]]], repeat: int, warmup: int = 1
+                            ) -> list[list[float]]:
+    """Seconds per call of each of ``fns``, called in turn ``repeat`` times after ``warmup`` turns: the machine's
+    minute-to-minute noise falls on every one alike, so their differences hold where their levels move."""
+    for _ in range(warmup):
+        for fn in fns:
+            await fn()
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, samples in zip(fns, out):
+            start = time.perf_counter()
+            await fn()
+            samples.append(time.perf_counter() - start)
     return out
