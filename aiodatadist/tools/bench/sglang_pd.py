@@ -12,7 +12,11 @@ A random Llama (``vllm_model``, 32 layers, bf16 in SGLang: 32 KiB of KV a token)
    (through the router: P's prefill, the transfer and D's first token), D's own time to first token
    (``meta_info.e2e_latency`` of D's answer), and SGLang's ``kv_transfer_latency`` of the request (P's
    ``sglang:kv_transfer_latency_ms`` histogram, ``--enable-metrics``: from P's first chunk handed to the backend
-   until P's sender saw ``Success``).  Medians per round and over all rounds.
+   until P's sender saw ``Success``).  Medians per round and over all rounds.  From SGLang's per-stage timers of
+   P and D (``sglang:per_stage_req_latency_seconds``), each configuration's median per stage, and its **P/D
+   overhead**: each request's time minus P's forward pass (``prefill_forward``), the part a transfer backend can
+   change; on a shared machine the forward pass moves by tens of milliseconds between minutes and decides the
+   request's time.
 
 Only the setup at work runs: each round starts its servers and stops them after its requests (an idle NIXL decode
 polls a core at 100 %, which slowed every other server here tenfold; and NIXL does not survive its processes being
@@ -49,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .sglang_servers import Router, Server, ServerError, ServerSettings, generate, metric
+from .sglang_servers import Router, Server, ServerError, ServerSettings, generate, metric, stage_sums
 from .sglang_tweaks import site_dir
 from .timing import exit_on_sigterm, stderr_progress
 
@@ -58,6 +62,7 @@ __all__ = ["CONFIGS", "BackendConfig", "main", "run_sglang_bench"]
 MAX_TOKENS = 16
 WARMUP = 2
 TRANSFER_METRIC = "sglang:kv_transfer_latency_ms"
+PREFILL_FORWARD = "prefill_forward"  # P's forward pass: compute, whatever the transfer backend
 _UCX_LOOPBACK = {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "UCX", "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
 
 Progress = Callable[[str], None]
@@ -108,6 +113,7 @@ class _Setup:
         self.settings = dataclasses.replace(settings, env=dict(config.env)) if config else single
         self.owned: list[Server | Router] = []
         self.prefill: Server | None = None
+        self.decode: Server | None = None
         self.url = ""
         self.rounds: list[dict[str, Any]] = []
         self.result: dict[str, Any] = {"config": self.name,
@@ -129,6 +135,7 @@ class _Setup:
             decode = Server(f"bench-{config.name}-D", self.settings, "decode", config.backend, tweaks=config.d_tweaks,
                             cpus=self.cpus[1] if self.cpus else None)
             self.owned.append(decode)
+            self.decode = decode
             self.prefill.wait_ready()
             decode.wait_ready()
             router = Router(self.prefill, decode, self.settings.log_dir)
@@ -141,12 +148,17 @@ class _Setup:
         for process in reversed(self.owned):
             process.stop()
         self.owned.clear()
-        self.prefill = None
+        self.prefill = self.decode = None
 
-    def transfer_sum(self) -> float | None:
-        if self.prefill is None:
-            return None
-        return metric(self.prefill.metrics(), TRANSFER_METRIC + "_sum")
+    def snapshot(self) -> tuple[float | None, dict[str, float]]:
+        """P's ``kv_transfer_latency`` sum so far, and the seconds so far per request stage of P and of D
+        (``P prefill_forward``, ``D decode_waiting``, ...)."""
+        if self.prefill is None or self.decode is None:
+            return None, {}
+        text = self.prefill.metrics()
+        stages = {f"P {k}": v for k, v in stage_sums(text).items()}
+        stages.update({f"D {k}": v for k, v in stage_sums(self.decode.metrics()).items()})
+        return metric(text, TRANSFER_METRIC + "_sum"), stages
 
     def tokens(self, prompts: list[list[int]]) -> list[list[int]]:
         return [generate(self.url, p, MAX_TOKENS)["output_ids"] for p in prompts]
@@ -156,28 +168,38 @@ class _Setup:
         for prompt in warmup:
             generate(self.url, prompt, 1)
         requests, ttft, transfers = [], [], []
+        stages: dict[str, list[float]] = {}
         for prompt in prompts:
-            before = self.transfer_sum()
+            before, stages_before = self.snapshot()
             out = generate(self.url, prompt, 1)
             requests.append(out["seconds"] * 1000)
             latency = out["meta_info"].get("e2e_latency")
             if isinstance(latency, (int, float)):
                 ttft.append(latency * 1000)
-            after = self.transfer_sum()
+            after, stages_after = self.snapshot()
             if before is not None and after is not None:
                 transfers.append(after - before)
+            for stage, seconds in stages_after.items():
+                stages.setdefault(stage, []).append((seconds - stages_before.get(stage, 0.0)) * 1000)
+        forward = stages.get(f"P {PREFILL_FORWARD}", [])
+        overhead = [r - f for r, f in zip(requests, forward)] if len(forward) == len(requests) else []
         round_result: dict[str, Any] = {}
-        for key, values in (("request", requests), ("ttft_d", ttft), ("transfer", transfers)):
+        for key, values in (("request", requests), ("ttft_d", ttft), ("transfer", transfers),
+                            ("overhead", overhead)):
             round_result[f"{key}_ms"] = _median(values)
             round_result[f"{key}_all_ms"] = [round(v, 2) for v in values]
+        round_result["stages_all_ms"] = {k: [round(v, 2) for v in values] for k, values in sorted(stages.items())}
         self.rounds.append(round_result)
         return round_result
 
     def summarize(self) -> None:
         """Medians over every request of every round."""
         self.result["rounds"] = self.rounds
-        for key in ("request", "ttft_d", "transfer"):
-            self.result[f"{key}_ms"] = _median([v for r in self.rounds for v in r[f"{key}_all_ms"]])
+        for key in ("request", "ttft_d", "transfer", "overhead"):
+            self.result[f"{key}_ms"] = _median([v for r in self.rounds for v in r.get(f"{key}_all_ms", [])])
+        names = sorted({stage for r in self.rounds for stage in r.get("stages_all_ms", {})})
+        self.result["stages_ms"] = {name: _median([v for r in self.rounds for v in r["stages_all_ms"].get(name, [])])
+                                    for name in names}
 
 
 def split_cpus() -> tuple[set[int], set[int]] | None:
@@ -250,7 +272,7 @@ def format_table(report: dict[str, Any]) -> str:
         return "-" if value is None else f"{value:.1f}"
 
     header = (f"{'config':<12} {'tokens':>9} {'request ms':>11} {'TTFT on D ms':>13} {'kv_transfer ms':>15} "
-              f"{'per round (request / transfer ms)':>36}")
+              f"{'P/D overhead ms':>16} {'per round (request / transfer ms)':>36}")
     lines = [header, "-" * len(header)]
     for res in report.get("results", []):
         checked = res.get("identical")
@@ -258,7 +280,12 @@ def format_table(report: dict[str, Any]) -> str:
             "-" if checked is None else "identical" if checked else "DIFFERENT")
         rounds = "  ".join(f"{fmt(r['request_ms'])}/{fmt(r['transfer_ms'])}" for r in res.get("rounds", []))
         lines.append(f"{res['config']:<12} {identical:>9} {fmt(res.get('request_ms')):>11} "
-                     f"{fmt(res.get('ttft_d_ms')):>13} {fmt(res.get('transfer_ms')):>15} {rounds:>36}")
+                     f"{fmt(res.get('ttft_d_ms')):>13} {fmt(res.get('transfer_ms')):>15} "
+                     f"{fmt(res.get('overhead_ms')):>16} {rounds:>36}")
+    for res in report.get("results", []):  # where a P/D request's time goes, by SGLang's own stage timers
+        stages = [f"{name} {fmt(ms)}" for name, ms in res.get("stages_ms", {}).items() if ms]
+        if stages:
+            lines.append(f"{res['config']} stages, ms (medians): " + ", ".join(stages))
     return "\n".join(lines)
 
 

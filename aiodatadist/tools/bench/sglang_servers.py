@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,7 +30,7 @@ from typing import Any
 
 from .sglang_tweaks import ENV as TWEAKS_ENV
 
-__all__ = ["Router", "Server", "ServerError", "ServerSettings", "free_port", "generate", "metric"]
+__all__ = ["Router", "Server", "ServerError", "ServerSettings", "free_port", "generate", "metric", "stage_sums"]
 
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 300.0
@@ -260,6 +261,27 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, *, rid: str | 
     if "output_ids" not in answer:
         raise ServerError(f"{url}/generate: no output_ids in {str(answer)[:300]}")
     return {"output_ids": list(answer["output_ids"]), "meta_info": answer.get("meta_info", {}), "seconds": seconds}
+
+
+STAGE_METRIC = "sglang:per_stage_req_latency_seconds_sum"
+
+
+def stage_sums(text: str) -> dict[str, float]:
+    """Seconds spent so far in each request stage (``--enable-metrics``: the sums of SGLang's per-stage latency
+    histogram, by their ``stage`` label, e.g. ``prefill_forward``, ``prefill_transfer_kv_cache``,
+    ``decode_waiting``)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(STAGE_METRIC + "{"):
+            continue
+        labels, _, value = line.rpartition(" ")
+        stage = re.search(r'stage="([^"]+)"', labels)
+        try:
+            if stage is not None:
+                out[stage.group(1)] = out.get(stage.group(1), 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
 
 
 def metric(text: str, name: str) -> float | None:
