@@ -76,9 +76,9 @@ class AiodatadistKVManager(common.CommonKVManager):
                              "(cpu or cuda)")
         decode = disaggregation_mode == utils.DisaggregationMode.DECODE
         # SGLang's scheduler thread polls without sleeping while a transfer is in flight: copy threads below its
-        # priority (the library's default, for an asyncio server's loop) got a fraction of a pinned core, and a
-        # 2.5 ms push took 7-9 ms.  Set before the endpoint starts the process's copy threads; a value the user
-        # set is kept.
+        # priority (the library's default, for an asyncio server's loop) get a tenth of a pinned core against it,
+        # where NIXL's copies run at its priority.  Set before the endpoint starts the process's copy threads; a
+        # value the user set is kept.
         default_unless_set(ENV_COPY_NICE, "0")
         listen = (self.options.listen_host or self.local_ip) if decode else None
         self.endpoint = Endpoint(self.options, listen, args.gpu_id if device == "cuda" else None)
