@@ -947,8 +947,7 @@ static PyObject *py_int_bounds(PyObject *self, PyObject *seq)
  * lengths); the arrays (8-byte items) are copied by the callee. */
 void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                    const uint64_t *bases, size_t ntensors, const uint64_t *offsets, const uint64_t *lengths,
-                   size_t nruns, const uint64_t *local_addr, const uint64_t *local_len, const uint64_t *local_ends,
-                   size_t nlocal, int defer);
+                   size_t nruns, const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal, int defer);
 void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                     const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
                     const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal);
@@ -957,9 +956,9 @@ void adt_net_job_free(void *job);
 
 static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int write)
 {
-    int nbuf = write ? 4 : 6;   /* a read also takes its local spans' running ends: its arrays are borrowed */
+    int nbuf = write ? 4 : 5;
     if (nargs != 6 + nbuf) {
-        PyErr_SetString(PyExc_TypeError, write ? "net_write takes 10 arguments" : "net_read takes 12 arguments");
+        PyErr_SetString(PyExc_TypeError, write ? "net_write takes 10 arguments" : "net_read takes 11 arguments");
         return NULL;
     }
     void *net = PyLong_AsVoidPtr(args[0]);
@@ -968,7 +967,7 @@ static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int writ
     long long row = PyLong_AsLongLong(args[2]), model = PyLong_AsLongLong(args[5]);
     if (PyErr_Occurred()) return NULL;
     if (net == NULL) { PyErr_SetString(PyExc_ValueError, "no data plane"); return NULL; }
-    Py_buffer b[6];
+    Py_buffer b[5];
     for (int i = 0; i < nbuf; i++) {
         if (PyObject_GetBuffer(args[6 + i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 || b[i].itemsize != 8) {
             if (!PyErr_Occurred()) { PyBuffer_Release(&b[i]); PyErr_SetString(PyExc_ValueError, "span arrays hold uint64"); }
@@ -977,18 +976,16 @@ static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int writ
         }
     }
     size_t n0 = (size_t)(b[0].len / 8), n1 = (size_t)(b[1].len / 8), n2 = (size_t)(b[2].len / 8);
-    int local = write ? 2 : 3;   /* the local address array's index */
-    size_t nlocal = (size_t)(b[local].len / 8);
+    size_t nlocal = (size_t)(b[nbuf - 2].len / 8);
     void *job = NULL;
-    if ((size_t)(b[local + 1].len / 8) != nlocal || (!write && (size_t)(b[5].len / 8) != nlocal)
-        || (write ? n1 != n0 : n2 != n1))
+    if ((size_t)(b[nbuf - 1].len / 8) != nlocal || (write ? n1 != n0 : n2 != n1))
         PyErr_SetString(PyExc_ValueError, "span arrays of different lengths");
     else if (write)
         job = adt_net_write(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, b[1].buf, n0,
                             b[2].buf, b[3].buf, nlocal);
     else
         job = adt_net_read(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, n0, b[1].buf,
-                           b[2].buf, n1, b[3].buf, b[4].buf, b[5].buf, nlocal, 1);
+                           b[2].buf, n1, b[3].buf, b[4].buf, nlocal, 1);
     for (int i = 0; i < nbuf; i++) PyBuffer_Release(&b[i]);
     if (PyErr_Occurred()) return NULL;
     return PyLong_FromVoidPtr(job);

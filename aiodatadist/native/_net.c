@@ -70,7 +70,6 @@ typedef struct net_job {
     size_t nframes, next_frame;
     uint64_t total, moved;
     int ready;               /* receive: spans known */
-    int borrowed;            /* receive: addr, len and ends belong to the caller (alive until the job is freed) */
     volatile int32_t stop;
     int inflight, done, error, status;
     int64_t row; uint64_t stamp;  /* serve: the directory entry it reads */
@@ -181,8 +180,7 @@ static void end_job(adt_net *n, net_job *j)   /* after finish_if_idle returned 1
 static void free_job(net_job *j)
 {
     if (!j) return;
-    if (!j->borrowed) { free(j->addr); free(j->len); free(j->ends); }
-    free(j->bounds); free(j->offsets);
+    free(j->addr); free(j->len); free(j->ends); free(j->bounds); free(j->offsets);
     if (j->wframe) for (size_t f = 0; f < j->nframes; f++) free(j->wframe[f]);
     free(j->wframe); free(j->wframe_len);
     free(j);
@@ -783,13 +781,10 @@ int adt_net_set_destination(void *net, void *job, const uint64_t *addr, const ui
  * the remote spans (and still answers to `model_id`, unless -1).  The owner answers with DATA frames, or an
  * ERROR frame (status 1: released, unknown or re-keyed, 3: outside the cache).  The READ frame goes out from
  * this thread when the link has no other receive job and the connection is idle; otherwise a sender thread sends
- * it, woken at once, or (`defer`) only by adt_net_flush, so that a burst of reads costs one wake-up.  With
- * `local_ends` (the running sums of `local_len`) the three local arrays are used as they are, not copied: the
- * caller keeps them alive until the job is freed; NULL: they are copied. */
+ * it, woken at once, or (`defer`) only by adt_net_flush, so that a burst of reads costs one wake-up. */
 void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                    const uint64_t *bases, size_t ntensors, const uint64_t *offsets, const uint64_t *lengths,
-                   size_t nruns, const uint64_t *local_addr, const uint64_t *local_len, const uint64_t *local_ends,
-                   size_t nlocal, int defer)
+                   size_t nruns, const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal, int defer)
 {
     adt_net *n = (adt_net *)net;
     size_t plen = 8 * (READ_HEAD + ntensors + 2 * nruns);
@@ -801,15 +796,7 @@ void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_
     memcpy(list + READ_HEAD + ntensors + nruns, lengths, 8 * nruns);
     net_job *j = (net_job *)adt_net_receive(net, key);
     if (!j) { free(list); return NULL; }
-    if (local_ends) {   /* the caller's arrays, as they are: no copy of a long span list on the event loop */
-        pthread_mutex_lock(&n->lock);
-        j->addr = (uint64_t *)local_addr; j->len = (uint64_t *)local_len; j->ends = (uint64_t *)local_ends;
-        j->n = nlocal; j->total = nlocal ? local_ends[nlocal - 1] : 0; j->borrowed = 1; j->ready = 1;
-        int ann = finish_if_idle(n, j);
-        pthread_cond_broadcast(&n->ready);
-        pthread_mutex_unlock(&n->lock);
-        if (ann) end_job(n, j);
-    } else if (adt_net_set_destination(net, j, local_addr, local_len, nlocal)) { free(list); return j; }
+    if (adt_net_set_destination(net, j, local_addr, local_len, nlocal)) { free(list); return j; }
     pthread_mutex_lock(&n->lock);
     int conn = n->nconns ? n->next_conn++ % n->nconns : -1, fd = conn >= 0 ? n->fds[conn] : -1;
     int live = !j->done && !n->closed && conn >= 0;

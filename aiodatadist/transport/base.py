@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -30,7 +30,7 @@ class TransferJob:
     """One end of one transfer on a data plane (``send`` or ``receive``).  The native helper keeps the rest of a
     job in C (``handle``); :class:`PythonTransferJob` holds what the Python I/O threads need."""
 
-    __slots__ = ("done", "error", "fenced", "future", "handle", "keepalive", "key", "kind")
+    __slots__ = ("done", "error", "fenced", "future", "handle", "key", "kind")
 
     def __init__(self, kind: str, flag: int, tid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.kind = kind
@@ -41,7 +41,6 @@ class TransferJob:
         self.done = False
         self.handle: int | None = None  # native plane: the helper's job
         self.fenced = False  # send: cut short, and the peer confirmed that nothing of it is written any more
-        self.keepalive: tuple[Any, ...] = ()  # native plane: arrays the helper uses as they are, until reaped
 
 
 class PythonTransferJob(TransferJob):

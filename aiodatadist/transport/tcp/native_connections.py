@@ -12,7 +12,6 @@ import asyncio
 import ctypes
 import os
 import socket
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,6 @@ import numpy.typing as npt
 from ..._aio import settle
 from ...copy.completion import NotifyPipe
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
-from ...layout import SIDE_SPANS_CACHE
 from ...native import (
     ANY_MODEL,
     KEY_FLAG_SHIFT,
@@ -58,30 +56,6 @@ _OWNER_STATUS: dict[int, LLMStatusCode] = {
 
 def _u64(values: Any) -> UInt64Array:
     return np.ascontiguousarray(values, dtype=np.uint64)
-
-
-_ENDS_CACHED = SIDE_SPANS_CACHE  # as many as there are cached span lists to have ends
-_ends_cache: dict[int, tuple[UInt64Array, UInt64Array]] = {}
-_ends_lock = threading.Lock()  # links of one process may run on several event loops
-
-
-def _running_ends(lengths: UInt64Array) -> UInt64Array:
-    """The running sums of ``lengths``, a destination's span lengths.  Read-only span lists (the cached ones of
-    :func:`~aiodatadist.layout.plan_side_spans`, the same object for every pull of a plan into the same memory)
-    get theirs computed once: the entry holds the list itself, so its ``id`` cannot name another one."""
-    if lengths.flags.writeable:
-        return np.cumsum(lengths, dtype=np.uint64)
-    with _ends_lock:
-        found = _ends_cache.get(id(lengths))
-    if found is not None and found[0] is lengths:
-        return found[1]
-    ends = np.cumsum(lengths, dtype=np.uint64)
-    ends.flags.writeable = False
-    with _ends_lock:
-        if len(_ends_cache) >= _ENDS_CACHED:
-            _ends_cache.pop(next(iter(_ends_cache)))
-        _ends_cache[id(lengths)] = (lengths, ends)
-    return ends
 
 
 class NativeConnections(WaitingMixin[TransferJob]):
@@ -197,11 +171,9 @@ class NativeConnections(WaitingMixin[TransferJob]):
         self._check_open()
         bases, offsets, lengths = remote
         la, ll = _u64(local[0]), _u64(local[1])
-        ends = _running_ends(ll)
         job = self._track("read", PULL, tid, _ext.net_read(
             self._net, PULL << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
-            ANY_MODEL if model_id is None else model_id, bases, offsets, lengths, la, ll, ends))
-        job.keepalive = (la, ll, ends)  # the helper uses them as they are until the job is reaped
+            ANY_MODEL if model_id is None else model_id, bases, offsets, lengths, la, ll))
         # Concurrent reads of one iteration go out together: a sender thread is woken at the end of the
         # iteration (or every READ_BATCH reads), not once per read: each wake-up, and each READ the loop sent
         # itself (the kernel delivers a loopback segment and wakes the peer on the sending thread), took this
