@@ -16,7 +16,9 @@ A random Llama (``vllm_model``, 32 layers, bf16 in SGLang: 32 KiB of KV a token)
    P and D (``sglang:per_stage_req_latency_seconds``), each configuration's median per stage, and its **P/D
    overhead**: each request's time minus P's forward pass (``prefill_forward``), the part a transfer backend can
    change; on a shared machine the forward pass moves by tens of milliseconds between minutes and decides the
-   request's time.
+   request's time.  After the warm-up requests every server's garbage collector is frozen (SGLang's
+   ``/freeze_gc``, as its own long-collection warning advises): a generation-2 collection in P's scheduler process
+   took 0.5-0.6 s here (``gc_log`` tweak), and one that fell in a timed request added that much to it.
 
 Only the setup at work runs: each round starts its servers and stops them after its requests (an idle NIXL decode
 polls a core at 100 %, which slowed every other server here tenfold; and NIXL does not survive its processes being
@@ -167,6 +169,9 @@ class _Setup:
         """One round: warm-up requests, then each prompt once with ``max_new_tokens=1``."""
         for prompt in warmup:
             generate(self.url, prompt, 1)
+        for server in self.owned:  # as SGLang's own warning advises once it is warm (see the module's docstring)
+            if isinstance(server, Server):
+                server.freeze_gc()
         requests, ttft, transfers = [], [], []
         stages: dict[str, list[float]] = {}
         for prompt in prompts:

@@ -197,6 +197,10 @@ class Server(_Process):
         """The Prometheus text of ``/metrics`` (``--enable-metrics``)."""
         return _get(self.url + "/metrics")[1]
 
+    def freeze_gc(self) -> None:
+        """``/freeze_gc``: the garbage collectors of the server's processes leave what they hold now alone."""
+        _post(self.url + "/freeze_gc", {}, 60.0, json_answer=False)  # it answers in plain text
+
     def abort(self, rid: str) -> None:
         """``/abort_request`` of request ``rid``."""
         _post(self.url + "/abort_request", {"rid": rid}, 10.0)
@@ -232,7 +236,7 @@ class Router(_Process):
         raise ServerError(f"router not ready after {timeout:.0f} s: {last}\n{self.tail()}")
 
 
-def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _post(url: str, body: dict[str, Any], timeout: float, *, json_answer: bool = True) -> dict[str, Any]:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -241,6 +245,8 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         raise ServerError(f"{url}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ServerError(f"{url}: {exc}") from None
+    if not json_answer:
+        return {"text": text}
     try:
         answer: dict[str, Any] = json.loads(text) if text.strip() else {}
     except ValueError as exc:

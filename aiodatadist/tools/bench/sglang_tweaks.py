@@ -10,6 +10,8 @@ that module is first imported, in every process of the server.  Tweaks:
   NIXL backend at its best settings here; on both sides, the first transfer hangs).
 * ``corrupt_sources``: the prefill zeroes the source pages of every chunk just before pushing them (aiodatadist
   backend): the negative control of the tests (the decode must then produce other tokens).
+* ``gc_log``: every garbage collection longer than 5 ms in a scheduler process is written to its log (generation,
+  duration, wall-clock time).
 
 Nothing here is imported by the library; SGLang is imported only inside the patches.
 """
@@ -72,7 +74,27 @@ def _corrupt_sources(module: ModuleType) -> None:
     endpoint_class.push_pages = push_pages
 
 
+def _gc_log(module: ModuleType) -> None:
+    import gc
+    import time
+
+    started: dict[int, float] = {}
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        generation = int(info.get("generation", -1))
+        if phase == "start":
+            started[generation] = time.perf_counter()
+        elif generation in started:
+            took = time.perf_counter() - started.pop(generation)
+            if took > 0.005:
+                sys.stderr.write(f"aiodatadist-bench gc: generation {generation} took {took * 1000:.1f} ms "
+                                 f"({info.get('collected')} collected) at {time.time():.3f}\n")
+
+    gc.callbacks.append(callback)
+
+
 TWEAKS: dict[str, tuple[str, Callable[[ModuleType], None]]] = {
+    "gc_log": ("sglang.srt.managers.scheduler", _gc_log),
     "nixl_dram": ("sglang.srt.disaggregation.nixl.conn", _nixl_dram),
     "nixl_quiet_prefill": ("sglang.srt.disaggregation.nixl.conn", _nixl_quiet_prefill),
     "corrupt_sources": ("aiodatadist.integrations.sglang.endpoint", _corrupt_sources),
