@@ -36,7 +36,7 @@ import numpy.typing as npt
 from ..errors import LLMException, LLMStatusCode
 from ..native.syscalls import libc, populate
 from ..segment_identity import SegmentIdentity
-from .segment import sealed_memfd
+from .segment import MemfdBacked, sealed_memfd
 
 __all__ = ["MAX_HOLE_FRACTION", "InPlaceSegment"]
 
@@ -54,7 +54,7 @@ def _invalid(message: str) -> LLMException:
     return LLMException(message, status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
 
-class InPlaceSegment:
+class InPlaceSegment(MemfdBacked):
     """Ranges ``(address, size)`` of this process's host memory, shared in place (see the module).
 
     Quacks like :class:`~aiodatadist.memory.SharedSegment` for the transports: ``fd``, ``identity``,
@@ -141,15 +141,6 @@ class InPlaceSegment:
         return (low, high) if low < high else None
 
     # -- the SharedSegment interface -------------------------------------------------------------------------
-    @property
-    def fd(self) -> int | None:
-        """The memfd (None once closed): what :mod:`aiodatadist.transport.fd_passing` hands to peers."""
-        return self._fd
-
-    @property
-    def closed(self) -> bool:
-        return self._fd is None
-
     def array(self) -> np.ndarray:
         raise LLMException("memory shared in place has no view of its own: use the tensors it holds",
                            status_code=LLMStatusCode.LLM_PARAM_INVALID)

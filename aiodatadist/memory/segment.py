@@ -20,7 +20,7 @@ from ..errors import LLMException, LLMStatusCode
 from ..native import advise_hugepages, populate
 from ..segment_identity import SegmentIdentity
 
-__all__ = ["PAGE", "SegmentIdentity", "SharedSegment", "map_peer_segment", "map_segment_fd", "sealed_memfd"]
+__all__ = ["PAGE", "MemfdBacked", "SegmentIdentity", "SharedSegment", "map_peer_segment", "map_segment_fd", "sealed_memfd"]
 
 PAGE = mmap.PAGESIZE
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004) | getattr(
@@ -50,7 +50,22 @@ def sealed_memfd(name: str, size: int) -> int:
     return fd
 
 
-class SharedSegment:
+class MemfdBacked:
+    """What every segment a peer may map has: its ``memfd`` (``fd``), until ``close`` gives it up (``closed``)."""
+
+    _fd: int | None
+
+    @property
+    def fd(self) -> int | None:
+        """The memfd (None once closed): what :mod:`aiodatadist.transport.fd_passing` hands to peers."""
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+
+class SharedSegment(MemfdBacked):
     """A pre-faulted, zero-filled, sealed ``memfd`` mapping owned by this process."""
 
     def __init__(self, size: int, name: str = "aiodatadist") -> None:
@@ -76,15 +91,6 @@ class SharedSegment:
         advise_hugepages(self.address, self.size)  # effective where shmem THP is set to "advise"
         if not populate(self.address, self.size, write=True):
             self.array()[::PAGE] = 0
-
-    @property
-    def fd(self) -> int | None:
-        """The memfd (None once closed): what :mod:`aiodatadist.transport.fd_passing` hands to peers."""
-        return self._fd
-
-    @property
-    def closed(self) -> bool:
-        return self._fd is None
 
     def array(self) -> np.ndarray:
         """A uint8 view of the whole segment; the mapping stays alive while any view does."""
