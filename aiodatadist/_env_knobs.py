@@ -42,6 +42,7 @@ __all__ = [
     "ENV_EXECUTOR",
     "ENV_LIBCUDA",
     "ENV_NET",
+    "ENV_POLL_US",
     "ENV_SAME_HOST",
     "ENV_TCP_CONNECTIONS",
     "KNOBS",
@@ -61,12 +62,14 @@ log = logging.getLogger("aiodatadist.settings")
 MAX_COPY_THREADS: Final = 64
 MAX_COPY_NICE: Final = 19
 MAX_COPY_SPIN_US: Final = 100_000
+MAX_POLL_US: Final = 100_000
 SAME_HOST_MECHANISMS: Final = frozenset({"map", "pvm", "fds"})  # fds: segments handed over a Unix socket
 
 ENV_EXECUTOR: Final = "AIODATADIST_EXECUTOR"
 ENV_COPY_THREADS: Final = "AIODATADIST_COPY_THREADS"
 ENV_COPY_NICE: Final = "AIODATADIST_COPY_NICE"
 ENV_COPY_SPIN_US: Final = "AIODATADIST_COPY_SPIN_US"
+ENV_POLL_US: Final = "AIODATADIST_POLL_US"
 ENV_SAME_HOST: Final = "AIODATADIST_SAME_HOST"
 ENV_NET: Final = "AIODATADIST_NET"
 ENV_DIRECTORY: Final = "AIODATADIST_DIRECTORY"
@@ -195,6 +198,10 @@ KNOBS: Final[tuple[Knob, ...]] = (
          lambda: 200,
          lambda raw: _digits(raw, 0, MAX_COPY_SPIN_US), "warning", salvage=_clamp(MAX_COPY_SPIN_US),
          help="how long an idle native copy thread spins before sleeping (us)"),
+    Knob(ENV_POLL_US, "poll_us", f"an integer in [0, {MAX_POLL_US}] (microseconds)", lambda: 300,
+         lambda raw: _digits(raw, 0, MAX_POLL_US), "warning", salvage=_clamp(MAX_POLL_US),
+         help="a transfer expected to end within this time is awaited with the event loop polling, not "
+              "sleeping (us; 0: never)"),
     Knob(ENV_SAME_HOST, "same_host", 'a comma-separated list of "map", "pvm" and "fds" (empty: none)',
          lambda: SAME_HOST_MECHANISMS, _parse_same_host, "warning", empty_is_unset=False,
          salvage=_salvage_same_host,
@@ -227,6 +234,7 @@ class EnvKnobs:
     copy_threads: int = field(default_factory=_default_copy_threads)
     copy_nice: int = 10
     copy_spin_us: int = 200
+    poll_us: int = 300
     same_host: frozenset[str] = SAME_HOST_MECHANISMS
     native_net: bool = True
     directory: bool = True

@@ -197,41 +197,86 @@ static int copy_spans(net_job *j, const uint64_t *addr, const uint64_t *len, siz
     return 0;
 }
 
-/* Cut the spans into frames of at most `frame` bytes (splitting spans where needed).  A transfer smaller than
- * one frame per connection is cut into one frame per connection (at least MIN_FRAME), so that every connection
- * (and so every core) carries a share of it. */
-#define MIN_FRAME (256u << 10)
-static int plan_frames(net_job *j, uint64_t frame, int nconns)
+/* Frames of at most `frame` bytes.  A transfer smaller than one frame per connection is cut into one frame per
+ * connection of at least MIN_FRAME, so that every connection (and so every core) carries a share of a big one;
+ * up to 1 MiB it is one frame: a second frame's sender and receiver threads cost more hand-offs than they save. */
+#define MIN_FRAME (1024u << 10)
+static uint64_t frame_for(uint64_t total, uint64_t frame, int nconns)
 {
-    uint64_t total = 0;
-    for (size_t i = 0; i < j->n; i++) total += j->len[i];
     if (nconns > 1 && total < frame * (uint64_t)nconns) {
         uint64_t share = (total + (uint64_t)nconns - 1) / (uint64_t)nconns;
         frame = share > MIN_FRAME ? share : MIN_FRAME;
     }
-    /* Every span is cut at each frame boundary inside it: at most one piece per span plus one per frame. */
-    size_t pieces = j->n + (size_t)(total / frame) + 1;
-    uint64_t *addr = malloc((pieces ? pieces : 1) * sizeof *addr), *len = malloc((pieces ? pieces : 1) * sizeof *len);
-    int64_t *bounds = malloc((pieces + 1) * sizeof *bounds);
-    uint64_t *offsets = malloc((pieces + 1) * sizeof *offsets);
-    if (!addr || !len || !bounds || !offsets) { free(addr); free(len); free(bounds); free(offsets); return -1; }
-    size_t k = 0, nb = 1;
-    uint64_t acc = 0;
-    total = 0;
-    bounds[0] = 0; offsets[0] = 0;
-    for (size_t i = 0; i < j->n; i++) {
-        uint64_t a = j->addr[i], l = j->len[i];
-        while (l > 0) {
-            uint64_t take = frame - acc < l ? frame - acc : l;
-            addr[k] = a; len[k] = take; k++;
-            a += take; l -= take; acc += take; total += take;
-            if (acc == frame) { bounds[nb] = (int64_t)k; offsets[nb] = total; nb++; acc = 0; }
-        }
+    return frame;
+}
+
+/* A send job's spans being cut into frames as they are added, in one pass: a span is cut at each frame boundary
+ * inside it, and one that continues the previous piece of its frame extends it (framer_add_grid). */
+typedef struct {
+    uint64_t *addr, *len, *offsets;
+    int64_t *bounds;
+    size_t k, nb;
+    uint64_t frame, acc, total;
+} framer;
+
+static int framer_open(framer *f, size_t spans, uint64_t total, uint64_t frame)
+{
+    size_t frames = (size_t)(total / frame) + 1, pieces = spans + frames;   /* a boundary cuts one span at most */
+    memset(f, 0, sizeof *f);
+    f->addr = malloc(pieces * sizeof *f->addr);
+    f->len = malloc(pieces * sizeof *f->len);
+    f->bounds = malloc((frames + 1) * sizeof *f->bounds);
+    f->offsets = malloc((frames + 1) * sizeof *f->offsets);
+    f->frame = frame;
+    f->nb = 1;
+    if (!f->addr || !f->len || !f->bounds || !f->offsets) {
+        free(f->addr); free(f->len); free(f->bounds); free(f->offsets);
+        return -1;
     }
-    if (bounds[nb - 1] != (int64_t)k) { bounds[nb] = (int64_t)k; offsets[nb] = total; nb++; }
+    f->bounds[0] = 0; f->offsets[0] = 0;
+    return 0;
+}
+
+/* Add the spans of a grid, bases[t] + offs[r] (lens[r] bytes) for each tensor t then each run r, in that order.
+ * The state is kept in locals: stores into the span arrays could alias the framer's fields. */
+static void framer_add_grid(framer *f, const uint64_t *bases, uint64_t nt, const uint64_t *offs,
+                            const uint64_t *lens, uint64_t nr)
+{
+    uint64_t *addr = f->addr, *len = f->len, frame = f->frame, acc = f->acc, total = f->total, end = 0;
+    size_t k = f->k, nb = f->nb;
+    if (k) end = addr[k - 1] + len[k - 1];
+    for (uint64_t t = 0; t < nt; t++)
+        for (uint64_t r = 0; r < nr; r++) {
+            uint64_t a = bases[t] + offs[r], l = lens[r];
+            while (l > 0) {
+                uint64_t take = frame - acc < l ? frame - acc : l;
+                if (acc && end == a) len[k - 1] += take;   /* continues the last piece of this frame */
+                else { addr[k] = a; len[k] = take; k++; }
+                a += take; end = a; l -= take; acc += take; total += take;
+                if (acc == frame) { f->bounds[nb] = (int64_t)k; f->offsets[nb] = total; nb++; acc = 0; }
+            }
+        }
+    f->k = k; f->nb = nb; f->acc = acc; f->total = total;
+}
+
+static void framer_close(framer *f, net_job *j)   /* the frames become the job's */
+{
+    if (f->bounds[f->nb - 1] != (int64_t)f->k) { f->bounds[f->nb] = (int64_t)f->k; f->offsets[f->nb] = f->total; f->nb++; }
     free(j->addr); free(j->len);
-    j->addr = addr; j->len = len; j->n = k;
-    j->bounds = bounds; j->offsets = offsets; j->nframes = nb - 1; j->total = total;
+    j->addr = f->addr; j->len = f->len; j->n = f->k;
+    j->bounds = f->bounds; j->offsets = f->offsets; j->nframes = f->nb - 1; j->total = f->total;
+}
+
+/* A send job's frames from its spans (the arrays are the caller's: nothing of them is kept). */
+static int frame_spans(net_job *j, const uint64_t *addr, const uint64_t *len, size_t n, uint64_t frame, int nconns)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) total += len[i];
+    static const uint64_t zero = 0;
+    framer f;
+    if (framer_open(&f, n, total, frame_for(total, frame, nconns))) return -1;
+    framer_add_grid(&f, &zero, 1, addr, len, n);   /* a list of spans is a grid of one tensor at 0 */
+    framer_close(&f, j);
     return 0;
 }
 
@@ -341,27 +386,24 @@ static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload)   /* unde
     int64_t *w = n->dir + row * DIR_WORDS;
     if ((uint64_t)w[0] != h->offset || (uint64_t)w[1] != h->b || h->offset == 0) return 1;
     if (model != -1 && w[2] != model) return 1;
-    uint64_t base = (uint64_t)w[4], size = (uint64_t)w[5];
-    size_t cap = (size_t)(nt * nr);
+    /* Every span inside the cache: base + d + o + l <= base + size for each tensor at base + d and each run (o, l),
+     * so the runs' furthest end and each tensor's offset are checked, without overflow. */
+    uint64_t base = (uint64_t)w[4], size = (uint64_t)w[5], run_bytes = 0, furthest = 0, total;
+    for (uint64_t r = 0; r < nr; r++) {
+        if (offs[r] > size || lens[r] > size - offs[r] || __builtin_add_overflow(run_bytes, lens[r], &run_bytes))
+            return 3;
+        if (offs[r] + lens[r] > furthest) furthest = offs[r] + lens[r];
+    }
+    for (uint64_t t = 0; t < nt; t++)
+        if (bases[t] < base || bases[t] - base > size - furthest) return 3;
+    if (__builtin_mul_overflow(nt, run_bytes, &total)) return 3;
     net_job *j = calloc(1, sizeof *j);
     if (!j) return 2;
-    j->addr = malloc((cap ? cap : 1) * sizeof *j->addr);
-    j->len = malloc((cap ? cap : 1) * sizeof *j->len);
-    if (!j->addr || !j->len) { free_job(j); return 2; }
-    size_t count = 0;
-    for (uint64_t t = 0; t < nt; t++)
-        for (uint64_t r = 0; r < nr; r++) {
-            uint64_t o = offs[r], l = lens[r], a = bases[t] + o;
-            /* inside the cache: base <= bases[t] + o and the span ends by base + size, without overflow */
-            if (bases[t] < base || o > size || l > size || bases[t] - base > size - o || bases[t] - base + o > size - l) {
-                free_job(j); return 3;
-            }
-            if (l == 0) continue;
-            if (count && j->addr[count - 1] + j->len[count - 1] == a) j->len[count - 1] += l;   /* in order: merge */
-            else { j->addr[count] = a; j->len[count] = l; count++; }
-        }
-    j->n = count; j->kind = 2; j->key = h->key; j->row = row; j->stamp = h->offset;
-    if (plan_frames(j, n->frame, n->nconns)) { free_job(j); return 2; }
+    framer f;
+    if (framer_open(&f, (size_t)(nt * nr), total, frame_for(total, n->frame, n->nconns))) { free(j); return 2; }
+    framer_add_grid(&f, bases, nt, offs, lens, nr);   /* in plan order, merging spans that continue each other */
+    framer_close(&f, j);
+    j->kind = 2; j->key = h->key; j->row = row; j->stamp = h->offset;
     n->served[0]++;
     n->served[1] += j->total;
     j->next_all = n->all; n->all = j;
@@ -736,7 +778,7 @@ void *adt_net_send(void *net, uint64_t key, const uint64_t *addr, const uint64_t
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
-    if (!j || copy_spans(j, addr, len, count) || plan_frames(j, n->frame, n->nconns)) { free_job(j); return NULL; }
+    if (!j || frame_spans(j, addr, len, count, n->frame, n->nconns)) { free_job(j); return NULL; }
     return start_send(n, j);
 }
 
@@ -841,7 +883,7 @@ void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key), *r = new_job(1, key);
-    if (!j || !r || copy_spans(j, local_addr, local_len, nlocal) || plan_frames(j, n->frame, n->nconns)
+    if (!j || !r || frame_spans(j, local_addr, local_len, nlocal, n->frame, n->nconns)
         || copy_spans(r, remote_addr, remote_len, nremote)) { free_job(j); free_job(r); return NULL; }
     j->wframe = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe);
     j->wframe_len = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe_len);

@@ -36,7 +36,7 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_every_variable_is_a_knob() -> None:
     assert NAMES == [
         "AIODATADIST_EXECUTOR", "AIODATADIST_COPY_THREADS", "AIODATADIST_COPY_NICE",
-        "AIODATADIST_COPY_SPIN_US",
+        "AIODATADIST_COPY_SPIN_US", "AIODATADIST_POLL_US",
         "AIODATADIST_SAME_HOST", "AIODATADIST_NET", "AIODATADIST_DIRECTORY", "AIODATADIST_TCP_CONNECTIONS",
         "AIODATADIST_LIBCUDA",
     ]
@@ -50,6 +50,7 @@ def test_defaults_are_those_of_before(caplog: pytest.LogCaptureFixture) -> None:
     assert k.copy_threads == max(2, min(8, CPUS))
     assert k.copy_nice == 10
     assert k.copy_spin_us == 200
+    assert k.poll_us == 300
     assert k.same_host == frozenset({"map", "pvm", "fds"})
     assert k.native_net is True
     assert k.directory is True
@@ -70,6 +71,8 @@ def test_defaults_are_those_of_before(caplog: pytest.LogCaptureFixture) -> None:
     ("AIODATADIST_COPY_NICE", "19", "copy_nice", 19),
     ("AIODATADIST_COPY_SPIN_US", "0", "copy_spin_us", 0),
     ("AIODATADIST_COPY_SPIN_US", "100000", "copy_spin_us", 100_000),
+    ("AIODATADIST_POLL_US", "0", "poll_us", 0),
+    ("AIODATADIST_POLL_US", "100000", "poll_us", 100_000),
     ("AIODATADIST_SAME_HOST", "map", "same_host", frozenset({"map"})),
     ("AIODATADIST_SAME_HOST", " pvm , map ", "same_host", frozenset({"map", "pvm"})),
     ("AIODATADIST_SAME_HOST", "", "same_host", frozenset()),  # empty: no same-host mechanism
@@ -111,6 +114,8 @@ def test_an_empty_value_is_unset(env: str, caplog: pytest.LogCaptureFixture) -> 
     ("AIODATADIST_COPY_NICE", "25", "copy_nice", 19, "[0, 19]"),
     ("AIODATADIST_COPY_SPIN_US", "1.5", "copy_spin_us", 200, "[0, 100000]"),
     ("AIODATADIST_COPY_SPIN_US", "200000", "copy_spin_us", 100_000, "[0, 100000]"),
+    ("AIODATADIST_POLL_US", "-1", "poll_us", 300, "[0, 100000]"),
+    ("AIODATADIST_POLL_US", "250000", "poll_us", 100_000, "[0, 100000]"),
     ("AIODATADIST_SAME_HOST", "map,mmap", "same_host", frozenset({"map"}), '"map", "pvm" and "fds"'),
     ("AIODATADIST_SAME_HOST", "shm", "same_host", frozenset(), '"map", "pvm" and "fds"'),
 ])
