@@ -19,7 +19,7 @@ from .._aio import settle, wait_through_cancellation
 from .._env_knobs import env_knobs
 from ..layout import CopyPlan, Spans, plan_to_spans
 from ..native import CopySpec
-from .completion import polls_for
+from .completion import Polling
 from .spans import MAX_CHUNK, MIN_CHUNK, SINGLE_CHUNK, SMALL
 
 __all__ = [
@@ -99,7 +99,7 @@ class ExecutorBase:
     """
 
     workers: int
-    poll_rate: float = 0.0  # bytes/s assumed by poll_short for this executor's jobs (0: its jobs are not polled)
+    polling: Polling | None = None  # which of its jobs the loop polls for (None: none)
     cpus: int = 2  # CPUs this process may run on
 
     def chunk_bytes_for(self, total: int) -> int:
@@ -107,7 +107,7 @@ class ExecutorBase:
             return max(total, 1)
         if total <= SMALL:
             threads = self.workers
-            if self.poll_rate and polls_for(total, self.poll_rate):
+            if self.polling is not None and self.polling.polls(total):
                 # The loop polls on a CPU of its own: on 2 vCPUs, a 2 MiB pull split over both workers
                 # took 0.13-0.17 ms at p50 and 0.8-4.2 ms at p99 with the loop polling, on one 0.13-0.15 / 0.21-0.29.
                 threads = max(1, min(threads, self.cpus - 1))

@@ -1,5 +1,5 @@
 """How the event loop learns that the native helper's threads finished jobs: :class:`NotifyPipe`, and
-:func:`poll_short` for the jobs that end within microseconds.
+:class:`Polling` for the jobs that end within microseconds.
 
 Bulk work runs on threads (the copy pools, the TCP planes' I/O threads) while its waiters run on an event loop:
 the helper's threads write the handles of finished jobs into a pipe the loop watches.  Settling a job's future
@@ -18,7 +18,7 @@ import numpy as np
 
 from .._env_knobs import env_knobs
 
-__all__ = ["HANDLE_BYTES", "NotifyPipe", "poll_short", "polls_for"]
+__all__ = ["HANDLE_BYTES", "NotifyPipe", "Polling"]
 
 HANDLE_BYTES = 8  # one finished job's handle in the notify pipe (a uint64; writes this small are atomic)
 READ_HANDLES = 4096  # handles taken from the pipe per wake-up of the event loop
@@ -58,24 +58,31 @@ class NotifyPipe:
             os.close(self.fd)
 
 
-def polls_for(nbytes: int, rate: float) -> bool:
-    """Whether a job of ``nbytes`` at ``rate`` bytes/s is short enough for :func:`poll_short` to poll for."""
-    budget = env_knobs().poll_us * 1e-6
-    return bool(budget) and nbytes <= rate * budget
+class Polling:
+    """Which jobs of one executor or plane the event loop polls for instead of sleeping: those expected to end
+    within ``AIODATADIST_POLL_US`` (default 300 us; 0: none) at ``rate`` bytes/s, read once, at creation.
 
+    A polled job's loop runs with a zero selector timeout for up to twice that budget (its other callbacks and
+    tasks run as usual), so the job's announcement is read as soon as it is written.  A sleeping loop learns of
+    a pipe write only after the kernel woke its thread on another CPU, and that thread resumes with cold caches:
+    on a 2-vCPU VM that cost 60-90 us of a 4 KiB one-sided TCP pull (210 -> 140 us when polled), more than such a
+    job takes.  A job is never waited for by polling alone: its announcement settles it as always, and past the
+    window the loop sleeps again."""
 
-def poll_short(future: asyncio.Future[Any], nbytes: int, rate: float) -> None:
-    """Have ``future``'s event loop poll instead of sleeping while it is pending, if a job of ``nbytes`` at
-    ``rate`` bytes/s is expected to end within ``AIODATADIST_POLL_US`` (default 300 us; 0: never): for up to
-    twice that, the loop runs with a zero selector timeout (its other callbacks and tasks run as usual), so the
-    job's announcement is read as soon as it is written.
+    __slots__ = ("budget", "limit")
 
-    A sleeping loop learns of a pipe write only after the kernel woke its thread on another CPU, and that thread
-    resumes with cold caches: on a 2-vCPU VM that cost 60-90 us of a 4 KiB one-sided TCP pull (210 -> 120 us
-    when polled), more than such a job takes.  A job is never waited for by polling alone: its announcement
-    settles it as always, and past the window the loop sleeps again."""
-    if polls_for(nbytes, rate):
-        _short_waits(future.get_loop()).watch(future, 2e-6 * env_knobs().poll_us)
+    def __init__(self, rate: float) -> None:
+        self.budget = env_knobs().poll_us * 1e-6  # seconds
+        self.limit = rate * self.budget  # bytes
+
+    def polls(self, nbytes: int) -> bool:
+        """Whether a job of ``nbytes`` is polled for."""
+        return self.budget > 0 and nbytes <= self.limit
+
+    def watch(self, future: asyncio.Future[Any], nbytes: int) -> None:
+        """Poll for ``future`` (a job of ``nbytes``) if it is short enough."""
+        if self.polls(nbytes):
+            _short_waits(future.get_loop()).watch(future, 2 * self.budget)
 
 
 class _ShortWaits:

@@ -21,7 +21,7 @@ from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, Spans
 from ..native import CopySpec, native_extension, native_pool
 from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
-from .completion import NotifyPipe, poll_short
+from .completion import NotifyPipe, Polling
 from .spans import PIECE, as_u64, copy_grid_now, split_spans
 
 __all__ = ["NativeExecutor", "NativeJob"]
@@ -30,7 +30,7 @@ UInt64Array = npt.NDArray[np.uint64]
 _ext: Any = native_extension()
 
 POLL_RATE = 8e9
-"""Bytes/s the pool is assumed to copy when deciding whether a job's end is polled for (:func:`poll_short`): the
+"""Bytes/s the pool is assumed to copy when deciding whether a job's end is polled for (:class:`Polling`): the
 two-thread streaming copy of a 2-vCPU VM measures 12-23 GB/s, and a 2 MiB job ends 60-90 us after its submit."""
 
 
@@ -97,7 +97,7 @@ class NativeExecutor(ExecutorBase):
             raise RuntimeError("the native helper is not built")
         self._lib = lib
         self.workers = workers or default_workers()
-        self.poll_rate = POLL_RATE
+        self.polling = Polling(POLL_RATE)
         self.cpus = usable_cpus()
         self._pool: int | None = lib.adt_pool_new(self.workers, worker_nice(), worker_spin_ns())
         if not self._pool:
@@ -150,7 +150,8 @@ class NativeExecutor(ExecutorBase):
         job.handle = handle
         job.keepalive = keepalive
         notifier.jobs[handle] = job
-        poll_short(job.future, nbytes, POLL_RATE)
+        if self.polling is not None:
+            self.polling.watch(job.future, nbytes)
         return job
 
     def cancel(self, job: NativeJob, error: BaseException | None = None) -> None:

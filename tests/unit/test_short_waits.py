@@ -1,4 +1,4 @@
-"""Short jobs are awaited with the event loop polling instead of sleeping in its selector (``poll_short``): for
+"""Short jobs are awaited with the event loop polling instead of sleeping in its selector (``Polling``): for
 a bounded window, and a window that runs out with waits still pending (the job's threads had no CPU, or it was
 slower than expected) leaves the next ones unpolled, more each time.  Every job still completes through its
 announcement, polled or not."""
@@ -17,8 +17,8 @@ import pytest
 
 from aiodatadist._env_knobs import env_knobs_cache_clear
 from aiodatadist.copy import completion
-from aiodatadist.copy.completion import MAX_POLL_SKIP, _short_waits, poll_short, polls_for
-from aiodatadist.copy.native_pool import POLL_RATE, NativeExecutor
+from aiodatadist.copy.completion import MAX_POLL_SKIP, Polling, _short_waits
+from aiodatadist.copy.native_pool import NativeExecutor
 from aiodatadist.layout import Spans
 from aiodatadist.native import CopySpec, native_available
 
@@ -137,14 +137,15 @@ def test_only_jobs_expected_to_end_within_the_budget_are_polled(monkeypatch: pyt
     try:
         monkeypatch.setenv("AIODATADIST_POLL_US", "300")
         env_knobs_cache_clear()
-        assert polls_for(600_000, 2e9) and not polls_for(600_001, 2e9)
+        assert Polling(2e9).polls(600_000) and not Polling(2e9).polls(600_001)
         monkeypatch.setenv("AIODATADIST_POLL_US", "0")
         env_knobs_cache_clear()
-        assert not polls_for(1, 2e9)
+        off = Polling(2e9)
+        assert not off.polls(1)
 
         async def main() -> None:
             future = asyncio.get_running_loop().create_future()
-            poll_short(future, 1, 2e9)
+            off.watch(future, 1)
             assert completion._by_loop.get(asyncio.get_running_loop()) is None  # never watched
             future.set_result(None)
 
@@ -159,7 +160,7 @@ def test_polled_and_unpolled_copy_jobs_land_every_byte(poll_us: None) -> None:
     big_src, big_dst = rng.integers(1, 256, 64 << 20, dtype=np.uint8), np.zeros(64 << 20, dtype=np.uint8)
     src = rng.integers(1, 256, (3, 256 << 10), dtype=np.uint8)
     dst = np.zeros_like(src)
-    executor = NativeExecutor(workers=1)
+    executor = NativeExecutor(workers=1)  # reads the budget (the fixture set it)
 
     def spans(a: np.ndarray, b: np.ndarray) -> Spans:
         return Spans(np.array([a.ctypes.data], dtype=np.uint64), np.array([b.ctypes.data], dtype=np.uint64),
@@ -168,7 +169,8 @@ def test_polled_and_unpolled_copy_jobs_land_every_byte(poll_us: None) -> None:
     async def main() -> None:
         copier = CopySpec(pid=os.getpid())
         waits = _short_waits(asyncio.get_running_loop())
-        assert polls_for(src[0].nbytes, POLL_RATE) and not polls_for(big_src.nbytes, POLL_RATE)
+        assert executor.polling is not None
+        assert executor.polling.polls(src[0].nbytes) and not executor.polling.polls(big_src.nbytes)
         busy = executor.start(spans(big_src, big_dst), copier, chunk_bytes=64 << 20)  # the only worker
         assert waits._pending == 0  # too big to be polled for
         jobs = [executor.start(spans(src[i], dst[i]), copier) for i in range(3)]  # queued behind it

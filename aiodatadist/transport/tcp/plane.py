@@ -18,7 +18,7 @@ import numpy as np
 
 from ..._aio import wait_through_cancellation
 from ..._checks import I64_MAX
-from ...copy.completion import poll_short
+from ...copy.completion import Polling
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...layout import CopyPlan, plan_side_spans
 from ...protocol.messages import Descriptor
@@ -34,7 +34,7 @@ __all__ = ["POLL_RATE", "STOP_ACK_TIMEOUT", "NativeTcpPlane", "TcpPlane"]
 
 STOP_ACK_TIMEOUT = 1.0  # a cut-short push waits this long for the owner to stop writing, then drops the link
 POLL_RATE = 2e9
-"""Bytes/s a transfer is assumed to move at when deciding whether its end is polled for (:func:`poll_short`):
+"""Bytes/s a transfer is assumed to move at when deciding whether its end is polled for (:class:`Polling`):
 loopback pulls of 4 KiB take 120-230 us and of 512 KiB in 8192 spans 350-450 us on a 2-vCPU VM; a 2 MiB pull
 (0.6-0.8 ms) is not polled: there the polling loop took a CPU the I/O threads needed (0.68 -> 0.87 ms)."""
 S = LLMStatusCode
@@ -51,6 +51,7 @@ class TcpPlane(DataPlane):
                  conns: Connections) -> None:
         super().__init__(peer, name, caps, on_untrusted)
         self.conns = conns
+        self._polling = Polling(POLL_RATE)
 
     @property
     def connections(self) -> int:
@@ -83,7 +84,7 @@ class TcpPlane(DataPlane):
     def _track(self, transfer: Transfer, job: TransferJob) -> None:
         """A transfer's job, awaited from now on (a short one with the loop polling for its end)."""
         self._jobs[transfer.tid] = job
-        poll_short(job.future, transfer.plan.total_bytes, POLL_RATE)
+        self._polling.watch(job.future, transfer.plan.total_bytes)
 
     async def _await(self, transfer: Transfer, job: TransferJob) -> None:
         await self.conns.wait(job)
