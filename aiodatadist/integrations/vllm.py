@@ -556,6 +556,12 @@ class _Worker:
     def finished(self, wait_s: float) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose blocks D pulled or whose lease expired, requests whose pull ended); waits up to
         ``wait_s`` for one of the pulls in flight to end."""
+        received = self._ended_loads(wait_s)
+        self._take_notes()
+        return self._released_sends() or None, received or None
+
+    def _ended_loads(self, wait_s: float) -> set[str]:
+        """Forget the pulls that ended (waiting up to ``wait_s`` for one); the reported ones' request ids."""
         received: set[str] = set()
         for running in self.loads.values():
             if running.layers is not None:  # a load of this step's forward: it ends within the step
@@ -575,6 +581,10 @@ class _Worker:
                 self.load_errors.update(running.local_block_ids)
             if running.reported:
                 received.add(request_id)
+        return received
+
+    def _take_notes(self) -> None:
+        """D's notes (it pulled a request's blocks): the send ends now, or when P learns of it (a note first)."""
         while self.notes:
             request_id = self.notes.popleft()
             if request_id in self.sends:
@@ -583,13 +593,16 @@ class _Worker:
                 self.early[request_id] = None
                 if len(self.early) > MAX_EARLY_NOTES:
                     self.early.popitem(last=False)
+
+    def _released_sends(self) -> set[str]:
+        """The sends whose blocks can be freed: pulled, or their lease expired (logged)."""
         now = time.monotonic()
         sent = {request_id for request_id, expiry in self.sends.items() if expiry <= now}
         for request_id in sent:
             if self.sends.pop(request_id) > 0.0:
                 log.warning("aiodatadist: request %s: no decoder pulled its blocks within %.0f s; freed", request_id,
                             self.options.lease_seconds)
-        return sent or None, received or None
+        return sent
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
