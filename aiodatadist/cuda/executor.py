@@ -27,13 +27,15 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Final, Self
 
 import numpy as np
 
 from ..copy.base import ExecutorBase, resolve_job
+from ..copy.spans import as_u64
 from ..errors import LLMException, LLMStatusCode
-from ..layout import Spans
+from ..layout import CopyPlan, Spans, plan_to_spans
 from .driver import CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device
 from .kernels import KERNEL_NAME, choose_piece, launch_geometry, ptx_text, split_long_spans
 
@@ -50,6 +52,24 @@ TIMER_MIN_S: Final = 0.002  # shorter waits poll from the next iteration: the lo
 TIMER_SLACK_S: Final = 0.001  # (epoll's timeout is in milliseconds, rounded up)
 FIRST_RATE: Final = 20e9  # bytes/s expected before the executor has seen a copy end
 MAX_RATE: Final = 5e12  # bytes/s: no copy is expected to be faster
+LAUNCH_CACHE: Final = 64  # prepared launches kept per executor (least recently used first out)
+LAUNCH_CACHE_MAX_SPANS: Final = 16384  # plans with more spans are prepared at every call
+
+
+class _Launch:
+    """A copy ready to enqueue: one span (``single``: dst, src, bytes) or the kernel's descriptor table (``table``:
+    the pieces' sources, then destinations, then lengths) and launch geometry; nothing to copy when neither."""
+
+    __slots__ = ("block", "grid", "n", "nbytes", "plan", "single", "table")
+
+    def __init__(self, nbytes: int, single: tuple[int, int, int] | None = None, table: np.ndarray | None = None,
+                 grid: int = 0, block: int = 0) -> None:
+        self.nbytes = nbytes
+        self.single = single
+        self.table = table
+        self.n = 0 if table is None else len(table) // 3
+        self.grid, self.block = grid, block
+        self.plan: CopyPlan | None = None  # the plan it was prepared for (kept alive: its id is the cache key)
 
 
 class _Work:
@@ -180,6 +200,7 @@ class CudaExecutor(ExecutorBase):
         self._all: list[_Descriptors] = []
         self._closed = False
         self._events: list[ctypes.c_void_p] = []  # recorded after a job's copy, reused once it completed
+        self._launches: OrderedDict[tuple[int, bytes, bytes], _Launch] = OrderedDict()  # see start_plan
         self._rate = FIRST_RATE  # bytes/s: how fast this executor's copies have ended (a moving average)
         self.last_job: CudaJob | None = None  # the latest awaitable copy (its timestamps, for `bench --device`)
         drv = device.driver
@@ -212,8 +233,55 @@ class CudaExecutor(ExecutorBase):
         (``LLM_DEVICE_MEM_ERROR``, or ``LLM_DEVICE_OUT_OF_MEMORY``).
         """
         job = CudaJob(asyncio.get_running_loop())
-        self._submit(spans, job)
+        self._submit(self._prepare(spans), job)
         return job
+
+    def start_plan(self, plan: CopyPlan, src_addrs: np.ndarray, dst_addrs: np.ndarray, copier: object = None, *,
+                   chunk_bytes: int | None = None) -> CudaJob:
+        """:meth:`start` for a plan between tensors at ``src_addrs`` and ``dst_addrs``: its launch (spans, pieces,
+        descriptor table, geometry) is prepared once per plan and pair of tensor address lists, then reused."""
+        job = CudaJob(asyncio.get_running_loop())
+        self._submit(self._prepared(plan, src_addrs, dst_addrs), job)
+        return job
+
+    def _prepared(self, plan: CopyPlan, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> _Launch:
+        if plan.num_spans > LAUNCH_CACHE_MAX_SPANS:
+            return self._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
+        key = (id(plan), as_u64(src_addrs).tobytes(), as_u64(dst_addrs).tobytes())
+        with self._lock:
+            launch = self._launches.get(key)
+            if launch is not None and launch.plan is plan:
+                self._launches.move_to_end(key)
+                return launch
+        launch = self._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
+        launch.plan = plan
+        with self._lock:
+            self._launches[key] = launch
+            while len(self._launches) > LAUNCH_CACHE:
+                self._launches.popitem(last=False)
+        return launch
+
+    def _prepare(self, spans: Spans) -> _Launch:
+        """The launch that copies ``spans``: raises ``LLMException`` if one launch cannot take them."""
+        length = np.asarray(spans.length, dtype=np.uint64)
+        src = np.asarray(spans.src, dtype=np.uint64)
+        dst = np.asarray(spans.dst, dtype=np.uint64)
+        if len(length) and not length.all():  # zero-length spans copy nothing
+            keep = length != 0
+            src, dst, length = src[keep], dst[keep], length[keep]
+        nbytes = int(length.sum())
+        if len(length) <= 1:
+            return _Launch(nbytes, (int(dst[0]), int(src[0]), nbytes) if len(length) else None)
+        piece = self._piece_bytes or choose_piece(nbytes, sm_count=self.device.sm_count)
+        pieces = split_long_spans(src, dst, length, piece)
+        n = len(pieces)
+        if n > MAX_SPANS:
+            raise LLMException(f"{n} spans are more than one kernel launch takes ({MAX_SPANS})",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        grid, block = launch_geometry(n, int(pieces.length.max()), sm_count=self.device.sm_count)
+        table = np.concatenate((pieces.src, pieces.dst, pieces.length)).astype(np.uint64, copy=False)
+        table.flags.writeable = False
+        return _Launch(nbytes, table=table, grid=grid, block=block)
 
     async def run(self, spans: Spans, copier: object = None, *, chunk_bytes: int | None = None) -> None:
         """Copy ``spans``; if the caller is cancelled, return (raise) only once the GPU finished the copy, so
@@ -230,59 +298,44 @@ class CudaExecutor(ExecutorBase):
     def run_sync(self, spans: Spans) -> None:
         """Copy ``spans`` and block until the GPU is done (for tests and tools; not on an event loop)."""
         work = _Work()
-        self._submit(spans, work)
+        self._submit(self._prepare(spans), work)
         work.stopped.wait()
         work._take_status()
         if work.error is not None:
             raise work.error
 
-    def _submit(self, spans: Spans, work: _Work) -> None:
+    def _submit(self, launch: _Launch, work: _Work) -> None:
         work._executor = self
         if self._closed:
             work.error = LLMException("the CUDA executor is closed", status_code=LLMStatusCode.LLM_FAILED)
             work._gpu_done(0)
             return
-        length = np.asarray(spans.length, dtype=np.uint64)
-        src = np.asarray(spans.src, dtype=np.uint64)
-        dst = np.asarray(spans.dst, dtype=np.uint64)
-        if len(length) and not length.all():  # zero-length spans copy nothing
-            keep = length != 0
-            src, dst, length = src[keep], dst[keep], length[keep]
-        if not len(length):
+        if launch.single is None and launch.table is None:
             work._gpu_done(0)
             return
         drv = self.device.driver
         enqueued = False  # whether the stream may still read the descriptor staging memory
         try:
             self.device.make_current()
-            if len(length) == 1:
-                drv.call("cuMemcpyAsync", int(dst[0]), int(src[0]), int(length[0]), self._stream)
+            if launch.single is not None:
+                drv.call("cuMemcpyAsync", *launch.single, self._stream)
             else:
-                piece = self._piece_bytes or choose_piece(int(length.sum()), sm_count=self.device.sm_count)
-                pieces = split_long_spans(src, dst, length, piece)
-                n = len(pieces)
-                if n > MAX_SPANS:
-                    raise LLMException(f"{n} spans are more than one kernel launch takes ({MAX_SPANS})",
-                                       status_code=LLMStatusCode.LLM_PARAM_INVALID)
+                n = launch.n
                 desc = work._desc = self._acquire(n)
-                view = desc.view
-                view[:n] = pieces.src
-                view[n:2 * n] = pieces.dst
-                view[2 * n:3 * n] = pieces.length
+                desc.view[:3 * n] = launch.table
                 drv.call("cuMemcpyHtoDAsync_v2", desc.dev, desc.host, 24 * n, self._stream)
                 enqueued = True
-                grid, block = launch_geometry(n, int(pieces.length.max()), sm_count=self.device.sm_count)
                 args = (ctypes.c_uint64(desc.dev), ctypes.c_uint64(desc.dev + 8 * n),
                         ctypes.c_uint64(desc.dev + 16 * n), ctypes.c_uint32(n))
                 params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-                drv.call("cuLaunchKernel", self._function, grid, 1, 1, block, 1, 1, 0, self._stream, params,
-                         None)
+                drv.call("cuLaunchKernel", self._function, launch.grid, 1, 1, launch.block, 1, 1, 0, self._stream,
+                         params, None)
         except CudaError as exc:
             work.error = exc  # still completed through the stream, after whatever was enqueued
         if isinstance(work, CudaJob):
             work.enqueued_at = time.perf_counter()
             self.last_job = work
-            if self._watch(work, int(length.sum())):
+            if self._watch(work, launch.nbytes):
                 return
         key = next(_ids)
         with _pending_lock:

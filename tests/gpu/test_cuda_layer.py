@@ -485,3 +485,45 @@ async def test_torch_tensors(executor: CudaExecutor) -> None:
     await executor.run(spans_of([src.data_ptr(), src.data_ptr() + 4 * MiB],
                                 [dst.data_ptr() + 4 * MiB, dst.data_ptr()], [4 * MiB, 4 * MiB]), None)
     assert torch.equal(dst[4 * MiB:], src[:4 * MiB]) and torch.equal(dst[:4 * MiB], src[4 * MiB:])
+
+
+def test_a_plan_launch_is_prepared_once_and_never_reused_for_other_addresses(device: Device,
+                                                                            executor: CudaExecutor) -> None:
+    """``start_plan`` keeps a plan's launch per pair of tensor address lists: the same call reuses it, a call
+    with another destination gets its own, and each lands its bytes where its addresses say."""
+    from aiodatadist.layout import Runs, make_plan
+
+    tensors, block = 4, 4096
+    runs = Runs(np.array([0, 3 * block], np.int64), np.array([2 * block, 0], np.int64), np.array([block, block],
+                                                                                                  np.int64))
+    plan = make_plan(np.arange(tensors, dtype=np.int64), np.arange(tensors, dtype=np.int64), runs)
+    src = [Pair(device, 4 * block, 30 + t) for t in range(tensors)]
+    first = [Pair(device, 4 * block, 40 + t) for t in range(tensors)]
+    second = [Pair(device, 4 * block, 50 + t) for t in range(tensors)]
+    try:
+        src_addrs = np.array([p.src for p in src], np.uint64)
+
+        def run(dst: list[Pair]) -> None:
+            dst_addrs = np.array([p.dst for p in dst], np.uint64)
+            for s, d in zip(src, dst, strict=True):
+                d.model[2 * block:3 * block] = s.src_data[:block]
+                d.model[:block] = s.src_data[3 * block:4 * block]
+
+            async def go() -> None:
+                await executor.wait(executor.start_plan(plan, src_addrs, dst_addrs))
+
+            asyncio.run(go())
+            for d in dst:
+                d.check()
+
+        run(first)
+        prepared = dict(executor._launches)
+        run(first)
+        assert dict(executor._launches) == prepared  # the same launch, not a second one
+        run(second)  # the same plan into other memory: its own launch, its bytes where they belong
+        assert len(executor._launches) == len(prepared) + 1
+        for p in first:
+            p.check()  # untouched by the second call
+    finally:
+        for p in (*src, *first, *second):
+            p.free()
