@@ -259,10 +259,9 @@ static void framer_add_grid(framer *f, const uint64_t *bases, uint64_t nt, const
     f->k = k; f->nb = nb; f->acc = acc; f->total = total;
 }
 
-static void framer_close(framer *f, net_job *j)   /* the frames become the job's */
+static void framer_close(framer *f, net_job *j)   /* the frames become the (new) job's spans */
 {
     if (f->bounds[f->nb - 1] != (int64_t)f->k) { f->bounds[f->nb] = (int64_t)f->k; f->offsets[f->nb] = f->total; f->nb++; }
-    free(j->addr); free(j->len);
     j->addr = f->addr; j->len = f->len; j->n = f->k;
     j->bounds = f->bounds; j->offsets = f->offsets; j->nframes = f->nb - 1; j->total = f->total;
 }

@@ -4,15 +4,13 @@ is written any more, and nothing lands afterwards."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.native_net import job_state, joined_helpers, wait_job_state
 
 from aiodatadist.native import JobState, native_pool
 
@@ -23,36 +21,11 @@ KEY = 7
 FRAME = 1 << 20
 
 
-def _state(lib: Any, net: int, job: int) -> int:
-    err, status = ctypes.c_int(0), ctypes.c_int(0)
-    return int(lib.adt_net_job_state(net, job, ctypes.byref(err), ctypes.byref(status)))
-
-
-def _wait_state(lib: Any, net: int, job: int, within: float = 10.0) -> int:
-    deadline = time.monotonic() + within
-    while (state := _state(lib, net, job)) == JobState.RUNNING and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return state
-
-
 @pytest.fixture
 def nets() -> Iterator[tuple[Any, int, int]]:
-    """Two helpers (sender, receiver) joined by one connection; their job announcements go to an unread pipe."""
-    lib = native_pool()
-    r, w = os.pipe()
-    left, right = socket.socketpair()
-    a, b = lib.adt_net_new(w, None, 0, FRAME), lib.adt_net_new(w, None, 0, FRAME)
-    assert lib.adt_net_attach(a, left.detach()) == 0
-    assert lib.adt_net_attach(b, right.detach()) == 0
-    try:
-        yield lib, a, b
-    finally:
-        for net in (a, b):
-            lib.adt_net_close(net)
-        for net in (a, b):
-            lib.adt_net_free(net)
-        os.close(r)
-        os.close(w)
+    """Two helpers (sender, receiver) joined by one connection."""
+    with joined_helpers(FRAME) as joined:
+        yield joined
 
 
 def _span(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -68,15 +41,15 @@ def test_a_cancelled_send_ends_fenced_and_nothing_lands_afterwards(nets: tuple[A
     rx = lib.adt_net_receive(b, KEY)
     tx = lib.adt_net_send(a, KEY, *(x.ctypes.data for x in _span(src)), 1)
     time.sleep(0.05)
-    assert _state(lib, a, tx) == JobState.RUNNING
+    assert job_state(lib, a, tx) == JobState.RUNNING
     assert lib.adt_net_cancel(a, tx, CANCEL_FENCE) == 1  # armed
     time.sleep(0.05)
-    assert _state(lib, a, tx) == JobState.RUNNING  # not acknowledged while the receiver is held
+    assert job_state(lib, a, tx) == JobState.RUNNING  # not acknowledged while the receiver is held
     addr, length = _span(dst)
     assert lib.adt_net_set_destination(b, rx, addr.ctypes.data, length.ctypes.data, 1) == 0
-    assert _wait_state(lib, a, tx) == JobState.FENCED
+    assert wait_job_state(lib, a, tx) == JobState.FENCED
     # The FENCE stopped the receiving end: what landed is a prefix of the source, and nothing lands any more.
-    assert _wait_state(lib, b, rx, within=1.0) == JobState.STOPPED
+    assert wait_job_state(lib, b, rx, within=1.0) == JobState.STOPPED
     landed = dst.copy()
     time.sleep(0.1)
     assert np.array_equal(dst, landed)
@@ -95,10 +68,10 @@ def test_a_send_that_ended_arms_no_fence(nets: tuple[Any, int, int]) -> None:
     addr, length = _span(dst)
     assert lib.adt_net_set_destination(b, rx, addr.ctypes.data, length.ctypes.data, 1) == 0
     tx = lib.adt_net_send(a, KEY, *(x.ctypes.data for x in _span(src)), 1)
-    assert _wait_state(lib, b, rx) == JobState.FINISHED
-    assert _wait_state(lib, a, tx) == JobState.FINISHED
+    assert wait_job_state(lib, b, rx) == JobState.FINISHED
+    assert wait_job_state(lib, a, tx) == JobState.FINISHED
     assert lib.adt_net_cancel(a, tx, CANCEL_FENCE) == 0
-    assert _state(lib, a, tx) == JobState.FINISHED
+    assert job_state(lib, a, tx) == JobState.FINISHED
     assert np.array_equal(dst, src)
     lib.adt_net_job_free(tx)
     lib.adt_net_job_free(rx)

@@ -5,15 +5,12 @@ in order."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers.native_net import joined_helpers, wait_job_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,38 +22,11 @@ FRAME = 4096  # bytes per frame: a few hundred bytes of spans already cross fram
 BUFFER = 64 << 10
 
 
-def _state(lib: Any, net: int, job: int) -> int:
-    err, status = ctypes.c_int(0), ctypes.c_int(0)
-    return int(lib.adt_net_job_state(net, job, ctypes.byref(err), ctypes.byref(status)))
-
-
-def _wait_done(lib: Any, net: int, job: int) -> int:
-    deadline = time.monotonic() + 10
-    while (state := _state(lib, net, job)) == JobState.RUNNING and time.monotonic() < deadline:
-        time.sleep(0.0005)
-    return state
-
-
 @pytest.fixture(scope="module")
 def nets() -> Iterator[tuple[Any, int, int]]:
-    """Two helpers (sender, receiver) joined by two connections; job announcements go to an unread pipe."""
-    lib: Any = native_pool()
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    a, b = lib.adt_net_new(w, None, 0, FRAME), lib.adt_net_new(w, None, 0, FRAME)
-    for _ in range(2):
-        left, right = socket.socketpair()
-        assert lib.adt_net_attach(a, left.detach()) == 0
-        assert lib.adt_net_attach(b, right.detach()) == 0
-    try:
-        yield lib, a, b
-    finally:
-        for net in (a, b):
-            lib.adt_net_close(net)
-        for net in (a, b):
-            lib.adt_net_free(net)
-        os.close(r)
-        os.close(w)
+    """Two helpers (sender, receiver) joined by two connections."""
+    with joined_helpers(FRAME, connections=2) as joined:
+        yield joined
 
 
 def layout(draw: st.DrawFn, total: int) -> tuple[np.ndarray, np.ndarray]:
@@ -101,8 +71,8 @@ def test_any_layouts_deliver_every_byte_in_order(nets: tuple[Any, int, int], cas
     rx = lib.adt_net_receive(b, key)
     assert lib.adt_net_set_destination(b, rx, dst_addr.ctypes.data, dst_len.ctypes.data, len(dst_len)) == 0
     tx = lib.adt_net_send(a, key, src_addr.ctypes.data, src_len.ctypes.data, len(src_len))
-    assert _wait_done(lib, a, tx) == JobState.FINISHED
-    assert _wait_done(lib, b, rx) == JobState.FINISHED
+    assert wait_job_state(lib, a, tx) == JobState.FINISHED
+    assert wait_job_state(lib, b, rx) == JobState.FINISHED
     lib.adt_net_job_free(tx)
     lib.adt_net_job_free(rx)
     sent = np.concatenate([src[int(o):int(o + n)] for o, n in zip(src_off, src_len, strict=True)] or [src[:0]])

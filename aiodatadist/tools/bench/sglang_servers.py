@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,26 +278,26 @@ def stage_sums(text: str) -> dict[str, float]:
     histogram, by their ``stage`` label, e.g. ``prefill_forward``, ``prefill_transfer_kv_cache``,
     ``decode_waiting``)."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith(STAGE_METRIC + "{"):
-            continue
-        labels, _, value = line.rpartition(" ")
+    for labels, value in _samples(text, STAGE_METRIC):
         stage = re.search(r'stage="([^"]+)"', labels)
-        try:
-            if stage is not None:
-                out[stage.group(1)] = out.get(stage.group(1), 0.0) + float(value)
-        except ValueError:
-            continue
+        if stage is not None:
+            out[stage.group(1)] = out.get(stage.group(1), 0.0) + value
     return out
+
+
+def _samples(text: str, name: str) -> Iterator[tuple[str, float]]:
+    """(labels, value) of every sample of Prometheus metric ``name`` in ``text`` (labels: ``{...}`` or "")."""
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name):len(name) + 1] in (" ", "{")):
+            labels, _, value = line.rpartition(" ")
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            yield labels[len(name):], number
 
 
 def metric(text: str, name: str) -> float | None:
     """The value of an unlabelled-or-single-series Prometheus sample ``name`` (summed over label sets)."""
-    total = None
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name):len(name) + 1] in (" ", "{")):
-            try:
-                total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-    return total
+    values = [value for _, value in _samples(text, name)]
+    return sum(values) if values else None

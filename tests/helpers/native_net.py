@@ -1,0 +1,50 @@
+"""Two native TCP helpers (``_net.c``) joined by real socket pairs, driven through their C API, and their jobs'
+states: for tests of the helper's framing, fences and jobs without a link around it."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from aiodatadist.native import JobState, native_pool
+
+
+@contextlib.contextmanager
+def joined_helpers(frame: int, connections: int = 1) -> Iterator[tuple[Any, int, int]]:
+    """(the helper library, sender, receiver): two helpers cutting frames of ``frame`` bytes, joined by
+    ``connections`` socket pairs; their job announcements go to a pipe nobody reads (never blocking a writer)."""
+    lib: Any = native_pool()
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    a, b = lib.adt_net_new(w, None, 0, frame), lib.adt_net_new(w, None, 0, frame)
+    for _ in range(connections):
+        left, right = socket.socketpair()
+        assert lib.adt_net_attach(a, left.detach()) == 0
+        assert lib.adt_net_attach(b, right.detach()) == 0
+    try:
+        yield lib, a, b
+    finally:
+        for net in (a, b):
+            lib.adt_net_close(net)
+        for net in (a, b):
+            lib.adt_net_free(net)
+        os.close(r)
+        os.close(w)
+
+
+def job_state(lib: Any, net: int, job: int) -> int:
+    err, status = ctypes.c_int(0), ctypes.c_int(0)
+    return int(lib.adt_net_job_state(net, job, ctypes.byref(err), ctypes.byref(status)))
+
+
+def wait_job_state(lib: Any, net: int, job: int, within: float = 10.0) -> int:
+    """The job's state once it is no longer running, or RUNNING after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while (state := job_state(lib, net, job)) == JobState.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    return state
