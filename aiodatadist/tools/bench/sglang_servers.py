@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...testing.addresses import free_port
 from .sglang_tweaks import ENV as TWEAKS_ENV
 
 __all__ = ["Router", "Server", "ServerError", "ServerSettings", "free_port", "generate", "metric", "stage_sums"]
@@ -39,14 +39,6 @@ REQUEST_TIMEOUT_S = 300.0
 
 class ServerError(RuntimeError):
     """A server did not start, died, or answered with an error."""
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True)

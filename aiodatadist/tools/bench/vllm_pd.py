@@ -34,7 +34,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
+from ...testing.addresses import free_port
 from .timing import exit_on_sigterm, stderr_progress
 
 __all__ = ["CONFIGS", "ConnectorConfig", "EngineSettings", "main", "run_vllm_bench"]
@@ -370,13 +370,6 @@ class BenchError(RuntimeError):
     """An engine process failed or did not answer."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class Engine:
     """A vLLM engine in a spawned process, driven over a pipe."""
 
@@ -385,7 +378,7 @@ class Engine:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process: BaseProcess = context.Process(
-            target=_engine_process, args=(settings, config, role, _free_port(), child), name=f"vllm-{name}")
+            target=_engine_process, args=(settings, config, role, free_port(), child), name=f"vllm-{name}")
         self._process.start()
         child.close()
         ready = self._reply(STARTUP_TIMEOUT_S)
