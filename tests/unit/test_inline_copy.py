@@ -14,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiodatadist.copy.native_pool import NativeExecutor
-from aiodatadist.copy.spans import INLINE_BYTES, copy_grid_now
+from aiodatadist.copy.spans import (
+    INLINE_BYTES,
+    STREAMING_THRESHOLD,
+    _last_level_cache_bytes,
+    copier_for_local,
+    copy_grid_now,
+)
 from aiodatadist.layout import CacheGeometry, TransferParams, transfer_plan
 from aiodatadist.native import CopyMode, CopySpec, native_available
 
@@ -154,3 +160,13 @@ def test_submit_grid_refuses_inconsistent_plan_arrays() -> None:
                           runs.length, 0, 0, 0, 0)
     finally:
         executor.shutdown()
+
+
+def test_streaming_starts_at_an_eighth_of_the_last_level_cache() -> None:
+    """Copies that fit in the last-level cache stay there (the engine reads them next); bigger ones stream."""
+    llc = _last_level_cache_bytes()
+    if os.path.isdir("/sys/devices/system/cpu/cpu0/cache"):
+        assert llc >= 256 << 10
+    assert STREAMING_THRESHOLD == max(1 << 20, (llc or 8 << 20) // 8)
+    assert not copier_for_local(STREAMING_THRESHOLD - 1).streaming
+    assert copier_for_local(STREAMING_THRESHOLD).streaming
