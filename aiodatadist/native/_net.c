@@ -376,7 +376,9 @@ static void finish_all_idle(adt_net *n)   /* under the lock: announce jobs that 
 }
 
 /* A READ's payload: the model id the cache must still answer to (-1: any), a reserved word, then the spans. */
-static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload)   /* under the lock; 0 or a status */
+/* Under the lock; 0 or a status.  A serve job of one frame of at most `room` bytes, on a link with nothing else to
+ * send, is not queued: its frame is claimed and the job handed back in *claimed, for the caller to send inline. */
+static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload, uint64_t room, net_job **claimed)
 {
     uint64_t nt = payload[1], nr = payload[2];
     const uint64_t *bases = payload + READ_HEAD, *offs = bases + nt, *lens = offs + nr;
@@ -406,7 +408,12 @@ static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload)   /* unde
     n->served[0]++;
     n->served[1] += j->total;
     j->next_all = n->all; n->all = j;
-    if (j->nframes) enqueue(n, j); else { j->done = 1; unlink_all(n, j); free_job(j); }
+    if (!j->nframes) { j->done = 1; unlink_all(n, j); free_job(j); }
+    else if (j->nframes == 1 && j->total <= room && !n->tx_head && !n->ctrl_head) {
+        j->next_frame = 1;
+        j->inflight = 1;
+        *claimed = j;
+    } else enqueue(n, j);
     return 0;
 }
 
@@ -463,21 +470,28 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
 typedef struct { adt_net *n; int fd, index; } conn_arg;
 
 static int send_small(int fd, const adt_hdr *h, const uint8_t *payload, size_t plen);
+static int serve_inline(adt_net *n, int index, int fd, net_job *j);
 
-/* A receiver thread's answer to a frame (a WRITE's acknowledgement) sent on its own connection, when that is idle
- * and its send queue is short: waking a sender thread for a 40-byte frame costs a thread hand-off on the push's
- * path.  A receiver must never block in a send (two of them, each waiting for the other to read, would hang the
- * link), so the frame goes inline only while under a quarter of the send buffer is queued (its accounting counts each
- * byte about twice): the non-blocking send then takes it whole.  0 sent, -1 not sent (queue it), or the errno
- * that ended the connection. */
-static int reply_inline(adt_net *n, int index, int fd, uint32_t type, uint64_t key, uint64_t value)
+/* Bytes a receiver thread may send inline on its connection without risking a block: a receiver must never wait
+ * in a send (two of them, each waiting for the other to read, would hang the link), so only while the socket's
+ * queue and the frame together stay under a quarter of its send buffer (the kernel's accounting counts each byte
+ * about twice), and 0 when that cannot be read. */
+static uint64_t inline_room(int fd)
 {
     int queued = 0, buffer = 0;
     socklen_t size = sizeof buffer;
     if (ioctl(fd, SIOCOUTQ, &queued) != 0 || getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, &size) != 0
-        || queued > buffer / 4)
-        return -1;
-    if (pthread_mutex_trylock(&n->send_lock[index]) != 0) return -1;
+        || queued < 0 || queued > buffer / 4)
+        return 0;
+    return (uint64_t)(buffer / 4 - queued);
+}
+
+/* A receiver thread's answer to a frame (a WRITE's acknowledgement) sent on its own connection when that is idle
+ * and has room (inline_room): waking a sender thread for a 40-byte frame costs a thread hand-off on the push's
+ * path.  0 sent, -1 not sent (queue it), or the errno that ended the connection. */
+static int reply_inline(adt_net *n, int index, int fd, uint32_t type, uint64_t key, uint64_t value)
+{
+    if (inline_room(fd) < sizeof(adt_hdr) || pthread_mutex_trylock(&n->send_lock[index]) != 0) return -1;
     adt_hdr h = {NET_MAGIC, type, key, value, 0, 0, 0};
     int err = send_small(fd, &h, NULL, 0);
     pthread_mutex_unlock(&n->send_lock[index]);
@@ -531,11 +545,14 @@ static void *receiver(void *arg)
             uint64_t nt = spans[1], nr = spans[2];
             if (nt > MAX_READ_SPANS || nr > MAX_READ_SPANS || nt * nr > MAX_READ_SPANS
                 || 8 * (READ_HEAD + nt + 2 * nr) != h.length) { free(spans); break; }   /* malformed: the link fails */
+            uint64_t room = inline_room(fd);
+            net_job *claimed = NULL;
             pthread_mutex_lock(&n->lock);
-            int status = serve_read(n, &h, spans);
+            int status = serve_read(n, &h, spans, room, &claimed);
             if (status) { n->served[2]++; queue_ctrl(n, T_ERROR, h.key, (uint64_t)status, NULL, 0, 0, 0); }
             pthread_mutex_unlock(&n->lock);
             free(spans);
+            if (claimed && (err = serve_inline(n, index, fd, claimed))) break;
         } else if (h.type == T_ERROR || h.type == T_ABORT) {
             pthread_mutex_lock(&n->lock);
             net_job *j = find(n, h.key, h.type == T_ERROR ? 0 : 2);
@@ -614,6 +631,57 @@ static void *receiver(void *arg)
     return NULL;
 }
 
+/* Send frame `frame` of job j (claimed: j->inflight counts it) on connection `index`, holding its send lock, then
+ * account for it (under the lock).  Returns the errno that broke the connection, or 0. */
+static int send_job_frame(adt_net *n, int index, int fd, net_job *j, size_t frame)
+{
+    int err = 0, gone = 0;
+    if (j->kind == 2 && !dir_enter(n, j->row, j->stamp)) gone = 1;   /* released meanwhile */
+    if (!gone) {
+        adt_hdr h = {NET_MAGIC, T_DATA, j->key, j->offsets[frame], j->offsets[frame + 1] - j->offsets[frame], 0, 0};
+        const uint8_t *head = (const uint8_t *)&h;
+        size_t hlen = sizeof h;
+        if (j->wframe) { head = j->wframe[frame]; hlen = j->wframe_len[frame]; }   /* a WRITE */
+        err = adt_send_frame(fd, head, hlen, j->addr, j->len, j->bounds[frame], j->bounds[frame + 1]);
+        if (j->kind == 2) dir_leave(n, j->row);
+    }
+    pthread_mutex_unlock(&n->send_lock[index]);
+    pthread_mutex_lock(&n->lock);
+    j->inflight--;
+    if (gone && !j->stop) {
+        j->stop = 1;
+        j->next_frame = j->nframes;
+        unqueue(n, j);
+        queue_ctrl(n, T_ERROR, j->key, 1, NULL, 0, 0, 0);
+    }
+    if (!err && !gone) j->moved += j->offsets[frame + 1] - j->offsets[frame];
+    if (err) { if (!j->error) j->error = err; broken(n); }
+    int ann = finish_if_idle(n, j);
+    if (j->done && j->kind == 2) { free_job(j); j = NULL; }
+    if (err) finish_all_idle(n);
+    pthread_mutex_unlock(&n->lock);
+    if (ann && j) end_job(n, j);
+    return err;
+}
+
+/* A READ served by the receiver thread that took it: its one frame sent on this connection if the connection is
+ * idle (a sender thread's wake-up is a thread hand-off on the pull's path), else queued for a sender. */
+static int serve_inline(adt_net *n, int index, int fd, net_job *j)
+{
+    if (pthread_mutex_trylock(&n->send_lock[index]) == 0) return send_job_frame(n, index, fd, j, 0);
+    pthread_mutex_lock(&n->lock);   /* the sender thread is busy: it takes the frame next */
+    j->inflight--;
+    if (!j->stop) {
+        j->next_frame = 0;
+        enqueue(n, j);
+    } else {
+        finish_if_idle(n, j);   /* aborted meanwhile: nothing of it was sent */
+        if (j->done) free_job(j);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return 0;
+}
+
 static void *sender(void *arg)
 {
     conn_arg *c = (conn_arg *)arg;
@@ -661,34 +729,8 @@ static void *sender(void *arg)
         j->inflight++;
         pthread_mutex_unlock(&n->lock);
 
-        int err = 0, gone = 0;
-        if (j->kind == 2 && !dir_enter(n, j->row, j->stamp)) gone = 1;   /* released meanwhile */
-        if (!gone) {
-            adt_hdr h = {NET_MAGIC, T_DATA, j->key, j->offsets[frame], j->offsets[frame + 1] - j->offsets[frame], 0, 0};
-            const uint8_t *head = (const uint8_t *)&h;
-            size_t hlen = sizeof h;
-            if (j->wframe) { head = j->wframe[frame]; hlen = j->wframe_len[frame]; }   /* a WRITE */
-            pthread_mutex_lock(send_lock);
-            err = adt_send_frame(fd, head, hlen, j->addr, j->len, j->bounds[frame], j->bounds[frame + 1]);
-            pthread_mutex_unlock(send_lock);
-            if (j->kind == 2) dir_leave(n, j->row);
-        }
-        pthread_mutex_lock(&n->lock);
-        j->inflight--;
-        if (gone && !j->stop) {
-            j->stop = 1;
-            j->next_frame = j->nframes;
-            unqueue(n, j);
-            queue_ctrl(n, T_ERROR, j->key, 1, NULL, 0, 0, 0);
-        }
-        if (!err && !gone) j->moved += j->offsets[frame + 1] - j->offsets[frame];
-        if (err) { if (!j->error) j->error = err; broken(n); }
-        int ann = finish_if_idle(n, j);
-        if (j->done && j->kind == 2) { free_job(j); j = NULL; }
-        if (err) finish_all_idle(n);
-        pthread_mutex_unlock(&n->lock);
-        if (ann && j) end_job(n, j);
-        if (err) break;
+        pthread_mutex_lock(send_lock);
+        if (send_job_frame(n, c_index, fd, j, frame)) break;
     }
     return NULL;
 }
