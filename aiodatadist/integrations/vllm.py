@@ -101,7 +101,10 @@ class ConnectorOptions:
     worker (5000).  ``layerwise``: D loads each layer on its own, inside the forward that computes the request's
     last prompt token, and each attention layer waits only for its own layer (``wait_for_layer_load``), so the
     transfer of the later layers overlaps the computation of the earlier ones (False: the whole request is
-    loaded between steps, as NixlConnector does)."""
+    loaded between steps, as NixlConnector does).  ``share_kv``: a host KV cache is shared in place at start-up
+    (``share_host_memory``), so that a same-host peer copies it with ``memcpy`` on its copy threads rather than
+    reading it with ``process_vm_readv`` (True; where it cannot be shared, a warning, and transfers take the
+    slower way)."""
 
     listen_host: str = "127.0.0.1"
     port_base: int = 0
@@ -111,6 +114,7 @@ class ConnectorOptions:
     pull_timeout_ms: int = 30000
     link_timeout_ms: int = 5000
     layerwise: bool = False
+    share_kv: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -417,12 +421,24 @@ class _Worker:
             data_type, block_elems = DataType.DT_UINT8, block_elems * dtype.itemsize
         placement = placement_of(tensors[0].device)
         self.dd = self._start(tensors[0].device.index if placement == Placement.DEVICE else None)
+        if placement != Placement.DEVICE and self.options.share_kv and self.options.transport in ("auto", "shm"):
+            self._share_in_place(tensors)
         desc = CacheDesc(len(addrs), (self.num_blocks, block_elems), data_type, placement)
         key = BlocksCacheKey(self.dd.cluster_id, MODEL_ID)
         self.cache = self.dd.cache_manager.register_blocks_cache(desc, addrs, key)
         log.info("aiodatadist: %d KV tensors of %d blocks x %d elements registered (cluster %d%s)", len(addrs),
                  self.num_blocks, block_elems, self.dd.cluster_id,
                  f", listening on {self.dd.listen_address}" if self.listens else "")
+
+    def _share_in_place(self, tensors: list[torch.Tensor]) -> None:
+        """Share the memory under the host KV tensors with same-host peers where it lies, before it is in use."""
+        assert self.dd is not None
+        storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
+        try:
+            self.dd.cache_manager.share_host_memory(sorted(storages))
+        except LLMException as exc:
+            log.warning("aiodatadist: KV cache not shared in place (%s); same-host peers read it with "
+                        "process_vm_readv", exc)
 
     def _start(self, device_index: int | None) -> SyncLLMDataDist:
         options = self.options

@@ -73,11 +73,14 @@ def p_then_d(prefill: Engine, decode: Engine, prompt: list[int]) -> tuple[dict[s
     return params, decode.generate(prompt, TOKENS, params)["tokens"]
 
 
-@pytest.mark.parametrize(("transport", "layerwise"), [("auto", False), ("tcp", False), ("auto", True)])
+@pytest.mark.parametrize(("transport", "layerwise", "share_kv"),
+                         [("auto", False, True), ("auto", False, False), ("tcp", False, True), ("auto", True, True)])
 def test_decode_continues_the_prefill_exactly(settings: EngineSettings, prompts: list[list[int]],
-                                              reference: list[list[int]], transport: str, layerwise: bool) -> None:
-    """Whole-request loads between steps, over shared memory and TCP, and layer-wise loads inside the forward."""
-    prefill, decode = pair(settings, {"transport": transport, "layerwise": layerwise})
+                                              reference: list[list[int]], transport: str, layerwise: bool,
+                                              share_kv: bool) -> None:
+    """Whole-request loads between steps, over shared memory (P's KV shared in place and mapped by D, or read with
+    process_vm_readv) and TCP, and layer-wise loads inside the forward."""
+    prefill, decode = pair(settings, {"transport": transport, "layerwise": layerwise, "share_kv": share_kv})
     try:
         decode.transfers()
         for i, prompt in enumerate(prompts[:3]):

@@ -63,6 +63,9 @@ def test_options_are_parsed_and_checked() -> None:
     assert ConnectorOptions.from_extra_config(None) == ConnectorOptions()
     options = ConnectorOptions.from_extra_config({"port_base": "7000", "transport": "tcp", "lease_seconds": 5})
     assert (options.port_base, options.transport, options.lease_seconds) == (7000, "tcp", 5.0)
+    assert ConnectorOptions().share_kv and not ConnectorOptions.from_extra_config({"share_kv": "false"}).share_kv
+    with pytest.raises(ValueError, match="share_kv must be bool"):
+        ConnectorOptions.from_extra_config({"share_kv": "sometimes"})
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys \\['listen_port'\\]"):
         ConnectorOptions.from_extra_config({"listen_port": 1})
     with pytest.raises(ValueError, match="transport"):

@@ -92,6 +92,11 @@ CONFIGS: tuple[ConnectorConfig, ...] = (
                                     "kv_connector_module_path": "aiodatadist.integrations.vllm",
                                     "kv_role": "kv_both"},
                     "aiodatadist's connector", module="aiodatadist.integrations.vllm"),
+    ConnectorConfig("aiodatadist-private", {"kv_connector": "AiodatadistConnector",
+                                            "kv_connector_module_path": "aiodatadist.integrations.vllm",
+                                            "kv_role": "kv_both", "kv_connector_extra_config": {"share_kv": False}},
+                    "aiodatadist's connector with the KV left private (share_kv false): D reads P's KV with "
+                    "process_vm_readv", module="aiodatadist.integrations.vllm"),
     ConnectorConfig("aiodatadist-layerwise", {"kv_connector": "AiodatadistConnector",
                                               "kv_connector_module_path": "aiodatadist.integrations.vllm",
                                               "kv_role": "kv_both", "kv_connector_extra_config": {"layerwise": True}},
