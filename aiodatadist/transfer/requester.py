@@ -21,6 +21,7 @@ from typing import Any
 
 from .._aio import wait_through_cancellation
 from .._checks import check_int, require
+from .._deadlines import deadline
 from .._settings import Settings
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from ..layout import TransferParams, transfer_plan
@@ -76,7 +77,7 @@ class Requester:
         nbytes = 0
         try:
             try:
-                async with asyncio.timeout(timeout_ms / 1000):
+                async with deadline(timeout_ms / 1000):
                     release, nbytes = await self._run(key, local, params, note)
             except TimeoutError as exc:
                 if isinstance(exc, LLMException):
