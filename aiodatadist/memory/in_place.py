@@ -29,6 +29,7 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +45,7 @@ PAGE = mmap.PAGESIZE
 MAX_HOLE_FRACTION = 8.0
 """Refused when the holes between the ranges exceed this fraction of the shared pages (and 64 MiB)."""
 _MAX_HOLE_FLOOR = 64 << 20
+SWITCH_PIECE = 64 << 20  # bytes a thread copies or pre-faults at a time while switching
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -89,28 +91,42 @@ class InPlaceSegment(MemfdBacked):
         self.identity = SegmentIdentity(os.getpid(), self._fd, st.st_ino, st.st_dev, self.size)
 
     def _switch(self, name: str, lows: npt.NDArray[np.uint64], highs: npt.NDArray[np.uint64]) -> int:
-        """Copy each range's whole pages into a new memfd and map it over them; returns the memfd."""
+        """Copy each range's whole pages into a new memfd and map it over them; returns the memfd.  The copies and
+        the pre-faulting run in pieces on up to one thread per CPU (a GiB takes about 0.65 s on one)."""
         fd = sealed_memfd(name, self.size)
+        ranges = list(zip(lows.tolist(), highs.tolist(), strict=True))
+        pieces = [(at, min(at + SWITCH_PIECE, high)) for low, high in ranges for at in range(low, high, SWITCH_PIECE)]
+        threads = min(len(pieces), len(os.sched_getaffinity(0)))
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="aiodatadist-share") if threads > 1 else None
+        run = pool.map if pool is not None else map
         try:
-            for low, high in zip(lows.tolist(), highs.tolist(), strict=True):
-                self._switch_one(fd, low, high - low)
+            # The file's pages get the current content (the kernel copies; the GIL is released).
+            list(run(lambda piece: self._write(fd, *piece), pieces))
+            for low, high in ranges:
+                self._map_over(fd, low, high - low)
+            # The new mappings' page tables: no first-touch faults later.
+            list(run(lambda piece: populate(piece[0], piece[1] - piece[0], write=True), pieces))
         except BaseException:
             os.close(fd)  # pages switched already stay mapped (same content): the process loses nothing
             raise
+        finally:
+            if pool is not None:
+                pool.shutdown()
         return fd
 
-    def _switch_one(self, fd: int, address: int, length: int) -> None:
-        offset = address - self.address
-        view = memoryview((ctypes.c_char * length).from_address(address)).cast("B")
-        done = 0
-        while done < length:  # the file's pages get the current content (the kernel copies; the GIL is released)
+    def _write(self, fd: int, low: int, high: int) -> None:
+        view = memoryview((ctypes.c_char * (high - low)).from_address(low)).cast("B")
+        done, offset = 0, low - self.address
+        while done < len(view):
             done += os.pwrite(fd, view[done:], offset + done)
-        got = libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd, offset)
+
+    def _map_over(self, fd: int, address: int, length: int) -> None:
+        got = libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd,
+                        address - self.address)
         if got in (None, _MAP_FAILED) or got != address:  # 0x10: MAP_FIXED
             err = ctypes.get_errno()
             raise LLMException(f"cannot share host memory at {address:#x} in place: {os.strerror(err)}",
                                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
-        populate(address, length, write=True)  # the new mapping's page tables: no first-touch faults later
 
     # -- what registrations ask ------------------------------------------------------------------------------
     def _range_of(self, addrs: npt.NDArray[np.uint64], tensor_size: int) -> npt.NDArray[np.intp] | None:

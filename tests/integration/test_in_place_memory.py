@@ -26,6 +26,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
+from aiodatadist.memory import in_place
 from aiodatadist.testing import PeerProcess, linked_pair
 
 PAGE = mmap.PAGESIZE
@@ -46,7 +47,12 @@ def ranges_of(tensors: list[np.ndarray]) -> list[tuple[int, int]]:
     return [(int(t.ctypes.data), t.nbytes) for t in tensors]
 
 
-async def test_sharing_keeps_the_memory_its_content_and_the_bytes_around_it() -> None:
+@pytest.mark.parametrize("piece_pages", [None, 1, 3])
+async def test_sharing_keeps_the_memory_its_content_and_the_bytes_around_it(piece_pages: int | None,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also with the switch cut into pieces of 1 and 3 pages (copied and pre-faulted on several threads)."""
+    if piece_pages is not None:
+        monkeypatch.setattr(in_place, "SWITCH_PIECE", piece_pages * PAGE)
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init({})
         whole, tensors = unaligned_tensors(1)

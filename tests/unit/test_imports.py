@@ -24,7 +24,7 @@ PACKAGE = Path(aiodatadist.__file__).parent
 # transport, composed only by the link layer; the registry and the links, composed by the transfer layer.
 GROUPS: dict[str, set[str]] = {
     "values": {"errors", "_checks", "types", "transfer_configs", "rank_table", "config", "layout", "stats",
-               "segment_identity", "_aio", "_lazy",  # pure values and generic helpers: import nothing else
+               "segment_identity", "_aio", "_lazy", "_deadlines",  # values and generic helpers: import nothing else
                "_settings", "_env_knobs", "_curve_keys"},  # parsed options, environment knobs, CURVE keys
     "native": {"native"},  # the compiled helper and its ctypes bindings
     "memory": {"memory"},  # shared memory segments
