@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._checks import check_bool, check_int, check_isinstance, require
@@ -455,45 +456,43 @@ class LLMConfig:
             )
             opts[OptionKey.DEVICE_ID] = ";".join(str(int(d)) for d in ids)
             opts[OptionKey.SESSION_DEVICE_ID] = str(int(ids[0]))
-        if self._sync_kv_timeout is not None:
-            opts[OptionKey.SYNC_KV_TIMEOUT] = str(self._sync_kv_timeout)
-        if self._mem_pool_cfg:
-            opts[OptionKey.MEM_POOL_CONFIG] = self._mem_pool_cfg
-        if self._host_mem_pool_cfg:
-            opts[OptionKey.HOST_MEM_POOL_CONFIG] = self._host_mem_pool_cfg
-        if self._enable_cache_manager is not None:
-            opts[OptionKey.ENABLE_CACHE_MANAGER] = "1" if self._enable_cache_manager else "0"
-        if self._enable_remote_cache_accessible is not None:
-            opts[OptionKey.ENABLE_REMOTE_CACHE_ACCESSIBLE] = "1" if self._enable_remote_cache_accessible else "0"
-        if self._listen_ip_info:
-            opts[OptionKey.LISTEN_IP_INFO] = self._listen_ip_info
-        if self._link_total_time is not None:
-            opts[OptionKey.LINK_TOTAL_TIME] = str(self._link_total_time)
-        if self._link_retry_count is not None:
-            opts[OptionKey.LINK_RETRY_COUNT] = str(self._link_retry_count)
-        if self._local_comm_res is not None:
-            opts[OptionKey.LOCAL_COMM_RES] = self._local_comm_res
-        if self._enable_switch_role:
-            opts[OptionKey.ENABLE_SWITCH_ROLE] = "1"
-        if self._transport is not None:
-            opts[OptionKey.TRANSPORT] = self._transport.value
-        if self._auth_key is not None:
-            opts[OptionKey.AUTH_KEY] = self._auth_key
-        if self._net is not None:
-            opts[OptionKey.NET] = self._net
-        if self._directory is not None:
-            opts[OptionKey.DIRECTORY] = "1" if self._directory else "0"
-        if self._tcp_connections is not None:
-            opts[OptionKey.TCP_CONNECTIONS] = str(self._tcp_connections)
-        if self._curve_secret_key is not None:
-            opts[OptionKey.CURVE_SECRET_KEY] = self._curve_secret_key
-        if self._curve_peer_keys is not None:
-            opts[OptionKey.CURVE_PEER_KEYS] = self._curve_peer_keys
+        for key, value in self._set_options():
+            opts[key] = value
         opts.update(self._compat)
         opts[OptionKey.MEMORY_UTILIZATION] = str(self._mem_utilization)
         return opts
 
     gen_options = generate_options
+
+    def _set_options(self) -> Iterator[tuple[str, str]]:
+        """The options this config sets (besides device ids, ``ge_options`` and compatibility keys), in a fixed
+        order, as option strings."""
+        candidates: tuple[tuple[str, Any, Callable[[Any], str]], ...] = (
+            (OptionKey.SYNC_KV_TIMEOUT, self._sync_kv_timeout, str),
+            (OptionKey.MEM_POOL_CONFIG, self._mem_pool_cfg or None, str),
+            (OptionKey.HOST_MEM_POOL_CONFIG, self._host_mem_pool_cfg or None, str),
+            (OptionKey.ENABLE_CACHE_MANAGER, self._enable_cache_manager, _flag),
+            (OptionKey.ENABLE_REMOTE_CACHE_ACCESSIBLE, self._enable_remote_cache_accessible, _flag),
+            (OptionKey.LISTEN_IP_INFO, self._listen_ip_info or None, str),
+            (OptionKey.LINK_TOTAL_TIME, self._link_total_time, str),
+            (OptionKey.LINK_RETRY_COUNT, self._link_retry_count, str),
+            (OptionKey.LOCAL_COMM_RES, self._local_comm_res, str),
+            (OptionKey.ENABLE_SWITCH_ROLE, True if self._enable_switch_role else None, _flag),
+            (OptionKey.TRANSPORT, self._transport.value if self._transport is not None else None, str),
+            (OptionKey.AUTH_KEY, self._auth_key, str),
+            (OptionKey.NET, self._net, str),
+            (OptionKey.DIRECTORY, self._directory, _flag),
+            (OptionKey.TCP_CONNECTIONS, self._tcp_connections, str),
+            (OptionKey.CURVE_SECRET_KEY, self._curve_secret_key, str),
+            (OptionKey.CURVE_PEER_KEYS, self._curve_peer_keys, str),
+        )
+        for key, value, text in candidates:
+            if value is not None:
+                yield key, text(value)
+
+
+def _flag(on: Any) -> str:
+    return "1" if on else "0"
 
 
 LlmConfig = LLMConfig
