@@ -121,16 +121,9 @@ async def run_layers(num_layers: int, synchronizer: LayerSynchronizer,
                      results: list[LLMStatusCode | None], resolve: Resolver, has_dst_blocks: bool) -> None:
     """Walk layers ``0 .. num_layers-1`` as the module says, writing each config's status into ``results``.
     Raw-address configs are first resolved with their owners (a failure ends the job before any layer)."""
-    configs: list[TransferWithCacheKeyConfig] = []
-    for i, config in enumerate(given):
-        if isinstance(config, TransferWithCacheKeyConfig):
-            configs.append(config)
-            continue
-        try:
-            configs.append(await keyed_config(config, num_layers, resolve, has_dst_blocks))
-        except LLMException as exc:
-            results[i] = exc.status_code
-            return
+    configs = await _keyed_configs(given, num_layers, resolve, has_dst_blocks, results)
+    if configs is None:
+        return
     last = [config.src_layer_range[-1] for config in configs]
     for layer in range(num_layers):
         if all(result is not None for result in results):
@@ -142,17 +135,42 @@ async def run_layers(num_layers: int, synchronizer: LayerSynchronizer,
                 results[i] = LLMStatusCode.LLM_PARAM_INVALID
             return
         outcomes = await asyncio.gather(*(push(configs[i], layer) for i in active), return_exceptions=True)
-        failed = False
-        for i, outcome in zip(active, outcomes):
-            if isinstance(outcome, LLMException):
-                results[i] = outcome.status_code
-                failed = True
-            elif isinstance(outcome, BaseException):
-                if isinstance(outcome, asyncio.CancelledError):
-                    raise outcome
-                results[i] = LLMStatusCode.LLM_FAILED
-                failed = True
-            elif layer == last[i]:
-                results[i] = LLMStatusCode.LLM_SUCCESS
-        if failed:
+        if not _recorded(active, outcomes, [layer == last[i] for i in active], results):
             return
+
+
+async def _keyed_configs(given: Sequence[TransferWithCacheKeyConfig | TransferConfig], num_layers: int,
+                         resolve: Resolver, has_dst_blocks: bool,
+                         results: list[LLMStatusCode | None]) -> list[TransferWithCacheKeyConfig] | None:
+    """Every config with a cache key (raw-address ones resolved); None after the first that failed, whose status
+    is in ``results``."""
+    configs: list[TransferWithCacheKeyConfig] = []
+    for i, config in enumerate(given):
+        if isinstance(config, TransferWithCacheKeyConfig):
+            configs.append(config)
+            continue
+        try:
+            configs.append(await keyed_config(config, num_layers, resolve, has_dst_blocks))
+        except LLMException as exc:
+            results[i] = exc.status_code
+            return None
+    return configs
+
+
+def _recorded(active: list[int], outcomes: Sequence[object], finishing: list[bool],
+              results: list[LLMStatusCode | None]) -> bool:
+    """Write one layer's outcomes into ``results`` (success only for configs whose last layer it was); False if
+    any failed.  A cancellation propagates."""
+    ok = True
+    for i, outcome, done in zip(active, outcomes, finishing, strict=True):
+        if isinstance(outcome, LLMException):
+            results[i] = outcome.status_code
+            ok = False
+        elif isinstance(outcome, BaseException):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            results[i] = LLMStatusCode.LLM_FAILED
+            ok = False
+        elif done:
+            results[i] = LLMStatusCode.LLM_SUCCESS
+    return ok
