@@ -11,8 +11,9 @@ import functools
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +23,7 @@ from ._checks import param_invalid, require
 __all__ = [
     "CacheGeometry",
     "CopyPlan",
+    "PlanCache",
     "Runs",
     "Spans",
     "TransferParams",
@@ -390,12 +392,42 @@ def plan_to_spans(plan: CopyPlan, src_addrs: npt.ArrayLike, dst_addrs: npt.Array
     return Spans(s.astype(np.uint64, copy=False), d.astype(np.uint64, copy=False), n.astype(np.uint64, copy=False))
 
 
+V = TypeVar("V")
+
+
+class PlanCache(OrderedDict[tuple[Any, ...], tuple["CopyPlan", V]]):
+    """What was derived from a plan and the memory it runs on (span lists, a prepared launch), least recently used
+    first out.  Keyed by the plan's ``id`` and the caller's parts (the tensors' addresses, as bytes): an entry keeps
+    its plan alive, so the ``id`` still names it, and a hit checks that it is that plan.  Memory re-registered
+    elsewhere has other addresses, hence other entries.  Thread-safe: instances on event loops of several threads
+    share one."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self._lock = threading.Lock()
+
+    def get_or_make(self, plan: CopyPlan, parts: tuple[Any, ...], make: Callable[[], V]) -> V:
+        """The value kept for ``plan`` and ``parts``, made (outside the lock) and kept if there is none."""
+        key = (id(plan), *parts)
+        with self._lock:
+            found = self.get(key)
+            if found is not None and found[0] is plan:
+                self.move_to_end(key)
+                return found[1]
+        value = make()
+        with self._lock:
+            self[key] = (plan, value)
+            while len(self) > self.size:
+                self.popitem(last=False)
+        return value
+
+
 SIDE_SPANS_CACHE = 64
 """One end's span lists kept (least recently used first out), for plans of at most :data:`SIDE_SPANS_MAX_SPANS`
 spans: a TCP transfer repeating a recent one (same plan, same tensors) reuses its lists on both ends."""
 SIDE_SPANS_MAX_SPANS = 16384
-_side_spans: OrderedDict[tuple[int, bytes, str], tuple[CopyPlan, UInt64Array, UInt64Array]] = OrderedDict()
-_side_spans_lock = threading.Lock()  # instances on event loops of several threads share it
+_side_spans: PlanCache[tuple[UInt64Array, UInt64Array]] = PlanCache(SIDE_SPANS_CACHE)
 
 
 def plan_side_spans(plan: CopyPlan, tensor_addrs: npt.ArrayLike, side: str) -> tuple[UInt64Array, UInt64Array]:
@@ -403,25 +435,17 @@ def plan_side_spans(plan: CopyPlan, tensor_addrs: npt.ArrayLike, side: str) -> t
     that end's memory continues.  Merging never reorders bytes, so both ends agree on every byte's offset in the
     transfer's stream even though each merges differently.
 
-    The lists are cached by the plan (whose entry keeps it alive, so its ``id`` names it) and the tensors'
-    addresses, and are read-only: memory re-registered elsewhere has other addresses, hence other lists."""
+    The lists are cached by the plan and the tensors' addresses (:class:`PlanCache`), and are read-only."""
     addrs = np.asarray(tensor_addrs, dtype=np.uint64)
     if plan.num_spans > SIDE_SPANS_MAX_SPANS:
         return _plan_side_spans(plan, addrs, side)
-    key = (id(plan), addrs.tobytes(), side)
-    with _side_spans_lock:
-        found = _side_spans.get(key)
-        if found is not None and found[0] is plan:
-            _side_spans.move_to_end(key)
-            return found[1], found[2]
-    start, length = _plan_side_spans(plan, addrs, side)
-    start.flags.writeable = False
-    length.flags.writeable = False
-    with _side_spans_lock:
-        _side_spans[key] = (plan, start, length)
-        if len(_side_spans) > SIDE_SPANS_CACHE:
-            _side_spans.popitem(last=False)
-    return start, length
+    return _side_spans.get_or_make(plan, (addrs.tobytes(), side), lambda: _read_only(_plan_side_spans(plan, addrs, side)))
+
+
+def _read_only(lists: tuple[UInt64Array, UInt64Array]) -> tuple[UInt64Array, UInt64Array]:
+    for array in lists:
+        array.flags.writeable = False
+    return lists
 
 
 def _plan_side_spans(plan: CopyPlan, addrs: UInt64Array, side: str) -> tuple[UInt64Array, UInt64Array]:

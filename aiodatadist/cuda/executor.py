@@ -27,7 +27,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from typing import Final, Self
 
 import numpy as np
@@ -35,7 +34,7 @@ import numpy as np
 from ..copy.base import ExecutorBase, resolve_job
 from ..copy.spans import as_u64
 from ..errors import LLMException, LLMStatusCode
-from ..layout import CopyPlan, Spans, plan_to_spans
+from ..layout import CopyPlan, PlanCache, Spans, plan_to_spans
 from .driver import CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device
 from .kernels import KERNEL_NAME, choose_piece, launch_geometry, ptx_text, split_long_spans
 
@@ -60,7 +59,7 @@ class _Launch:
     """A copy ready to enqueue: one span (``single``: dst, src, bytes) or the kernel's descriptor table (``table``:
     the pieces' sources, then destinations, then lengths) and launch geometry; nothing to copy when neither."""
 
-    __slots__ = ("block", "grid", "n", "nbytes", "plan", "single", "table")
+    __slots__ = ("block", "grid", "n", "nbytes", "single", "table")
 
     def __init__(self, nbytes: int, single: tuple[int, int, int] | None = None, table: np.ndarray | None = None,
                  grid: int = 0, block: int = 0) -> None:
@@ -69,7 +68,6 @@ class _Launch:
         self.table = table
         self.n = 0 if table is None else len(table) // 3
         self.grid, self.block = grid, block
-        self.plan: CopyPlan | None = None  # the plan it was prepared for (kept alive: its id is the cache key)
 
 
 class _Work:
@@ -200,7 +198,7 @@ class CudaExecutor(ExecutorBase):
         self._all: list[_Descriptors] = []
         self._closed = False
         self._events: list[ctypes.c_void_p] = []  # recorded after a job's copy, reused once it completed
-        self._launches: OrderedDict[tuple[int, bytes, bytes], _Launch] = OrderedDict()  # see start_plan
+        self._launches: PlanCache[_Launch] = PlanCache(LAUNCH_CACHE)  # see start_plan
         self._rate = FIRST_RATE  # bytes/s: how fast this executor's copies have ended (a moving average)
         self.last_job: CudaJob | None = None  # the latest awaitable copy (its timestamps, for `bench --device`)
         drv = device.driver
@@ -245,21 +243,12 @@ class CudaExecutor(ExecutorBase):
         return job
 
     def _prepared(self, plan: CopyPlan, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> _Launch:
-        if plan.num_spans > LAUNCH_CACHE_MAX_SPANS:
+        def prepare() -> _Launch:
             return self._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
-        key = (id(plan), as_u64(src_addrs).tobytes(), as_u64(dst_addrs).tobytes())
-        with self._lock:
-            launch = self._launches.get(key)
-            if launch is not None and launch.plan is plan:
-                self._launches.move_to_end(key)
-                return launch
-        launch = self._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
-        launch.plan = plan
-        with self._lock:
-            self._launches[key] = launch
-            while len(self._launches) > LAUNCH_CACHE:
-                self._launches.popitem(last=False)
-        return launch
+
+        if plan.num_spans > LAUNCH_CACHE_MAX_SPANS:
+            return prepare()
+        return self._launches.get_or_make(plan, (as_u64(src_addrs).tobytes(), as_u64(dst_addrs).tobytes()), prepare)
 
     def _prepare(self, spans: Spans) -> _Launch:
         """The launch that copies ``spans``: raises ``LLMException`` if one launch cannot take them."""

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import numpy.typing as npt
 
+from .._env_knobs import usable_cpus
 from ..errors import LLMException, LLMStatusCode
 from ..native.syscalls import libc, populate
 from ..segment_identity import SegmentIdentity
@@ -96,7 +97,7 @@ class InPlaceSegment(MemfdBacked):
         fd = sealed_memfd(name, self.size)
         ranges = list(zip(lows.tolist(), highs.tolist(), strict=True))
         pieces = [(at, min(at + SWITCH_PIECE, high)) for low, high in ranges for at in range(low, high, SWITCH_PIECE)]
-        threads = min(len(pieces), len(os.sched_getaffinity(0)))
+        threads = min(len(pieces), usable_cpus())
         pool = ThreadPoolExecutor(threads, thread_name_prefix="aiodatadist-share") if threads > 1 else None
         run = pool.map if pool is not None else map
         try:
