@@ -33,8 +33,24 @@ static void stream_copy(char *d, const char *s, size_t n)
 }
 #define STREAM_FENCE() _mm_sfence()
 #define SPIN_PAUSE() _mm_pause()
+
+/* Touch one line of every 4 KiB page of the next span's first TOUCH_BYTES, source and destination, before copying
+ * this one: a scattered span starts on pages whose translations are not cached, and each page walk then stalls
+ * the copy (the hardware prefetchers stop at page boundaries).  Started a span ahead, the walks overlap the
+ * current copy: a paged pull of scattered 32 KiB blocks gains ~5% (C harness: 26 -> 29 GB/s on 2 threads, a
+ * contiguous copy of the same memory 33). */
+#define TOUCH_BYTES (64u << 10)
+static inline void touch_pages(uint64_t s, uint64_t d, uint64_t l)
+{
+    if (l > TOUCH_BYTES) l = TOUCH_BYTES;
+    for (uint64_t k = 0; k < l; k += 4096) {
+        _mm_prefetch((const char *)(uintptr_t)(s + k), _MM_HINT_T0);
+        _mm_prefetch((const char *)(uintptr_t)(d + k), _MM_HINT_T0);
+    }
+}
 #else
 static void stream_copy(char *d, const char *s, size_t n) { memcpy(d, s, n); }
+static inline void touch_pages(uint64_t s, uint64_t d, uint64_t l) { (void)s; (void)d; (void)l; }
 #define STREAM_FENCE() ((void)0)
 #define SPIN_PAUSE() ((void)0)
 #endif
@@ -77,9 +93,10 @@ long adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *le
     size_t i;
     for (i = 0; i < n; i++) {
         if (stop && *stop) break;
-        if (streaming && len[i] >= 4096)
+        if (streaming && len[i] >= 4096) {
+            if (i + 1 < n && len[i + 1] >= 4096) touch_pages(src[i + 1], dst[i + 1], len[i + 1]);
             stream_copy((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], (size_t)len[i]);
-        else
+        } else
             memmove((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)len[i]);
     }
     if (streaming) STREAM_FENCE();
@@ -490,6 +507,7 @@ static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
             uint64_t s = sb + run_src[r] + off, d = db + run_dst[r] + off;
             if (cl && cs + cl == s && cd + cl == d) cl += l;
             else {
+                if (cl >= 4096 && c->mode == 0 && c->streaming) touch_pages(s, d, l);
                 if (cl && (err = copy_span_fast(c, cs, cd, cl, piece))) return err;
                 cs = s; cd = d; cl = l;
             }

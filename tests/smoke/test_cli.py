@@ -32,6 +32,9 @@ def test_bench_local_reports_a_ratio(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     local = next(r for r in results if r["workload"] == "local")
     assert local["ratio"] > 0 and local["baseline_gbps"] > 0
+    # the copy limit, measured in turn with the workload (the native helper is built in this suite)
+    assert local["limit"].startswith("streaming copy 256 MiB, ")
+    assert local["limit_gbps"] > 0 and local["limit_ratio"] == pytest.approx(local["gbps"] / local["limit_gbps"])
     small = next(r for r in results if r["workload"] == "small")
     assert 0 < small["p50_ms"] <= small["p99_ms"] and small["transport"] == "shm"
     assert "baseline: np.copyto" in result.stderr  # progress lines

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiodatadist.native import native_pool
-from aiodatadist.tools.bench.baselines import stream_copy_gbps
+from aiodatadist.tools.bench.baselines import StreamCopy, stream_copy_gbps
 
 LIB = native_pool()
 pytestmark = pytest.mark.skipif(LIB is None or not hasattr(LIB, "adt_stream_copy_limit"),
@@ -31,3 +31,13 @@ def test_copies_exactly_the_bytes_asked_for(size: int, offset: int, threads: int
 
 def test_the_baseline_measures_a_copy() -> None:
     assert (stream_copy_gbps(4 << 20, 2, 2) or 0) > 0
+
+
+def test_the_instrument_copies_its_bytes_each_time_it_is_read() -> None:
+    limit = StreamCopy.create(3 << 20, 2)
+    assert limit is not None and limit.name == "streaming copy 3 MiB, 2 threads"
+    assert all(limit.seconds() > 0 for _ in range(3))
+    limit.check()
+    limit._dst[768 * 16] ^= 0xFF  # a wrong byte where check() looks (every 768th of 3 MiB) is caught
+    with pytest.raises(RuntimeError, match="wrong bytes"):
+        limit.check()

@@ -2,7 +2,9 @@
 
 Every figure is a median over ``--repeat`` runs, printed with a baseline measured in the same run: a
 single-process ``np.copyto`` of the same bytes for the same-host plane (``shm``), a plain loopback TCP stream of
-the same bytes between two processes for ``tcp``.  The prompt runs in its own process.  Workloads:
+the same bytes between two processes for ``tcp``.  Same-host throughput rows are also compared with the machine's
+copy limit (:class:`.baselines.StreamCopy`), measured in turn with the workload, one copy after each of its
+runs.  The prompt runs in its own process.  Workloads:
 
 * ``local``: ``copy_blocks`` in one 64-tensor x 256-block x 32 KiB host cache, 128 scattered blocks per tensor
   (256 MiB moved), no link;
@@ -39,6 +41,7 @@ import functools
 import json
 import statistics
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,7 +55,7 @@ from ...errors import LLMStatusCode
 from ...native import native_available
 from ...testing import PeerProcess, cluster_info, fill_pattern, free_port
 from ...types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
-from .baselines import copyto_gbps, socket_stream_gbps, stream_copy_gbps
+from .baselines import StreamCopy, copyto_gbps, socket_stream_gbps
 from .baselines import gbps as _gbps
 from .timing import interleaved_times, stderr_progress
 from .timing import times as _times
@@ -94,17 +97,36 @@ def _scattered(rng: np.random.Generator) -> tuple[list[int], list[int]]:
     return perm[:MOVED_BLOCKS].tolist(), perm[MOVED_BLOCKS:].tolist()
 
 
-async def bench_local(repeat: int, baseline: float) -> dict[str, Any]:
+async def _with_limit(fn: Callable[[], Awaitable[Any]], nbytes: int, repeat: int, limit: StreamCopy | None
+                      ) -> tuple[float, dict[str, Any]]:
+    """GB/s of ``fn`` (``nbytes`` a call, median of ``repeat`` calls after one), and the fields of the row that
+    compare it with the streaming-copy limit, measured in turn with it (none without ``limit``)."""
+    await fn()
+    work: list[float] = []
+    bound: list[float] = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        await fn()
+        work.append(time.perf_counter() - start)
+        if limit is not None:
+            bound.append(limit.seconds())
+    value = _gbps(nbytes, statistics.median(work))
+    if limit is None:
+        return value, {}
+    limit_gbps = _gbps(limit.nbytes, statistics.median(bound))
+    return value, {"limit": limit.name, "limit_gbps": limit_gbps, "limit_ratio": value / limit_gbps}
+
+
+async def bench_local(repeat: int, baseline: float, limit: StreamCopy | None = None) -> dict[str, Any]:
     async with LLMDataDist(LLMRole.PROMPT, PROMPT) as dd:
         await dd.init({})
         cache = dd.cache_manager.allocate_blocks_cache(_blocks_desc())
         fill_pattern(cache, 1)
         src, dst = _scattered(np.random.default_rng(0))
         info = {s: [d] for s, d in zip(src, dst)}
-        times = await _times(lambda: dd.cache_manager.copy_blocks(cache, info), repeat)
-    value = _gbps(BIG, statistics.median(times))
+        value, limits = await _with_limit(lambda: dd.cache_manager.copy_blocks(cache, info), BIG, repeat, limit)
     return {"workload": "local", "transport": "-", "direction": "-", "bytes": BIG, "gbps": value,
-            "baseline": "np.copyto 256 MiB", "baseline_gbps": baseline, "ratio": value / baseline}
+            "baseline": "np.copyto 256 MiB", "baseline_gbps": baseline, "ratio": value / baseline, **limits}
 
 
 class _Session:
@@ -190,21 +212,28 @@ class _Session:
 
 
 async def bench_transport(transport: str, directions: list[str], workloads: set[str], repeat: int,
-                          concurrency: int, baseline: tuple[str, float], progress: Progress) -> list[dict[str, Any]]:
+                          concurrency: int, baseline: tuple[str, float], progress: Progress,
+                          limit: StreamCopy | None = None) -> list[dict[str, Any]]:
+    """Measure ``workloads`` on one linked pair over ``transport``; the same-host throughput rows are compared with
+    ``limit``, measured in turn with them."""
     session = await _Session.start(transport)
     rows: list[dict[str, Any]] = []
     try:
         rng = np.random.default_rng(1)
         for direction in directions:
-            rows.extend(await _measure(session, direction, workloads, repeat, concurrency, baseline, rng, progress))
+            rows.extend(await _measure(session, direction, workloads, repeat, concurrency, baseline, rng, progress,
+                                       limit))
     finally:
         await session.close()
     return rows
 
 
 async def _measure(session: _Session, direction: str, workloads: set[str], repeat: int, concurrency: int,
-                   baseline: tuple[str, float], rng: np.random.Generator, progress: Progress) -> list[dict[str, Any]]:
+                   baseline: tuple[str, float], rng: np.random.Generator, progress: Progress,
+                   limit: StreamCopy | None = None) -> list[dict[str, Any]]:
     plane = session.dd.links()[0]["plane"]
+    if plane not in SAME_HOST:
+        limit = None
     base_name, base_gbps = baseline
     rows: list[dict[str, Any]] = []
 
@@ -215,13 +244,12 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
     if workloads & {"paged", "concurrent"}:
         progress(f"{plane} {direction} paged 256 MiB")
         src, dst = _scattered(rng)
-        times = await _times(lambda: session.paged(direction, src, dst), repeat)
-        single = _gbps(BIG, statistics.median(times))
-        row("paged", BIG, gbps=single, baseline=base_name, baseline_gbps=base_gbps, ratio=single / base_gbps)
+        single, limits = await _with_limit(lambda: session.paged(direction, src, dst), BIG, repeat, limit)
+        row("paged", BIG, gbps=single, baseline=base_name, baseline_gbps=base_gbps, ratio=single / base_gbps, **limits)
     if "whole" in workloads:
         progress(f"{plane} {direction} whole cache 256 MiB")
-        value = _gbps(BIG, statistics.median(await _times(lambda: session.whole(direction), repeat)))
-        row("whole", BIG, gbps=value, baseline=base_name, baseline_gbps=base_gbps, ratio=value / base_gbps)
+        value, limits = await _with_limit(lambda: session.whole(direction), BIG, repeat, limit)
+        row("whole", BIG, gbps=value, baseline=base_name, baseline_gbps=base_gbps, ratio=value / base_gbps, **limits)
     if "small" in workloads:
         runs = max(200, repeat * 20)
         progress(f"{plane} {direction} 2 MiB x {runs}")
@@ -286,6 +314,11 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
     """Measure ``workloads`` on ``transports`` (``shm``/``tcp``) and ``directions`` (``pull``/``push``)."""
     rows: list[dict[str, Any]] = []
     remote = workloads - {"local"}
+    limit = None
+    if "local" in workloads or (remote & {"paged", "whole"} and set(SAME_HOST) & set(transports)):
+        threads = env_knobs().copy_threads
+        progress(f"baseline: streaming copy 256 MiB, {threads} threads (measured in turn with each workload)")
+        limit = StreamCopy.create(BIG, threads)
     copy_base = None
     if "local" in workloads or (remote and {"shm", "nixl"} & set(transports)):
         progress("baseline: np.copyto 256 MiB")
@@ -293,7 +326,7 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
     if "local" in workloads:
         progress("local copy_blocks 256 MiB")
         assert copy_base is not None
-        rows.append(await bench_local(repeat, copy_base))
+        rows.append(await bench_local(repeat, copy_base, limit))
     for transport in transports if remote else []:
         if transport == "tcp":  # (nixl: on one host UCX reads with process_vm_readv, so the copy baseline)
             progress("baseline: plain TCP stream 256 MiB between two processes")
@@ -301,13 +334,11 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
         else:
             assert copy_base is not None
             baseline = ("np.copyto 256 MiB", copy_base)
-        rows.extend(await bench_transport(transport, directions, remote, repeat, concurrency, baseline, progress))
-    if any(r.get("transport") in SAME_HOST and "gbps" in r for r in rows):
-        threads = env_knobs().copy_threads
-        progress(f"baseline: streaming copy 256 MiB, {threads} threads")
-        limit = stream_copy_gbps(BIG, repeat, threads)
-        if limit is not None:
-            _add_limit(rows, f"streaming copy 256 MiB, {threads} threads", limit)
+        rows.extend(await bench_transport(transport, directions, remote, repeat, concurrency, baseline, progress,
+                                          limit))
+    if limit is not None:
+        limit.check()
+        del limit  # its 512 MiB, before the peers' runs
     compared = [t for t in transports if peers or t == "nixl"]
     if compared and remote & {"paged", "whole", "small"}:
         from .peers import run_nixl
@@ -320,13 +351,6 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
         _compare_with_peers(rows, peer_rows)
         rows.extend(peer_rows)
     return rows
-
-
-def _add_limit(rows: list[dict[str, Any]], name: str, limit_gbps: float) -> None:
-    """Same-host throughput rows also get their ratio to the machine's copy limit (measured in this run)."""
-    for r in rows:
-        if r.get("transport") in SAME_HOST and "gbps" in r and r.get("workload") != "concurrent":
-            r.update(limit=name, limit_gbps=limit_gbps, limit_ratio=r["gbps"] / limit_gbps)
 
 
 def _format(r: dict[str, Any]) -> str:

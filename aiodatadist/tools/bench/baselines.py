@@ -2,9 +2,10 @@
 
 * ``copyto_gbps``: one ``np.copyto`` of N contiguous, pre-faulted bytes in this process (same host): one thread,
   ordinary stores.
-* ``stream_copy_gbps``: the same N bytes copied by T threads (one contiguous share each) with streaming
-  (non-temporal) stores, in the native helper: the most this machine's memory gives a big copy, and so the
-  honest ceiling for a same-host transfer that may use T threads.
+* ``stream_copy_gbps`` (:class:`StreamCopy`, to measure it in turn with a workload): the same N bytes copied by
+  T threads (one contiguous share each) with streaming (non-temporal) stores, in the native helper: the most
+  this machine's memory gives a big copy, and so the honest ceiling for a same-host transfer that may use T
+  threads.
 * ``socket_stream_gbps``: N bytes from one process to another over a plain loopback TCP connection, ``sendall``
   from one contiguous buffer into ``recv_into`` of another (the best a TCP data plane can do between two
   processes on this machine).
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["copyto_gbps", "gbps", "socket_stream_gbps", "stream_copy_gbps"]
+__all__ = ["StreamCopy", "copyto_gbps", "gbps", "socket_stream_gbps", "stream_copy_gbps"]
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -41,26 +42,53 @@ def copyto_gbps(nbytes: int, repeat: int) -> float:
     return gbps(nbytes, statistics.median(times))
 
 
+class StreamCopy:
+    """The streaming-copy limit as an instrument: ``nbytes`` contiguous, pre-faulted bytes copied by ``threads``
+    threads with streaming stores, one copy per :meth:`seconds` call.  Kept alive beside a workload, it is
+    measured in turn with it: this VM's memory bandwidth moves by a third from one minute to the next, so a limit
+    measured apart from the workload says more about the minute than about the workload."""
+
+    def __init__(self, copy: Any, nbytes: int, threads: int) -> None:
+        self._copy, self.nbytes, self.threads = copy, nbytes, threads
+        self._src = np.ones(nbytes, dtype=np.uint8)
+        self._dst = np.zeros(nbytes, dtype=np.uint8)
+        self.seconds()  # warms the threads' stacks and the destination's pages up
+
+    @classmethod
+    def create(cls, nbytes: int, threads: int) -> StreamCopy | None:
+        """The instrument, or None without the native helper."""
+        from ...native import native_pool
+
+        lib = native_pool()
+        copy = getattr(lib, "adt_stream_copy_limit", None) if lib is not None else None
+        return None if copy is None else cls(copy, nbytes, threads)
+
+    @property
+    def name(self) -> str:
+        return f"streaming copy {self.nbytes >> 20} MiB, {self.threads} threads"
+
+    def seconds(self) -> float:
+        """One copy's wall time."""
+        start = time.perf_counter()
+        if self._copy(self._dst.ctypes.data, self._src.ctypes.data, self.nbytes, self.threads) != 0:
+            raise RuntimeError("the streaming-copy baseline could not start its threads")
+        return time.perf_counter() - start
+
+    def check(self) -> None:
+        """Raise if the copies did not copy the bytes."""
+        step = max(1, self.nbytes // 4096)
+        if not np.array_equal(self._dst[::step], self._src[::step]):
+            raise RuntimeError("the streaming-copy baseline copied wrong bytes")
+
+
 def stream_copy_gbps(nbytes: int, repeat: int, threads: int) -> float | None:
     """Median GB/s of ``nbytes`` contiguous, pre-faulted bytes copied by ``threads`` threads with streaming
     stores (None without the native helper)."""
-    from ...native import native_pool
-
-    lib = native_pool()
-    copy = getattr(lib, "adt_stream_copy_limit", None) if lib is not None else None
-    if copy is None:
+    limit = StreamCopy.create(nbytes, threads)
+    if limit is None:
         return None
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)
-    times = []
-    for i in range(repeat + 1):  # the first run warms the threads' stacks and the pages up
-        start = time.perf_counter()
-        if copy(dst.ctypes.data, src.ctypes.data, nbytes, threads) != 0:
-            raise RuntimeError("the streaming-copy baseline could not start its threads")
-        if i:
-            times.append(time.perf_counter() - start)
-    if not np.array_equal(dst[:: max(1, nbytes // 4096)], src[:: max(1, nbytes // 4096)]):
-        raise RuntimeError("the streaming-copy baseline copied wrong bytes")
+    times = [limit.seconds() for _ in range(repeat)]
+    limit.check()
     return gbps(nbytes, statistics.median(times))
 
 
