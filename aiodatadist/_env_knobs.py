@@ -11,7 +11,8 @@ An invalid value is never silently replaced by the default:
   ``llm.Directory`` and ``llm.TcpConnections``.  An invalid value is an **error**: ``init`` raises
   ``LLMException(LLM_PARAM_INVALID)`` naming the variable and its accepted values, exactly as for an invalid
   option, unless the instance's options set that key (then the variable is not used).
-* The process-wide ones (``AIODATADIST_EXECUTOR``, ``AIODATADIST_COPY_*``, ``AIODATADIST_SAME_HOST``) are read
+* The process-wide ones (``AIODATADIST_EXECUTOR``, ``AIODATADIST_COPY_*``, ``AIODATADIST_SAME_HOST``,
+  ``AIODATADIST_POLL_US``, ``AIODATADIST_TCP_CONGESTION``) are read
   deep inside other calls (the first ``init`` building the copy executor, a link probing its peer) where an
   exception would fail an unrelated operation, and each has a safe default; an invalid value logs a
   **warning** (logger ``aiodatadist.settings``) naming the variable, the accepted values and the value used
@@ -44,6 +45,7 @@ __all__ = [
     "ENV_NET",
     "ENV_POLL_US",
     "ENV_SAME_HOST",
+    "ENV_TCP_CONGESTION",
     "ENV_TCP_CONNECTIONS",
     "KNOBS",
     "SAME_HOST_MECHANISMS",
@@ -74,6 +76,7 @@ ENV_SAME_HOST: Final = "AIODATADIST_SAME_HOST"
 ENV_NET: Final = "AIODATADIST_NET"
 ENV_DIRECTORY: Final = "AIODATADIST_DIRECTORY"
 ENV_TCP_CONNECTIONS: Final = "AIODATADIST_TCP_CONNECTIONS"
+ENV_TCP_CONGESTION: Final = "AIODATADIST_TCP_CONGESTION"
 ENV_LIBCUDA: Final = "AIODATADIST_LIBCUDA"
 
 
@@ -153,6 +156,14 @@ def _clamp(bound: int) -> Callable[[str], int | None]:
     return salvage
 
 
+def _parse_congestion(raw: str) -> str:
+    """``auto``, ``system``, or an algorithm's name as the kernel spells them (lower case, at most 15 characters)."""
+    if raw in ("auto", "system") or (0 < len(raw) < 16 and raw.isascii()
+                                     and all(c.islower() or c.isdigit() or c == "_" for c in raw)):
+        return raw
+    raise ValueError(raw)
+
+
 def _parse_libcuda(raw: str) -> tuple[str, ...]:
     return tuple(p for p in raw.split(os.pathsep) if p)
 
@@ -215,6 +226,10 @@ KNOBS: Final[tuple[Knob, ...]] = (
     Knob(ENV_TCP_CONNECTIONS, "tcp_connections", f"an integer in [1, {MAX_TCP_CONNECTIONS}]",
          _default_tcp_connections, parse_tcp_connections, "error", option=OptionKey.TCP_CONNECTIONS,
          help="data connections per TCP link, set by its server (default: one per CPU the process may run on, 2 to 4)"),
+    Knob(ENV_TCP_CONGESTION, "tcp_congestion", '"auto", "system" or a congestion control algorithm\'s name',
+         lambda: "auto", _parse_congestion, "warning",
+         help="TCP data connections' congestion control (auto: a pacing one (bbr) becomes cubic on "
+              "connections to this host)"),
     Knob(ENV_LIBCUDA, "libcuda", "paths of the CUDA driver library", lambda: (), _parse_libcuda, "none",
          help="CUDA driver library to load (default: search)"),
 )
@@ -239,6 +254,7 @@ class EnvKnobs:
     native_net: bool = True
     directory: bool = True
     tcp_connections: int = field(default_factory=_default_tcp_connections)
+    tcp_congestion: str = "auto"
     libcuda: tuple[str, ...] = ()
     raw: Mapping[str, str] = field(default_factory=dict, compare=False)  # the variables that were set
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # env name -> where the value is from

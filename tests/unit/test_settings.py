@@ -38,7 +38,7 @@ def test_every_variable_is_a_knob() -> None:
         "AIODATADIST_EXECUTOR", "AIODATADIST_COPY_THREADS", "AIODATADIST_COPY_NICE",
         "AIODATADIST_COPY_SPIN_US", "AIODATADIST_POLL_US",
         "AIODATADIST_SAME_HOST", "AIODATADIST_NET", "AIODATADIST_DIRECTORY", "AIODATADIST_TCP_CONNECTIONS",
-        "AIODATADIST_LIBCUDA",
+        "AIODATADIST_TCP_CONGESTION", "AIODATADIST_LIBCUDA",
     ]
     assert {k.field for k in KNOBS} <= set(EnvKnobs.__dataclass_fields__)
 
@@ -55,6 +55,7 @@ def test_defaults_are_those_of_before(caplog: pytest.LogCaptureFixture) -> None:
     assert k.native_net is True
     assert k.directory is True
     assert k.tcp_connections == max(2, min(4, CPUS))
+    assert k.tcp_congestion == "auto"
     assert k.libcuda == ()
     assert k == EnvKnobs()
     assert all(getattr(k, knob.field) == knob.default() for knob in KNOBS)
@@ -73,6 +74,9 @@ def test_defaults_are_those_of_before(caplog: pytest.LogCaptureFixture) -> None:
     ("AIODATADIST_COPY_SPIN_US", "100000", "copy_spin_us", 100_000),
     ("AIODATADIST_POLL_US", "0", "poll_us", 0),
     ("AIODATADIST_POLL_US", "100000", "poll_us", 100_000),
+    ("AIODATADIST_TCP_CONGESTION", "system", "tcp_congestion", "system"),
+    ("AIODATADIST_TCP_CONGESTION", "cubic", "tcp_congestion", "cubic"),
+    ("AIODATADIST_TCP_CONGESTION", "dctcp", "tcp_congestion", "dctcp"),
     ("AIODATADIST_SAME_HOST", "map", "same_host", frozenset({"map"})),
     ("AIODATADIST_SAME_HOST", " pvm , map ", "same_host", frozenset({"map", "pvm"})),
     ("AIODATADIST_SAME_HOST", "", "same_host", frozenset()),  # empty: no same-host mechanism
@@ -116,6 +120,9 @@ def test_an_empty_value_is_unset(env: str, caplog: pytest.LogCaptureFixture) -> 
     ("AIODATADIST_COPY_SPIN_US", "200000", "copy_spin_us", 100_000, "[0, 100000]"),
     ("AIODATADIST_POLL_US", "-1", "poll_us", 300, "[0, 100000]"),
     ("AIODATADIST_POLL_US", "250000", "poll_us", 100_000, "[0, 100000]"),
+    ("AIODATADIST_TCP_CONGESTION", "Cubic", "tcp_congestion", "auto", "a congestion control algorithm"),
+    ("AIODATADIST_TCP_CONGESTION", "bbr; rm", "tcp_congestion", "auto", "a congestion control algorithm"),
+    ("AIODATADIST_TCP_CONGESTION", "x" * 16, "tcp_congestion", "auto", "a congestion control algorithm"),
     ("AIODATADIST_SAME_HOST", "map,mmap", "same_host", frozenset({"map"}), '"map", "pvm" and "fds"'),
     ("AIODATADIST_SAME_HOST", "shm", "same_host", frozenset(), '"map", "pvm" and "fds"'),
 ])

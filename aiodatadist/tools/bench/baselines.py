@@ -8,7 +8,8 @@
   threads.
 * ``socket_stream_gbps``: N bytes from one process to another over a plain loopback TCP connection, ``sendall``
   from one contiguous buffer into ``recv_into`` of another (the best a TCP data plane can do between two
-  processes on this machine).
+  processes on this machine), with the data connections' congestion control
+  (:func:`~aiodatadist.transport.tcp.congestion.tune_congestion`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from ...transport.tcp.congestion import tune_congestion
 
 __all__ = ["StreamCopy", "copyto_gbps", "gbps", "socket_stream_gbps", "stream_copy_gbps"]
 
@@ -96,6 +99,7 @@ def _stream_sender(port: int, nbytes: int, rounds: int) -> None:
     data = np.ones(nbytes, dtype=np.uint8)
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_congestion(sock)  # the data plane's own setting: the stream is its best on this machine too
         view = data.data
         for _ in range(rounds):
             if sock.recv(1) != b"g":
@@ -114,6 +118,7 @@ def socket_stream_gbps(nbytes: int, repeat: int) -> float:
         try:
             listener.settimeout(60)
             conn, _ = listener.accept()
+            tune_congestion(conn)
             with conn:
                 conn.settimeout(60)
                 buf = np.zeros(nbytes, dtype=np.uint8)

@@ -32,6 +32,7 @@ from ...native import (
 )
 from ...stats import OneSided
 from ..base import PULL, PUSH, TransferJob, WaitingMixin
+from .congestion import tune_congestion
 from .frames import FRAME_BYTES
 
 _ext: Any = native_extension()  # the one-sided calls and the reaping, without ctypes
@@ -119,6 +120,7 @@ class NativeConnections(WaitingMixin[TransferJob]):
         """Hand a connected socket to the helper's threads (this plane owns its descriptor from now on)."""
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_congestion(sock)
         if self.closed is not None or self._net is None:
             sock.close()
             return

@@ -34,6 +34,7 @@ from ...layout import Spans
 from ...native import TID_MASK
 from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in _net.c)
 from ..base import PythonTransferJob, TransferJob, WaitingMixin
+from .congestion import tune_congestion
 from .frames import (
     FRAME_BYTES,
     HEADER,
@@ -96,6 +97,7 @@ class PythonConnections(WaitingMixin[TransferJob]):
         """Start moving frames on a connected socket (this plane owns it from now on)."""
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_congestion(sock)
         with self._cv:
             if self.closed is not None:
                 sock.close()
