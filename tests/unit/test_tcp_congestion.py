@@ -87,3 +87,17 @@ def test_this_host_is_loopback_or_the_sockets_own_address(pair: tuple[socket.soc
     assert all(is_this_host(s) for s in pair)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as unconnected:
         assert not is_this_host(unconnected)
+
+
+def test_an_ipv4_peer_of_a_dual_stack_listener_is_this_host() -> None:
+    try:
+        server = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    except (OSError, ValueError) as exc:
+        pytest.skip(f"no dual-stack IPv6 here: {exc}")
+    # from another loopback address, so that the peer is not simply the socket's own address
+    with server, socket.create_connection(("127.0.0.1", server.getsockname()[1]),
+                                          source_address=("127.0.0.2", 0)) as client:
+        accepted, (peer, *_) = server.accept()
+        with accepted:
+            assert peer == "::ffff:127.0.0.2" and accepted.getsockname()[0] == "::ffff:127.0.0.1"
+            assert is_this_host(accepted) and is_this_host(client)

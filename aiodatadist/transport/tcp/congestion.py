@@ -46,9 +46,11 @@ def is_this_host(sock: socket.socket) -> bool:
     """Whether a connected socket's peer is this host: a loopback address, or the socket's own address."""
     try:
         peer, local = sock.getpeername()[0], sock.getsockname()[0]
-        return ipaddress.ip_address(peer).is_loopback or peer == local
+        address = ipaddress.ip_address(peer)
     except (OSError, ValueError):
         return False
+    mapped = getattr(address, "ipv4_mapped", None)  # an IPv4 peer on a dual-stack socket: ::ffff:a.b.c.d
+    return address.is_loopback or (mapped is not None and mapped.is_loopback) or peer == local
 
 
 def tune_congestion(sock: socket.socket) -> str | None:
