@@ -35,6 +35,8 @@ def test_bench_local_reports_a_ratio(tmp_path: Path) -> None:
     # the copy limit, measured in turn with the workload (the native helper is built in this suite)
     assert local["limit"].startswith("streaming copy 256 MiB, ")
     assert local["limit_gbps"] > 0 and local["limit_ratio"] == pytest.approx(local["gbps"] / local["limit_gbps"])
+    assert local["same_memory"] == "streaming copy 256 MiB within the local cache"  # its own pages, contiguous
+    assert local["same_memory_ratio"] == pytest.approx(local["gbps"] / local["same_memory_gbps"])
     small = next(r for r in results if r["workload"] == "small")
     assert 0 < small["p50_ms"] <= small["p99_ms"] and small["transport"] == "shm"
     assert "baseline: np.copyto" in result.stderr  # progress lines

@@ -4,7 +4,9 @@ Every figure is a median over ``--repeat`` runs, printed with a baseline measure
 single-process ``np.copyto`` of the same bytes for the same-host plane (``shm``), a plain loopback TCP stream of
 the same bytes between two processes for ``tcp``.  Same-host throughput rows are also compared with the machine's
 copy limit (:class:`.baselines.StreamCopy`), measured in turn with the workload, one copy after each of its
-runs.  The prompt runs in its own process.  Workloads:
+runs: on buffers of its own, and within the local cache's own memory (its first 256 MiB onto the next), since on
+a VM two buffers of one process can differ in bandwidth by a third.  The prompt runs in its own process.
+Workloads:
 
 * ``local``: ``copy_blocks`` in one 64-tensor x 256-block x 32 KiB host cache, 128 scattered blocks per tensor
   (256 MiB moved), no link;
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -97,24 +100,39 @@ def _scattered(rng: np.random.Generator) -> tuple[list[int], list[int]]:
     return perm[:MOVED_BLOCKS].tolist(), perm[MOVED_BLOCKS:].tolist()
 
 
-async def _with_limit(fn: Callable[[], Awaitable[Any]], nbytes: int, repeat: int, limit: StreamCopy | None
-                      ) -> tuple[float, dict[str, Any]]:
+def _within(cache: Cache, nbytes: int) -> StreamCopy | None:
+    """The streaming-copy limit on a cache's own memory: its first ``nbytes`` copied onto the next ``nbytes``
+    (None where the cache's tensors do not follow each other in memory, or are too small)."""
+    addrs = cache.tensor_addrs
+    size = cache.cache_desc.size
+    if not size or any(b - a != size for a, b in itertools.pairwise(addrs)) or size * len(addrs) < 2 * nbytes:
+        return None
+    return StreamCopy.create(nbytes, env_knobs().copy_threads, (addrs[0] + nbytes, addrs[0]),
+                             f"streaming copy {nbytes >> 20} MiB within the local cache")
+
+
+async def _with_limit(fn: Callable[[], Awaitable[Any]], nbytes: int, repeat: int, limit: StreamCopy | None,
+                      same_memory: StreamCopy | None = None) -> tuple[float, dict[str, Any]]:
     """GB/s of ``fn`` (``nbytes`` a call, median of ``repeat`` calls after one), and the fields of the row that
-    compare it with the streaming-copy limit, measured in turn with it (none without ``limit``)."""
+    compare it with the streaming-copy limit and (``same_memory``) the same copy within the local cache's own
+    memory, each measured in turn with it (none without them)."""
     await fn()
     work: list[float] = []
-    bound: list[float] = []
+    bounds: list[list[float]] = [[], []]
     for _ in range(repeat):
         start = time.perf_counter()
         await fn()
         work.append(time.perf_counter() - start)
-        if limit is not None:
-            bound.append(limit.seconds())
+        for instrument, samples in zip((limit, same_memory), bounds):
+            if instrument is not None:
+                samples.append(instrument.seconds())
     value = _gbps(nbytes, statistics.median(work))
-    if limit is None:
-        return value, {}
-    limit_gbps = _gbps(limit.nbytes, statistics.median(bound))
-    return value, {"limit": limit.name, "limit_gbps": limit_gbps, "limit_ratio": value / limit_gbps}
+    fields: dict[str, Any] = {}
+    for instrument, samples, key in zip((limit, same_memory), bounds, ("limit", "same_memory")):
+        if instrument is not None:
+            gbps = _gbps(instrument.nbytes, statistics.median(samples))
+            fields.update({key: instrument.name, f"{key}_gbps": gbps, f"{key}_ratio": value / gbps})
+    return value, fields
 
 
 async def bench_local(repeat: int, baseline: float, limit: StreamCopy | None = None) -> dict[str, Any]:
@@ -124,7 +142,8 @@ async def bench_local(repeat: int, baseline: float, limit: StreamCopy | None = N
         fill_pattern(cache, 1)
         src, dst = _scattered(np.random.default_rng(0))
         info = {s: [d] for s, d in zip(src, dst)}
-        value, limits = await _with_limit(lambda: dd.cache_manager.copy_blocks(cache, info), BIG, repeat, limit)
+        value, limits = await _with_limit(lambda: dd.cache_manager.copy_blocks(cache, info), BIG, repeat, limit,
+                                          _within(cache, BIG) if limit is not None else None)
     return {"workload": "local", "transport": "-", "direction": "-", "bytes": BIG, "gbps": value,
             "baseline": "np.copyto 256 MiB", "baseline_gbps": baseline, "ratio": value / baseline, **limits}
 
@@ -234,6 +253,7 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
     plane = session.dd.links()[0]["plane"]
     if plane not in SAME_HOST:
         limit = None
+    same_memory = _within(session.blocks, BIG) if limit is not None else None
     base_name, base_gbps = baseline
     rows: list[dict[str, Any]] = []
 
@@ -244,11 +264,12 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
     if workloads & {"paged", "concurrent"}:
         progress(f"{plane} {direction} paged 256 MiB")
         src, dst = _scattered(rng)
-        single, limits = await _with_limit(lambda: session.paged(direction, src, dst), BIG, repeat, limit)
+        single, limits = await _with_limit(lambda: session.paged(direction, src, dst), BIG, repeat, limit,
+                                           same_memory)
         row("paged", BIG, gbps=single, baseline=base_name, baseline_gbps=base_gbps, ratio=single / base_gbps, **limits)
     if "whole" in workloads:
         progress(f"{plane} {direction} whole cache 256 MiB")
-        value, limits = await _with_limit(lambda: session.whole(direction), BIG, repeat, limit)
+        value, limits = await _with_limit(lambda: session.whole(direction), BIG, repeat, limit, same_memory)
         row("whole", BIG, gbps=value, baseline=base_name, baseline_gbps=base_gbps, ratio=value / base_gbps, **limits)
     if "small" in workloads:
         runs = max(200, repeat * 20)
@@ -360,8 +381,9 @@ def _format(r: dict[str, Any]) -> str:
         text = f"{head} {r['gbps']:7.2f} GB/s"
         if "baseline" in r:
             text += f"   {r['baseline']}: {r['baseline_gbps']:6.2f} GB/s   ratio {r['ratio']:.2f}"
-        if "limit" in r:
-            text += f"   {r['limit']}: {r['limit_gbps']:6.2f} GB/s   ratio {r['limit_ratio']:.2f}"
+        for key in ("limit", "same_memory"):
+            if key in r:
+                text += f"   {r[key]}: {r[f'{key}_gbps']:6.2f} GB/s   ratio {r[f'{key}_ratio']:.2f}"
     elif "p50_us" in r:
         text = f"{head} {r['spans']:>5} spans  p50 {r['p50_us']:7.1f} us  p99 {r['p99_us']:7.1f} us ({r['runs']} runs)"
         if "ns_per_extra_span" in r:

@@ -51,36 +51,42 @@ class StreamCopy:
     measured in turn with it: this VM's memory bandwidth moves by a third from one minute to the next, so a limit
     measured apart from the workload says more about the minute than about the workload."""
 
-    def __init__(self, copy: Any, nbytes: int, threads: int) -> None:
+    def __init__(self, copy: Any, nbytes: int, threads: int, within: tuple[int, int] | None = None,
+                 name: str | None = None) -> None:
         self._copy, self.nbytes, self.threads = copy, nbytes, threads
-        self._src = np.ones(nbytes, dtype=np.uint8)
-        self._dst = np.zeros(nbytes, dtype=np.uint8)
+        self.name = name or f"streaming copy {nbytes >> 20} MiB, {threads} threads"
+        self._own: tuple[np.ndarray, np.ndarray] | None = None
+        if within is None:
+            self._own = (np.zeros(nbytes, dtype=np.uint8), np.ones(nbytes, dtype=np.uint8))
+            within = (self._own[0].ctypes.data, self._own[1].ctypes.data)
+        self._dst_addr, self._src_addr = within
         self.seconds()  # warms the threads' stacks and the destination's pages up
 
     @classmethod
-    def create(cls, nbytes: int, threads: int) -> StreamCopy | None:
-        """The instrument, or None without the native helper."""
+    def create(cls, nbytes: int, threads: int, within: tuple[int, int] | None = None,
+               name: str | None = None) -> StreamCopy | None:
+        """The instrument (on buffers of its own, or ``within`` = (destination, source) addresses of memory the
+        caller keeps alive, ``nbytes`` each), or None without the native helper."""
         from ...native import native_pool
 
         lib = native_pool()
         copy = getattr(lib, "adt_stream_copy_limit", None) if lib is not None else None
-        return None if copy is None else cls(copy, nbytes, threads)
-
-    @property
-    def name(self) -> str:
-        return f"streaming copy {self.nbytes >> 20} MiB, {self.threads} threads"
+        return None if copy is None else cls(copy, nbytes, threads, within, name)
 
     def seconds(self) -> float:
         """One copy's wall time."""
         start = time.perf_counter()
-        if self._copy(self._dst.ctypes.data, self._src.ctypes.data, self.nbytes, self.threads) != 0:
+        if self._copy(self._dst_addr, self._src_addr, self.nbytes, self.threads) != 0:
             raise RuntimeError("the streaming-copy baseline could not start its threads")
         return time.perf_counter() - start
 
     def check(self) -> None:
-        """Raise if the copies did not copy the bytes."""
+        """Raise if the copies did not copy the bytes (of its own buffers; nothing to check ``within``)."""
+        if self._own is None:
+            return
+        dst, src = self._own
         step = max(1, self.nbytes // 4096)
-        if not np.array_equal(self._dst[::step], self._src[::step]):
+        if not np.array_equal(dst[::step], src[::step]):
             raise RuntimeError("the streaming-copy baseline copied wrong bytes")
 
 
