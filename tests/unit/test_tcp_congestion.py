@@ -14,6 +14,7 @@ from aiodatadist.transport.tcp import congestion
 from aiodatadist.transport.tcp.congestion import UNPACED, congestion_of, is_this_host, tune_congestion
 
 ENV = "AIODATADIST_TCP_CONGESTION"
+pytestmark = pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="no TCP_CONGESTION on this platform")
 
 
 @pytest.fixture

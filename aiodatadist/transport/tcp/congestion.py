@@ -57,7 +57,7 @@ def tune_congestion(sock: socket.socket) -> str | None:
     """Set a new data connection's congestion control as ``AIODATADIST_TCP_CONGESTION`` says (module docstring);
     returns the algorithm set, or None where the connection keeps its own."""
     setting = env_knobs().tcp_congestion
-    if setting == "system":
+    if setting == "system" or not hasattr(socket, "TCP_CONGESTION"):  # (Linux and FreeBSD have it)
         return None
     if setting == "auto":
         if not is_this_host(sock):
