@@ -48,4 +48,5 @@ class Link:
             "plane": self.plane.kind,
             "peer": self.plane.caps.describe(),
             "data_connections": self.plane.connections,
+            "data_congestion": self.plane.congestion,
         }

@@ -228,6 +228,11 @@ class DataPlane:
         """Data connections (TCP planes)."""
         return 0
 
+    @property
+    def congestion(self) -> str | None:
+        """The data connections' TCP congestion control (TCP planes; ``AIODATADIST_TCP_CONGESTION``), else None."""
+        return None
+
     def served_one_sided(self) -> OneSided | None:
         """The one-sided reads and writes this link's I/O threads served (the native TCP plane), or None."""
         return None

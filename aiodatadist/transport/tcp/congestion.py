@@ -25,7 +25,7 @@ import socket
 
 from ..._env_knobs import env_knobs
 
-__all__ = ["UNPACED", "congestion_of", "is_this_host", "tune_congestion"]
+__all__ = ["UNPACED", "congestion_in_use", "congestion_of", "is_this_host", "tune_congestion"]
 
 log = logging.getLogger("aiodatadist.transport")
 
@@ -40,6 +40,14 @@ def congestion_of(sock: socket.socket) -> str:
     """The congestion control algorithm ``sock`` uses."""
     raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, _NAME_MAX)
     return raw.split(b"\0", 1)[0].decode("ascii", "replace")
+
+
+def congestion_in_use(sock: socket.socket) -> str | None:
+    """What ``sock`` uses, or None where that cannot be read (no ``TCP_CONGESTION`` here, a closed socket)."""
+    try:
+        return congestion_of(sock) if hasattr(socket, "TCP_CONGESTION") else None
+    except OSError:
+        return None
 
 
 def is_this_host(sock: socket.socket) -> bool:

@@ -32,7 +32,7 @@ from ...native import (
 )
 from ...stats import OneSided
 from ..base import PULL, PUSH, TransferJob, WaitingMixin
-from .congestion import tune_congestion
+from .congestion import congestion_in_use, tune_congestion
 from .frames import FRAME_BYTES
 
 _ext: Any = native_extension()  # the one-sided calls and the reaping, without ctypes
@@ -75,6 +75,7 @@ class NativeConnections(WaitingMixin[TransferJob]):
         self._on_broken = on_broken
         self._jobs: dict[int, TransferJob] = {}
         self.closed: LLMException | None = None
+        self.congestion: str | None = None  # the data connections' congestion control (as the last one reads)
         self._notify = NotifyPipe(loop, self._on_finished)  # the helper writes the handles of finished jobs
         address, rows = directory or (0, 0)
         self._served = (0, 0, 0, 0, 0, 0)  # reads, then writes (see _counts)
@@ -121,6 +122,7 @@ class NativeConnections(WaitingMixin[TransferJob]):
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tune_congestion(sock)
+        self.congestion = congestion_in_use(sock)
         if self.closed is not None or self._net is None:
             sock.close()
             return

@@ -57,6 +57,10 @@ class TcpPlane(DataPlane):
     def connections(self) -> int:
         return self.conns.connections
 
+    @property
+    def congestion(self) -> str | None:
+        return self.conns.congestion
+
     # -- requester side --------------------------------------------------------------------------------------
     def check_local(self, local: LocalCache, cluster_id: int) -> None:
         if local.on_device:

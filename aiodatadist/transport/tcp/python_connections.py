@@ -34,7 +34,7 @@ from ...layout import Spans
 from ...native import TID_MASK
 from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in _net.c)
 from ..base import PythonTransferJob, TransferJob, WaitingMixin
-from .congestion import tune_congestion
+from .congestion import congestion_in_use, tune_congestion
 from .frames import (
     FRAME_BYTES,
     HEADER,
@@ -79,6 +79,7 @@ class PythonConnections(WaitingMixin[TransferJob]):
         self._socks: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self.closed: LLMException | None = None
+        self.congestion: str | None = None  # the data connections' congestion control (as the last one reads)
 
     @property
     def connections(self) -> int:
@@ -98,6 +99,7 @@ class PythonConnections(WaitingMixin[TransferJob]):
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         tune_congestion(sock)
+        self.congestion = congestion_in_use(sock)
         with self._cv:
             if self.closed is not None:
                 sock.close()
