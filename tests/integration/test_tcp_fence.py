@@ -75,7 +75,7 @@ async def test_cancelled_push_returns_while_the_owners_loop_is_busy(
         while not _streaming(dd) and not task.done():
             await asyncio.sleep(0)
         blocked = asyncio.ensure_future(peer.call("block", seconds=BLOCKED))
-        await asyncio.sleep(0.05)  # the owner's loop is busy by now (the push keeps streaming meanwhile)
+        await asyncio.sleep(0.015)  # the owner's loop is busy by now (a few ms), the push still streaming (~40 ms)
         if task.done():
             await task
             await blocked
