@@ -45,22 +45,15 @@ def test_auto_takes_bbr_off_a_connection_to_this_host(pair: tuple[socket.socket,
     assert congestion_of(sock) == chosen
 
 
-def test_auto_leaves_an_unpaced_algorithm_alone(pair: tuple[socket.socket, socket.socket],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV, "auto")
+@pytest.mark.parametrize("setting, algorithm", [("auto", "reno"), ("system", "bbr")],
+                         ids=["auto-leaves-an-unpaced-algorithm", "system-keeps-every-algorithm"])
+def test_a_connection_keeps_its_algorithm(setting: str, algorithm: str, pair: tuple[socket.socket, socket.socket],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, setting)
     sock = pair[0]
-    _force(sock, "reno")
+    _force(sock, algorithm)
     assert tune_congestion(sock) is None
-    assert congestion_of(sock) == "reno"
-
-
-def test_system_keeps_every_algorithm(pair: tuple[socket.socket, socket.socket],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV, "system")
-    sock = pair[0]
-    _force(sock, "bbr")
-    assert tune_congestion(sock) is None
-    assert congestion_of(sock) == "bbr"
+    assert congestion_of(sock) == algorithm
 
 
 def test_a_name_is_set_on_every_connection(pair: tuple[socket.socket, socket.socket],

@@ -68,12 +68,8 @@ def tune_congestion(sock: socket.socket) -> str | None:
     if setting == "system" or not hasattr(socket, "TCP_CONGESTION"):  # (Linux and FreeBSD have it)
         return None
     if setting == "auto":
-        if not is_this_host(sock):
-            return None
-        try:
-            if not congestion_of(sock).startswith("bbr"):
-                return None
-        except OSError:
+        current = congestion_in_use(sock) if is_this_host(sock) else None
+        if current is None or not current.startswith("bbr"):
             return None
         candidates: tuple[str, ...] = UNPACED
     else:
