@@ -402,9 +402,10 @@ class PlanCache(OrderedDict[tuple[Any, ...], tuple["CopyPlan", V]]):
     elsewhere has other addresses, hence other entries.  Thread-safe: instances on event loops of several threads
     share one."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, on_evict: Callable[[V], None] | None = None) -> None:
         super().__init__()
         self.size = size
+        self._on_evict = on_evict  # told of each value pushed out (under the cache's lock: keep it short)
         self._lock = threading.Lock()
 
     def get_or_make(self, plan: CopyPlan, parts: tuple[Any, ...], make: Callable[[], V]) -> V:
@@ -417,9 +418,14 @@ class PlanCache(OrderedDict[tuple[Any, ...], tuple["CopyPlan", V]]):
                 return found[1]
         value = make()
         with self._lock:
+            replaced = self.get(key)
             self[key] = (plan, value)
             while len(self) > self.size:
-                self.popitem(last=False)
+                _, (_, evicted) = self.popitem(last=False)
+                if self._on_evict is not None:
+                    self._on_evict(evicted)
+            if replaced is not None and self._on_evict is not None:
+                self._on_evict(replaced[1])
         return value
 
 

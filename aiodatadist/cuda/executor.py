@@ -53,13 +53,19 @@ FIRST_RATE: Final = 20e9  # bytes/s expected before the executor has seen a copy
 MAX_RATE: Final = 5e12  # bytes/s: no copy is expected to be faster
 LAUNCH_CACHE: Final = 64  # prepared launches kept per executor (least recently used first out)
 LAUNCH_CACHE_MAX_SPANS: Final = 16384  # plans with more spans are prepared at every call
+RESIDENT_SPANS: Final = 1 << 18  # descriptors the cached launches keep on the device, in all (6 MiB)
 
 
 class _Launch:
     """A copy ready to enqueue: one span (``single``: dst, src, bytes) or the kernel's descriptor table (``table``:
-    the pieces' sources, then destinations, then lengths) and launch geometry; nothing to copy when neither."""
+    the pieces' sources, then destinations, then lengths) and launch geometry; nothing to copy when neither.
 
-    __slots__ = ("block", "grid", "n", "nbytes", "single", "table")
+    A launch kept in the executor's cache (``cached``) keeps its table on the device after its first use
+    (``resident``: the descriptor buffer holding it, and the kernel's parameters): a repeated copy is then one
+    ``cuLaunchKernel``.  ``last_seq``: the latest job that launched with it (its buffer is reused only once the
+    stream is past that job)."""
+
+    __slots__ = ("block", "cached", "grid", "last_seq", "n", "nbytes", "resident", "single", "table")
 
     def __init__(self, nbytes: int, single: tuple[int, int, int] | None = None, table: np.ndarray | None = None,
                  grid: int = 0, block: int = 0) -> None:
@@ -68,33 +74,67 @@ class _Launch:
         self.table = table
         self.n = 0 if table is None else len(table) // 3
         self.grid, self.block = grid, block
+        self.cached = False
+        self.resident: _Descriptors | None = None
+        self.last_seq = 0
+
+
+class _StopFlag:
+    """Set once, waited for by any thread: what ``threading.Event`` does, at a tenth of its cost to create (a
+    lock held until :meth:`set`)."""
+
+    __slots__ = ("_done", "_lock")
+
+    def __init__(self) -> None:
+        self._done = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        if not self._done:
+            self._done = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._done:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            return False
+        self._lock.release()
+        return True
 
 
 class _Work:
     """What the stream callback completes: a copy enqueued on a :class:`CudaExecutor`'s stream."""
 
     def __init__(self) -> None:
-        self.stopped = threading.Event()
+        self.stopped = _StopFlag()
         self.error: BaseException | None = None
         self._status = 0  # CUresult the stream callback reported
         self._executor: CudaExecutor | None = None
         self._desc: _Descriptors | None = None
+        self._seq = 0  # its place in the stream's order (0: nothing enqueued)
 
     def wait_stopped_sync(self, timeout: float | None = None) -> bool:
         """Block until the GPU no longer touches the job's memory (True), or ``timeout`` passed (False)."""
         return self.stopped.wait(timeout)
 
-    def _gpu_done(self, status: int) -> None:
-        """On the driver's callback thread (no CUDA calls allowed there), or inline after a failed enqueue."""
-        self._stopped(status)
+    def _gpu_done(self, status: int, *, in_order: bool = False) -> None:
+        """On the driver's callback thread (no CUDA calls allowed there; ``in_order``: the stream reached it), or
+        inline after a failed enqueue."""
+        self._stopped(status, in_order)
         self._notify()
 
-    def _stopped(self, status: int) -> None:
-        """The GPU no longer touches the job's memory (``status``: how its stream ended)."""
+    def _stopped(self, status: int, in_order: bool) -> None:
+        """The GPU no longer touches the job's memory (``status``: how its stream ended; ``in_order``: the stream
+        reached this job, so it is past every job enqueued before it)."""
         self._status = status
         desc, self._desc = self._desc, None
-        if desc is not None and self._executor is not None:
-            self._executor._release(desc)
+        if self._executor is not None:
+            self._executor._job_stopped(desc, self._seq if in_order else 0)
         self.stopped.set()
 
     def _take_status(self) -> None:
@@ -119,8 +159,9 @@ class CudaJob(_Work):
         self._loop = loop
         self.future: asyncio.Future[None] = loop.create_future()
         self.stop_waiter: asyncio.Future[None] | None = None  # created by wait_stopped when it has to wait
-        # perf_counter() once the copy is enqueued and once the loop saw its event complete (0.0: not yet, or
-        # completed by a stream callback); `bench --device` reads them to split a call's time
+        # perf_counter() before its first driver call, once the copy is enqueued and once the loop saw its event
+        # complete (0.0: not yet, or completed by a stream callback); `bench --device` reads them to split a call
+        self.launch_at = 0.0
         self.enqueued_at = 0.0
         self.seen_at = 0.0
 
@@ -136,7 +177,7 @@ class CudaJob(_Work):
 
     def _gpu_done_here(self, status: int) -> None:
         """On the job's loop: the GPU is done (its event completed with ``status``)."""
-        self._stopped(status)
+        self._stopped(status, True)
         self._resolve()
 
 
@@ -151,7 +192,7 @@ def _on_stream_done(stream: int | None, status: int, user_data: int | None) -> N
         with _pending_lock:
             work = _pending.pop(user_data or 0, None)
         if work is not None:
-            work._gpu_done(int(status))
+            work._gpu_done(int(status), in_order=True)
     except BaseException:  # never propagate into the driver's thread
         log.exception("CUDA stream callback failed")
 
@@ -163,10 +204,12 @@ _STREAM_DONE = STREAM_CALLBACK(_on_stream_done)
 class _Descriptors:
     """A job's span descriptors: page-locked staging memory and the device copy the kernel reads."""
 
-    __slots__ = ("capacity", "dev", "host", "view")
+    __slots__ = ("_args", "_params", "capacity", "dev", "host", "view")
 
     def __init__(self, device: Device, capacity: int) -> None:
         self.capacity = capacity
+        self._args: tuple[ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32] | None = None
+        self._params: ctypes.Array[ctypes.c_void_p] | None = None
         self.host = device.alloc_pinned(24 * capacity)
         try:
             self.dev = device.alloc(24 * capacity)
@@ -174,6 +217,17 @@ class _Descriptors:
             device.free_pinned(self.host)
             raise
         self.view = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * capacity)).from_address(self.host))
+
+    def params(self, n: int) -> ctypes.Array[ctypes.c_void_p]:
+        """The kernel's parameters for a table of ``n`` spans in this buffer (the last ones built are kept: the
+        driver copies parameters at the launch, so one array serves every launch)."""
+        args = self._args
+        if args is None or args[3].value != n:
+            args = self._args = (ctypes.c_uint64(self.dev), ctypes.c_uint64(self.dev + 8 * n),
+                                 ctypes.c_uint64(self.dev + 16 * n), ctypes.c_uint32(n))
+            self._params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        assert self._params is not None
+        return self._params
 
     def free(self, device: Device) -> None:
         device.free(self.dev)
@@ -198,7 +252,11 @@ class CudaExecutor(ExecutorBase):
         self._all: list[_Descriptors] = []
         self._closed = False
         self._events: list[ctypes.c_void_p] = []  # recorded after a job's copy, reused once it completed
-        self._launches: PlanCache[_Launch] = PlanCache(LAUNCH_CACHE)  # see start_plan
+        self._launches: PlanCache[_Launch] = PlanCache(LAUNCH_CACHE, self._evicted)  # see start_plan
+        self._seq = 0  # jobs enqueued on the stream so far
+        self._done_seq = 0  # the stream is past every job up to this one
+        self._retired: list[tuple[_Descriptors, int]] = []  # tables of evicted launches, until the stream is past
+        self._resident_spans = 0  # descriptor capacity held by resident tables (at most RESIDENT_SPANS)
         self._rate = FIRST_RATE  # bytes/s: how fast this executor's copies have ended (a moving average)
         self.last_job: CudaJob | None = None  # the latest awaitable copy (its timestamps, for `bench --device`)
         drv = device.driver
@@ -244,7 +302,9 @@ class CudaExecutor(ExecutorBase):
 
     def _prepared(self, plan: CopyPlan, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> _Launch:
         def prepare() -> _Launch:
-            return self._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
+            launch = self._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
+            launch.cached = True
+            return launch
 
         if plan.num_spans > LAUNCH_CACHE_MAX_SPANS:
             return prepare()
@@ -304,21 +364,27 @@ class CudaExecutor(ExecutorBase):
             return
         drv = self.device.driver
         enqueued = False  # whether the stream may still read the descriptor staging memory
+        self._seq += 1
+        work._seq = self._seq
+        if isinstance(work, CudaJob):
+            work.launch_at = time.perf_counter()
         try:
             self.device.make_current()
             if launch.single is not None:
                 drv.call("cuMemcpyAsync", *launch.single, self._stream)
             else:
-                n = launch.n
-                desc = work._desc = self._acquire(n)
-                desc.view[:3 * n] = launch.table
-                drv.call("cuMemcpyHtoDAsync_v2", desc.dev, desc.host, 24 * n, self._stream)
-                enqueued = True
-                args = (ctypes.c_uint64(desc.dev), ctypes.c_uint64(desc.dev + 8 * n),
-                        ctypes.c_uint64(desc.dev + 16 * n), ctypes.c_uint32(n))
-                params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+                if launch.resident is None:
+                    desc = work._desc = self._acquire(launch.n)
+                    desc.view[:3 * launch.n] = launch.table
+                    drv.call("cuMemcpyHtoDAsync_v2", desc.dev, desc.host, 24 * launch.n, self._stream)
+                    enqueued = True
+                    if self._keep_resident(launch, desc):  # the launch's from now on, not the job's
+                        launch.resident, work._desc = desc, None
+                else:
+                    desc = launch.resident
+                launch.last_seq = self._seq
                 drv.call("cuLaunchKernel", self._function, launch.grid, 1, 1, launch.block, 1, 1, 0, self._stream,
-                         params, None)
+                         desc.params(launch.n), None)
         except CudaError as exc:
             work.error = exc  # still completed through the stream, after whatever was enqueued
         if isinstance(work, CudaJob):
@@ -387,10 +453,38 @@ class CudaExecutor(ExecutorBase):
             self._all.append(desc)
         return desc
 
-    def _release(self, desc: _Descriptors) -> None:
-        """Back into the pool once the stream is past the job (on the driver's callback thread)."""
+    def _job_stopped(self, desc: _Descriptors | None, seq: int) -> None:
+        """A job is done (on the loop, or the driver's callback thread): its staging buffer back into the pool,
+        and, once the stream is past job ``seq`` (0: not known), the tables of launches evicted before it."""
         with self._lock:
-            self._free.append(desc)
+            if desc is not None:
+                self._free.append(desc)
+            if seq > self._done_seq:
+                self._done_seq = seq
+                if self._retired:
+                    still = [(d, last) for d, last in self._retired if last > seq]
+                    self._free.extend(d for d, last in self._retired if last <= seq)
+                    self._retired = still
+
+    def _keep_resident(self, launch: _Launch, desc: _Descriptors) -> bool:
+        """Whether ``launch`` keeps ``desc`` as its table on the device (a cached launch, within the budget)."""
+        with self._lock:
+            if not launch.cached or self._resident_spans + desc.capacity > RESIDENT_SPANS:
+                return False
+            self._resident_spans += desc.capacity
+            return True
+
+    def _evicted(self, launch: _Launch) -> None:
+        """Out of the launch cache: its table's buffer returns to the pool once the stream is past its last job."""
+        launch.cached = False
+        desc, launch.resident = launch.resident, None
+        if desc is not None:
+            with self._lock:
+                self._resident_spans -= desc.capacity
+                if launch.last_seq <= self._done_seq:
+                    self._free.append(desc)
+                else:
+                    self._retired.append((desc, launch.last_seq))
 
     def _drain_quietly(self) -> None:
         result = self.device.driver.fn("cuStreamSynchronize")(self._stream)
@@ -408,8 +502,9 @@ class CudaExecutor(ExecutorBase):
         drv = self.device.driver
         self.device.make_current()
         self._drain_quietly()
+        self._launches.clear()  # their resident tables are among the buffers freed below
         with self._lock:
-            buffers, self._all, self._free = self._all, [], []
+            buffers, self._all, self._free, self._retired = self._all, [], [], []
         for desc in buffers:
             try:
                 desc.free(self.device)

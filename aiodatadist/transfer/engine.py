@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -81,8 +81,14 @@ class CopyEngine:
         copies (addresses as :meth:`device_addrs` gives them)."""
         if self._closed:
             raise LLMNotInitializedError()
-        executor: ExecutorBase = self.device().executor if on_device else self._executor
-        job: CopyJob = executor.start_plan(plan, src_addrs, dst_addrs, copier or copier_for_local(plan.total_bytes))
+        executor: ExecutorBase
+        job: CopyJob
+        if on_device:  # the GPU copies: no host copier
+            executor = gpu = self.device().executor
+            job = cast("CopyJob", gpu.start_plan(plan, src_addrs, dst_addrs))  # (a job of any executor)
+        else:
+            executor = self._executor
+            job = executor.start_plan(plan, src_addrs, dst_addrs, copier or copier_for_local(plan.total_bytes))
         self._jobs[job] = executor
         for entry in entries:
             entry.jobs.add(job)

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from aiodatadist import cuda
 from aiodatadist.cuda import driver, kernels
 from aiodatadist.cuda.driver import CudaDriver, CudaError, CudaUnavailable, CUipcMemHandle, Device
-from aiodatadist.cuda.executor import CudaExecutor
+from aiodatadist.cuda.executor import CudaExecutor, CudaJob
 from aiodatadist.errors import LLMException, LLMStatusCode
-from aiodatadist.layout import Spans
+from aiodatadist.layout import Runs, Spans, make_plan
 
 # -- loading and errors, whatever the machine has ----------------------------------------------------------
 
@@ -563,6 +563,68 @@ async def test_descriptor_buffers_are_reused(dev: Device, executor: CudaExecutor
         await asyncio.gather(*(executor.wait(j) for j in jobs))
         assert len(executor._all) == 3 and len(executor._free) == 3
         arena.check()
+    finally:
+        arena.free()
+
+
+_RUNS = Runs(np.array([0, 5000], np.int64), np.array([2048, 0], np.int64), np.array([1000, 1500], np.int64))
+_PLAN = make_plan(np.zeros(1, np.int64), np.zeros(1, np.int64), _RUNS)  # two runs of a single tensor
+
+
+def _plan_jobs(executor: CudaExecutor, arena: Arena, count: int) -> list[CudaJob]:
+    """``count`` copies of one plan between other addresses each (so each has its own cached launch), started
+    and recorded in the arena's model."""
+    runs, plan = _RUNS, _PLAN
+    jobs = []
+    for i in range(count):
+        s, d = 64 * i, 8192 * i
+        for so, do, n in zip(runs.src_offset, runs.dst_offset, runs.length, strict=True):
+            arena.dst_data[d + do:d + do + n] = arena.src_data[s + so:s + so + n]
+        jobs.append(executor.start_plan(plan, np.array([arena.src + s], np.uint64),
+                                        np.array([arena.dst + d], np.uint64)))
+    return jobs
+
+
+async def test_a_repeated_plan_launches_from_its_table_on_the_device(dev: Device, executor: CudaExecutor) -> None:
+    """The first copy of a cached launch stages its descriptors and keeps them on the device; a repeat is one
+    launch from that table (no buffer taken from the pool), and still copies the bytes the source holds now."""
+    arena = Arena(dev, 1 << 20, 12)
+    try:
+        for round_ in range(3):
+            await executor.wait(_plan_jobs(executor, arena, 1)[0])
+            arena.check()
+            launches = [launch for _, launch in executor._launches.values()]
+            assert len(launches) == 1 and launches[0].resident is not None and executor._free == [] and len(executor._all) == 1
+            arena.src_data[:] = np.random.default_rng(round_).integers(1, 256, arena.nbytes, dtype=np.uint8)
+            dev.copy_htod(arena.src, arena.src_data.ctypes.data, arena.nbytes)
+    finally:
+        arena.free()
+
+
+async def test_an_evicted_launch_keeps_its_table_until_the_stream_is_past_it(
+        dev: Device, executor: CudaExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch pushed out of the cache while its copy still waits in the stream gives its descriptor buffer
+    back only once the stream is past that copy: handed to a later copy at once, the later copy's descriptors
+    would overwrite the staged ones before the stream read them, and the earlier copy would land elsewhere."""
+    from aiodatadist.cuda import executor as executor_module
+
+    arena = Arena(dev, 1 << 20, 13)
+    count = executor_module.LAUNCH_CACHE + 8
+    try:
+        monkeypatch.setenv("FAKE_CUDA_DELAY_US", "500000")
+        blocker = executor.start(arena.spans([0], [(1 << 20) - 4096], [4096]))
+        await asyncio.sleep(0.05)  # the stream's thread is now inside the blocker's delay
+        monkeypatch.delenv("FAKE_CUDA_DELAY_US")
+        jobs = _plan_jobs(executor, arena, count)
+        assert not blocker.stopped.is_set(), "the machine is too slow for this test's timing"
+        assert len(executor._retired) == count - executor_module.LAUNCH_CACHE  # evicted, still in the stream
+        await asyncio.gather(*(executor.wait(j) for j in (blocker, *jobs)))
+        arena.check()
+        assert executor._retired == []  # back in the pool once the stream passed them
+        buffers = len(executor._all)
+        await asyncio.gather(*(executor.wait(j) for j in _plan_jobs(executor, arena, count)))
+        arena.check()
+        assert len(executor._all) == buffers  # the evicted ones' buffers were reused
     finally:
         arena.free()
 
