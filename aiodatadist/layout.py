@@ -142,8 +142,16 @@ def all_tensor_indices(src: CacheGeometry, dst: CacheGeometry) -> tuple[Int64Arr
         src.num_tensors == dst.num_tensors,
         f"num_tensors mismatch: source has {src.num_tensors}, destination has {dst.num_tensors}.",
     )
-    idx = np.arange(dst.num_tensors, dtype=np.int64)
+    idx = _every_tensor(dst.num_tensors)
     return idx, idx
+
+
+@functools.lru_cache(maxsize=64)
+def _every_tensor(count: int) -> Int64Array:
+    """``arange(count)``, read-only, made once per count (plans share it)."""
+    idx = np.arange(count, dtype=np.int64)
+    idx.flags.writeable = False
+    return idx
 
 
 def pull_tensor_indices(
@@ -273,6 +281,9 @@ def _b2b_runs_short(s: list[int], d: list[int], src: CacheGeometry, dst: CacheGe
         pairs = sorted(zip(s, d), key=lambda pair: pair[0])
         s, d = [a for a, _ in pairs], [b for _, b in pairs]
     stride = dst.stride
+    if n == 1:
+        return Runs(np.array(s, dtype=np.int64) * stride, np.array(d, dtype=np.int64) * stride,
+                    np.array([stride], dtype=np.int64))
     starts_s, starts_d, counts = [s[0]], [d[0]], [1]
     for a, b in zip(s[1:], d[1:]):
         if a == starts_s[-1] + counts[-1] and b == starts_d[-1] + counts[-1]:
@@ -375,7 +386,8 @@ def swap_blocks_runs(src_to_dst: Mapping[int, int], src: CacheGeometry, dst: Cac
 def make_plan(src_tensors: Int64Array, dst_tensors: Int64Array, runs: Runs) -> CopyPlan:
     require(len(src_tensors) == len(dst_tensors), "tensor index lists differ in length.")
     src, dst = _i64(src_tensors), _i64(dst_tensors)
-    return CopyPlan(src, dst, runs, int(runs.length.sum()) * len(src))
+    per_tensor = int(runs.length[0]) if len(runs.length) == 1 else int(runs.length.sum())
+    return CopyPlan(src, dst, runs, per_tensor * len(src))
 
 
 def plan_to_spans(plan: CopyPlan, src_addrs: npt.ArrayLike, dst_addrs: npt.ArrayLike) -> Spans:
@@ -508,7 +520,8 @@ def transfer_plan(params: TransferParams, requester: CacheGeometry, owner: Cache
 def _cached_plan(params: TransferParams, requester: CacheGeometry, owner: CacheGeometry, owner_slot: int) -> CopyPlan:
     plan = _transfer_plan(params, requester, owner, owner_slot)
     for array in (plan.src_tensor, plan.dst_tensor, plan.runs.src_offset, plan.runs.dst_offset, plan.runs.length):
-        array.flags.writeable = False
+        if array.flags.writeable:
+            array.flags.writeable = False
     return plan
 
 

@@ -291,6 +291,7 @@ def _open_driver() -> CudaDriver:
 
 _driver: CudaDriver | None = None
 _driver_lock = threading.Lock()
+_per_thread = threading.local()
 
 
 def cuda_driver() -> CudaDriver:
@@ -458,8 +459,11 @@ class Device:
 
     def make_current(self) -> None:
         """Make the device's primary context current on this thread (a no-op when it already is)."""
-        current = ctypes.c_void_p()
-        if self._get_current(ctypes.byref(current)) != CUDA_SUCCESS or current.value != self._ctx:
+        try:
+            current = _per_thread.current  # (one out-parameter per thread: half the cost of a new one per call)
+        except AttributeError:
+            current = _per_thread.current = ctypes.c_void_p()
+        if self._get_current(current) != CUDA_SUCCESS or current.value != self._ctx:
             if self._released:
                 raise CudaUnavailable(f"{self!r} was released")
             self.driver.call("cuCtxSetCurrent", ctypes.c_void_p(self._ctx))

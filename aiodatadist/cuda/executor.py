@@ -27,6 +27,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Final, Self
 
 import numpy as np
@@ -35,12 +36,15 @@ from ..copy.base import ExecutorBase, resolve_job
 from ..copy.spans import as_u64
 from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, PlanCache, Spans, plan_to_spans
+from ..native import native_extension
 from .driver import CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device
 from .kernels import KERNEL_NAME, choose_piece, launch_geometry, ptx_text, split_long_spans
 
 __all__ = ["CudaExecutor", "CudaJob"]
 
 log = logging.getLogger("aiodatadist.cuda")
+
+_grid_table: Callable[..., tuple[int, int, int]] | None = getattr(native_extension(), "grid_table", None)
 
 MIN_DESCRIPTORS: Final = 4096  # spans a descriptor buffer holds at least (96 KiB device + pinned host)
 MAX_SPANS: Final = 2**32 - 1  # the kernel's span count is an unsigned int
@@ -301,14 +305,34 @@ class CudaExecutor(ExecutorBase):
         return job
 
     def _prepared(self, plan: CopyPlan, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> _Launch:
+        src_addrs, dst_addrs = as_u64(src_addrs), as_u64(dst_addrs)
+
         def prepare() -> _Launch:
-            launch = self._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
+            launch = self._prepare_plan(plan, src_addrs, dst_addrs)
             launch.cached = True
             return launch
 
         if plan.num_spans > LAUNCH_CACHE_MAX_SPANS:
-            return prepare()
-        return self._launches.get_or_make(plan, (as_u64(src_addrs).tobytes(), as_u64(dst_addrs).tobytes()), prepare)
+            return self._prepare_plan(plan, src_addrs, dst_addrs)
+        return self._launches.get_or_make(plan, (src_addrs.tobytes(), dst_addrs.tobytes()), prepare)
+
+    def _prepare_plan(self, plan: CopyPlan, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> _Launch:
+        """:meth:`_prepare` of a plan's spans: the native helper walks the plan's grid into the descriptor table
+        in one pass (the same spans, merged and cut alike); without it, through span arrays."""
+        if _grid_table is None:
+            return self._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
+        nbytes = plan.total_bytes
+        piece = self._piece_bytes or choose_piece(nbytes, sm_count=self.device.sm_count)
+        runs = plan.runs
+        arrays = (src_addrs, dst_addrs, plan.src_tensor, plan.dst_tensor, runs.src_offset, runs.dst_offset,
+                  runs.length)
+        out = np.empty(3 * (plan.num_spans + nbytes // piece + 1), dtype=np.uint64)  # room for every piece
+        n, merged, longest = _grid_table(*arrays, piece, out)
+        if 3 * n > len(out):  # (cannot happen: a span of L bytes makes at most L // piece + 1 pieces)
+            return self._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
+        if merged <= 1:
+            return _Launch(nbytes, (int(out[n]), int(out[0]), nbytes) if merged else None)
+        return self._table_launch(nbytes, out[:3 * n], n, longest)
 
     def _prepare(self, spans: Spans) -> _Launch:
         """The launch that copies ``spans``: raises ``LLMException`` if one launch cannot take them."""
@@ -323,12 +347,15 @@ class CudaExecutor(ExecutorBase):
             return _Launch(nbytes, (int(dst[0]), int(src[0]), nbytes) if len(length) else None)
         piece = self._piece_bytes or choose_piece(nbytes, sm_count=self.device.sm_count)
         pieces = split_long_spans(src, dst, length, piece)
-        n = len(pieces)
+        table = np.concatenate((pieces.src, pieces.dst, pieces.length)).astype(np.uint64, copy=False)
+        return self._table_launch(nbytes, table, len(pieces), int(pieces.length.max()))
+
+    def _table_launch(self, nbytes: int, table: np.ndarray, n: int, longest: int) -> _Launch:
+        """The kernel's launch for a descriptor table of ``n`` pieces (sources, destinations, lengths)."""
         if n > MAX_SPANS:
             raise LLMException(f"{n} spans are more than one kernel launch takes ({MAX_SPANS})",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
-        grid, block = launch_geometry(n, int(pieces.length.max()), sm_count=self.device.sm_count)
-        table = np.concatenate((pieces.src, pieces.dst, pieces.length)).astype(np.uint64, copy=False)
+        grid, block = launch_geometry(n, longest, sm_count=self.device.sm_count)
         table.flags.writeable = False
         return _Launch(nbytes, table=table, grid=grid, block=block)
 

@@ -920,6 +920,71 @@ static PyObject *py_submit_grid(PyObject *self, PyObject *const *args, Py_ssize_
     return PyLong_FromVoidPtr(j);
 }
 
+/* Walk a grid's spans tensor-major, merged where they continue each other on both sides (zero-length runs
+ * skipped) and cut into pieces of at most g->piece bytes; with `out`, write the pieces' sources to out[0, n),
+ * destinations to out[n, 2n) and lengths to out[2n, 3n).  Returns the number of pieces; *merged: the spans
+ * before cutting, *longest: the longest piece. */
+static size_t table_walk(const grid *g, uint64_t *out, size_t n, size_t *merged, uint64_t *longest)
+{
+    size_t k = 0, m = 0;
+    uint64_t cs = 0, cd = 0, cl = 0, mx = 0;
+    for (size_t t = 0; t <= g->nt; t++) {
+        for (size_t r = 0; t < g->nt && r < g->nr; r++) {
+            uint64_t l = g->run_len[r];
+            if (!l) continue;
+            uint64_t s = g->src_base[t] + g->run_src[r], d = g->dst_base[t] + g->run_dst[r];
+            if (cl && cs + cl == s && cd + cl == d) { cl += l; continue; }
+            if (!cl) { cs = s; cd = d; cl = l; continue; }
+            for (;;) {   /* emit the span [cs, cs + cl) in pieces, then start the next one at (s, d, l) */
+                uint64_t p = cl < g->piece ? cl : g->piece;
+                if (out) { out[k] = cs; out[n + k] = cd; out[2 * n + k] = p; }
+                k++; if (p > mx) mx = p;
+                cs += p; cd += p; cl -= p;
+                if (!cl) break;
+            }
+            m++;
+            cs = s; cd = d; cl = l;
+        }
+    }
+    while (cl) {   /* the last span */
+        uint64_t p = cl < g->piece ? cl : g->piece;
+        if (out) { out[k] = cs; out[n + k] = cd; out[2 * n + k] = p; }
+        k++; if (p > mx) mx = p;
+        cs += p; cd += p; cl -= p;
+        if (!cl) m++;
+    }
+    *merged = m; *longest = mx;
+    return k;
+}
+
+/* grid_table(*plan arrays, piece, out) -> (pieces, merged spans, longest piece): a plan's spans as the GPU copy
+ * kernel's descriptor table, written into `out` (uint64, writable) when 3 x pieces fit, else nothing written. */
+static PyObject *py_grid_table(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != PLAN_ARRAYS + 2) { PyErr_SetString(PyExc_TypeError, "grid_table takes 9 arguments"); return NULL; }
+    uint64_t piece = PyLong_AsUnsignedLongLongMask(args[PLAN_ARRAYS]);
+    if (PyErr_Occurred()) return NULL;
+    if (piece == 0) { PyErr_SetString(PyExc_ValueError, "grid_table: a zero piece"); return NULL; }
+    Py_buffer out;
+    if (PyObject_GetBuffer(args[PLAN_ARRAYS + 1], &out, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (out.itemsize != 8) {
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "grid_table: out holds 8-byte integers");
+        return NULL;
+    }
+    grid *g = plan_grid(args, 0, 0, piece);
+    if (g == NULL) { PyBuffer_Release(&out); return NULL; }
+    size_t merged = 0;
+    uint64_t longest = 0;
+    size_t n = table_walk(g, NULL, 0, &merged, &longest);
+    if (n && 3 * n <= (size_t)(out.len / 8)) table_walk(g, out.buf, n, &merged, &longest);
+    free(g);
+    PyBuffer_Release(&out);
+    return Py_BuildValue("(nnK)", (Py_ssize_t)n, (Py_ssize_t)merged, (unsigned long long)longest);
+}
+
 /* reap(job) -> None while workers may touch the job, else (state, errno) with the job freed (the handle is then
  * invalid): state 1 = done, 2 = stopped (see JobState). */
 static PyObject *py_reap(PyObject *self, PyObject *arg)
@@ -1037,6 +1102,7 @@ static PyObject *py_net_reap(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyMethodDef native_methods[] = {
     {"copy_grid", (PyCFunction)(void (*)(void))py_copy_grid, METH_FASTCALL, "A small plan copied on this thread."},
     {"submit_grid", (PyCFunction)(void (*)(void))py_submit_grid, METH_FASTCALL, "A plan queued in a copy pool."},
+    {"grid_table", (PyCFunction)(void (*)(void))py_grid_table, METH_FASTCALL, "A plan as a GPU descriptor table."},
     {"reap", py_reap, METH_O, "A finished job's (state, errno), freeing it; None while it runs."},
     {"int_bounds", py_int_bounds, METH_O, "(min, max) of a list or tuple of int64 ints, else None."},
     {"net_read", (PyCFunction)(void (*)(void))py_net_read, METH_FASTCALL, "A one-sided TCP read (deferred)."},

@@ -17,12 +17,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from helpers.examples import examples
 from helpers.fake_cuda import build_fake_libcuda
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiodatadist import cuda
@@ -583,6 +584,69 @@ def _plan_jobs(executor: CudaExecutor, arena: Arena, count: int) -> list[CudaJob
         jobs.append(executor.start_plan(plan, np.array([arena.src + s], np.uint64),
                                         np.array([arena.dst + d], np.uint64)))
     return jobs
+
+
+def _launch_spans(launch: Any) -> list[tuple[int, int, int]]:
+    """A prepared launch's copies as (src, dst, length), merged where they continue each other."""
+    if launch.single is not None:
+        dst, src, n = launch.single
+        pieces = [(src, dst, n)]
+    elif launch.table is not None:
+        n = launch.n
+        pieces = list(zip(*(launch.table[k * n:(k + 1) * n].tolist() for k in range(3)), strict=True))
+    else:
+        pieces = []
+    merged: list[tuple[int, int, int]] = []
+    for src, dst, n in pieces:
+        if merged and merged[-1][0] + merged[-1][2] == src and merged[-1][1] + merged[-1][2] == dst:
+            merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + n)
+        else:
+            merged.append((src, dst, n))
+    return merged
+
+
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_a_plans_table_from_the_native_walk_is_the_span_arrays_one(executor: CudaExecutor, data: st.DataObject) -> None:
+    """The native helper's one-pass walk of a plan's grid gives the launch the span arrays give: the same pieces
+    (merged across runs and tensors where both sides continue, cut at the piece size), the single-copy case and
+    the geometry; with zero-length runs (skipped by the walk) the same bytes go to the same places."""
+    from aiodatadist.cuda import executor as executor_module
+    from aiodatadist.layout import plan_to_spans
+
+    if executor_module._grid_table is None:
+        pytest.skip("no native helper")
+    tensors, size = data.draw(st.integers(1, 4)), 1 << 20
+    adjacent = data.draw(st.booleans())  # tensors that follow each other in memory merge across their boundary
+    src_addrs = np.array([(1 << 40) + t * size * (1 if adjacent else 3) for t in range(tensors)], np.uint64)
+    dst_addrs = np.array([(1 << 41) + t * size * (1 if adjacent else 5) for t in range(tensors)], np.uint64)
+    pairs = data.draw(st.integers(1, 6))
+    src_tensor = data.draw(st.lists(st.integers(0, tensors - 1), min_size=pairs, max_size=pairs))
+    dst_tensor = data.draw(st.lists(st.integers(0, tensors - 1), min_size=pairs, max_size=pairs))
+    zero = data.draw(st.booleans())
+    s_off, d_off, lengths = [], [], []
+    for _ in range(data.draw(st.integers(1, 8))):
+        n = data.draw(st.integers(0 if zero else 1, 200_000))
+        if s_off and data.draw(st.booleans()):  # continues the previous run on both sides
+            s, d = s_off[-1] + lengths[-1], d_off[-1] + lengths[-1]
+        else:
+            s, d = data.draw(st.integers(0, size - n)), data.draw(st.integers(0, size - n))
+        s_off.append(s)
+        d_off.append(d)
+        lengths.append(n)
+    plan = make_plan(np.array(src_tensor, np.int64), np.array(dst_tensor, np.int64),
+                     Runs(np.array(s_off, np.int64), np.array(d_off, np.int64), np.array(lengths, np.int64)))
+    executor._piece_bytes = data.draw(st.sampled_from([16, 4096, 65536, None]))
+    native = executor._prepare_plan(plan, src_addrs, dst_addrs)
+    spans = executor._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
+    assert native.nbytes == spans.nbytes == plan.total_bytes
+    assert _launch_spans(native) == _launch_spans(spans)
+    if not zero:
+        assert native.single == spans.single and (native.grid, native.block, native.n) == (spans.grid, spans.block,
+                                                                                            spans.n)
+        assert (native.table is None) == (spans.table is None)
+        if native.table is not None:
+            assert np.array_equal(native.table, spans.table)
 
 
 async def test_a_repeated_plan_launches_from_its_table_on_the_device(dev: Device, executor: CudaExecutor) -> None:

@@ -8,7 +8,9 @@
 * ``host->dev pull``: the decoder's device cache pulls the blocks from the prompt's *host* cache (no baseline
   ratio target; shown against the pinned host-to-device copy).
 * ``d2d pull 2 MiB``: what a call costs around a small device copy: one block of each of the 64 tensors, pulled
-  from the prompt's device cache, p50/p99 over ``max(200, 20 x repeat)`` calls.
+  from the prompt's device cache, p50/p99 over ``max(200, 20 x repeat)`` calls, and where its time goes (phases);
+  ``d2d pull 2 MiB, new blocks``: the same with other blocks each call, as a serving engine's requests have (a
+  new plan and launch every call).
 
 GB/s = bytes copied / second; medians over ``--repeat``.  Every transfer is checked byte-exact once.
 """
@@ -138,7 +140,18 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
             lat = sorted(t * 1e6 for t in await _times(call, runs, warmup=10))
             rows.append({"name": "d2d pull 2 MiB", "p50_us": statistics.median(lat),
                          "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
-            rows.extend(await _phases(cm, call, runs))
+            rows.extend(await _phases(cm, call, runs, "2 MiB"))
+            progress(f"d2d pull 2 MiB x {runs}, other blocks each call")
+            picks = iter(rng.integers(0, BLOCKS, (runs * 2 + 20, 2)).tolist())
+
+            def other_blocks() -> Awaitable[None]:
+                s, d = next(picks)
+                return cm.pull_blocks(BlocksCacheKey(1, 0), dst, [s], [d])
+
+            lat = sorted(t * 1e6 for t in await _times(other_blocks, runs, warmup=10))
+            rows.append({"name": "d2d pull 2 MiB, new blocks", "p50_us": statistics.median(lat),
+                         "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
+            rows.extend(await _phases(cm, other_blocks, runs, "new blocks"))
 
             async def push() -> None:
                 await cm.push_blocks(BlocksCacheKey(1, 0), dst, dst_blocks, src_blocks)
@@ -161,15 +174,16 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
     return rows
 
 
-async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int) -> list[dict[str, Any]]:
+async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int, label: str) -> list[dict[str, Any]]:
     """Where a 2 MiB pull's time goes, from the GPU executor's timestamps of each call's copy: host time from the
     call to the copy's first driver call (validation, plan, spans, prepared launch), the driver calls that enqueue
     the copy (with the emulated GPU of the tests each wakes a thread, which a real driver does not), enqueue to
     the loop seeing the copy's event complete (the copy, plus at most one loop iteration), and from there to the
     call's return."""
     executor = cm._engine.device().executor  # (a benchmark's look inside: no public name exposes the executor)
-    phases: dict[str, list[float]] = {"2 MiB: host before the launch": [], "2 MiB: driver calls to enqueue": [],
-                                      "2 MiB: launch to end seen": [], "2 MiB: end seen to return": []}
+    names = [f"{label}: {phase}" for phase in ("host before the launch", "driver calls to enqueue",
+                                                "launch to end seen", "end seen to return")]
+    phases: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(runs):
         start = time.perf_counter()
         await call()
@@ -177,10 +191,9 @@ async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int) -> lis
         job = executor.last_job
         if job is None or not job.enqueued_at or not job.seen_at or job.enqueued_at < start:
             continue  # completed by a stream callback, or no copy of its own
-        phases["2 MiB: host before the launch"].append((job.launch_at - start) * 1e6)
-        phases["2 MiB: driver calls to enqueue"].append((job.enqueued_at - job.launch_at) * 1e6)
-        phases["2 MiB: launch to end seen"].append((job.seen_at - job.enqueued_at) * 1e6)
-        phases["2 MiB: end seen to return"].append((end - job.seen_at) * 1e6)
+        for name, value in zip(names, (job.launch_at - start, job.enqueued_at - job.launch_at,
+                                       job.seen_at - job.enqueued_at, end - job.seen_at), strict=True):
+            phases[name].append(value * 1e6)
     return [{"name": name, "p50_us": statistics.median(v), "p99_us": sorted(v)[max(0, int(len(v) * 0.99) - 1)],
              "runs": len(v)} for name, v in phases.items() if v]
 
