@@ -8,8 +8,8 @@ transfers that use it, bounded by one copy chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -100,9 +100,9 @@ class CacheEntry:
         memory = self.host_memory
         return self.shared_segment is not None and not (memory is not None and memory.is_in_place)
 
-    @property
+    @functools.cached_property
     def geometry(self) -> CacheGeometry:
-        return geometry_of(self.desc, self.is_blocks)
+        return geometry_of(self.desc, self.is_blocks)  # (made once: a cache's layout never changes)
 
     @property
     def owned(self) -> bool:
@@ -348,16 +348,9 @@ class CacheRegistry:
                 hook()
         self._maybe_free(entry)
 
-    @contextmanager
-    def lease(self, *entries: CacheEntry) -> Iterator[None]:
-        """Keep the entries' memory alive for the duration of a transfer."""
-        for entry in entries:
-            entry.leases += 1
-        try:
-            yield
-        finally:
-            for entry in entries:
-                self.release_lease(entry)
+    def lease(self, *entries: CacheEntry) -> _Lease:
+        """Keep the entries' memory alive for the duration of a transfer (a context manager)."""
+        return _Lease(self, entries)
 
     def close_all(self) -> list[CopyJob]:
         """Release everything (``finalize``); returns jobs still running on registered memory."""
@@ -369,3 +362,20 @@ class CacheRegistry:
             self._maybe_free(entry)
         self._by_key.clear()
         return jobs
+
+
+class _Lease:
+    """:meth:`CacheRegistry.lease`: a class rather than a generator, as it wraps every transfer."""
+
+    __slots__ = ("_entries", "_registry")
+
+    def __init__(self, registry: CacheRegistry, entries: tuple[CacheEntry, ...]) -> None:
+        self._registry, self._entries = registry, entries
+
+    def __enter__(self) -> None:
+        for entry in self._entries:
+            entry.leases += 1
+
+    def __exit__(self, *exc: object) -> None:
+        for entry in self._entries:
+            self._registry.release_lease(entry)

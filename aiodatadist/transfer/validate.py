@@ -38,6 +38,8 @@ _TRANSFER_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer"
 
 
 def _layer_kwargs(kwargs: dict[str, Any], *, allow_empty: bool) -> tuple[range | None, range | None, int]:
+    if not kwargs:  # every layer, two tensors per layer: most calls
+        return None, None, 2
     unknown = set(kwargs) - set(_TRANSFER_KWARGS)
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
