@@ -4,7 +4,8 @@
 # Usage: bash tools/gpu_checks.sh [OUTDIR]   (results: OUTDIR/gpu-tests.txt, bench-device.txt, bench-device.json)
 # The lent machines have no network and no pyzmq; fetch the wheels first, on a machine with one, into the
 # (git-ignored) folder the device tool carries:
-#   pip download --only-binary=:all: --python-version 3.12 --no-deps -d .gpuwheels pyzmq pytest-asyncio==0.24.0
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --no-deps \
+#       -d .gpuwheels pyzmq==27.3.0 pytest-asyncio==1.5.0
 # then, with the device tool: run(command="bash tools/gpu_checks.sh $OUT", carry=[".gpuwheels"], timeout_s=420)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -167,6 +167,7 @@ class CudaJob(_Work):
         # complete (0.0: not yet, or completed by a stream callback); `bench --device` reads them to split a call
         self.launch_at = 0.0
         self.enqueued_at = 0.0
+        self.gpu_seconds = 0.0  # the copy's time on the GPU, with CudaExecutor.time_copies on (else 0.0)
         self.seen_at = 0.0
 
     def _notify(self) -> None:
@@ -256,6 +257,10 @@ class CudaExecutor(ExecutorBase):
         self._all: list[_Descriptors] = []
         self._closed = False
         self._events: list[ctypes.c_void_p] = []  # recorded after a job's copy, reused once it completed
+        self._timed_events: list[ctypes.c_void_p] = []  # the same with timing, for time_copies
+        self.time_copies = False
+        """Time each awaited copy on the GPU (events with timing around it: ``CudaJob.gpu_seconds``), for
+        ``bench --device``: the time from the GPU's end to the loop seeing it is then known."""
         self._launches: PlanCache[_Launch] = PlanCache(LAUNCH_CACHE, self._evicted)  # see start_plan
         self._seq = 0  # jobs enqueued on the stream so far
         self._done_seq = 0  # the stream is past every job up to this one
@@ -393,8 +398,11 @@ class CudaExecutor(ExecutorBase):
         enqueued = False  # whether the stream may still read the descriptor staging memory
         self._seq += 1
         work._seq = self._seq
+        start: ctypes.c_void_p | None = None
         if isinstance(work, CudaJob):
             work.launch_at = time.perf_counter()
+            if self.time_copies:
+                start = self._record_event(timed=True)
         try:
             self.device.make_current()
             if launch.single is not None:
@@ -417,8 +425,10 @@ class CudaExecutor(ExecutorBase):
         if isinstance(work, CudaJob):
             work.enqueued_at = time.perf_counter()
             self.last_job = work
-            if self._watch(work, launch.nbytes):
+            if self._watch(work, launch.nbytes, start):
                 return
+        if start is not None:
+            self._timed_events.append(start)
         key = next(_ids)
         with _pending_lock:
             _pending[key] = work
@@ -435,29 +445,41 @@ class CudaExecutor(ExecutorBase):
 
     # -- completion by event -------------------------------------------------------------------------------
 
-    def _watch(self, job: CudaJob, nbytes: int) -> bool:
-        """Record an event after ``job``'s copy and have its loop poll it (see the module's docstring); False
-        if the event cannot be recorded (the caller adds a stream callback instead)."""
+    def _record_event(self, *, timed: bool = False) -> ctypes.c_void_p | None:
+        """An event (from the pool; ``timed``: with timing) recorded on the stream now; None if that failed."""
+        pool = self._timed_events if timed else self._events
         drv = self.device.driver
-        event = self._events.pop() if self._events else None
+        event = pool.pop() if pool else None
         try:
+            self.device.make_current()
             if event is None:
                 event = ctypes.c_void_p()
-                drv.call("cuEventCreate", ctypes.byref(event), CU_EVENT_DISABLE_TIMING)
+                drv.call("cuEventCreate", ctypes.byref(event), 0 if timed else CU_EVENT_DISABLE_TIMING)
             drv.call("cuEventRecord", event, self._stream)
         except CudaError as exc:
-            log.debug("no event after a copy (%s): a stream callback completes it", exc)
+            log.debug("cannot record an event (%s)", exc)
             if event is not None and event.value:
-                self._events.append(event)
+                pool.append(event)
+            return None
+        return event
+
+    def _watch(self, job: CudaJob, nbytes: int, start: ctypes.c_void_p | None = None) -> bool:
+        """Record an event after ``job``'s copy and have its loop poll it (see the module's docstring); False
+        if the event cannot be recorded (the caller adds a stream callback instead).  ``start``: a timed event
+        recorded before the copy (the one after it is timed too)."""
+        event = self._record_event(timed=start is not None)
+        if event is None:
+            log.debug("no event after a copy: a stream callback completes it")
             return False
-        _EventWatch(self, job, event, nbytes)
+        _EventWatch(self, job, event, nbytes, start)
         return True
 
-    def _event_done(self, event: ctypes.c_void_p, nbytes: int, took: float, at_first_query: bool) -> None:
+    def _event_done(self, event: ctypes.c_void_p, nbytes: int, took: float, at_first_query: bool,
+                    timed: bool = False) -> None:
         """``took``: from the enqueue to the query that saw the event complete.  Done at the first query after a
         timer, the copy may have ended long before: its rate is only a lower bound, so the expectation is halved
         (the next timer is shorter), never lowered by it."""
-        self._events.append(event)
+        (self._timed_events if timed else self._events).append(event)
         if nbytes < 1 << 20 or took <= 0:  # small copies say more about latency than about the rate
             return
         if at_first_query:
@@ -537,7 +559,7 @@ class CudaExecutor(ExecutorBase):
                 desc.free(self.device)
             except CudaError as exc:
                 log.warning("freeing CUDA descriptor buffers: %s", exc)
-        events, self._events = self._events, []
+        events, self._events, self._timed_events = self._events + self._timed_events, [], []
         for event in events:
             drv.fn("cuEventDestroy_v2")(event)
         for name, handle in (("cuModuleUnload", self._module), ("cuStreamDestroy_v2", self._stream)):
@@ -560,10 +582,11 @@ class _EventWatch:
     """The loop's side of a job's completion event: a timer for most of the expected duration, then a query per
     loop iteration, then (a copy far past its expected end) a thread blocked in ``cuEventSynchronize``."""
 
-    __slots__ = ("event", "executor", "job", "nbytes", "queries", "slept", "started", "until")
+    __slots__ = ("event", "executor", "job", "nbytes", "queries", "slept", "start", "started", "until")
 
-    def __init__(self, executor: CudaExecutor, job: CudaJob, event: ctypes.c_void_p, nbytes: int) -> None:
-        self.executor, self.job, self.event, self.nbytes = executor, job, event, nbytes
+    def __init__(self, executor: CudaExecutor, job: CudaJob, event: ctypes.c_void_p, nbytes: int,
+                 start: ctypes.c_void_p | None = None) -> None:
+        self.executor, self.job, self.event, self.nbytes, self.start = executor, job, event, nbytes, start
         self.started = time.perf_counter()
         self.queries = 0
         expected = nbytes / executor._rate
@@ -604,5 +627,12 @@ class _EventWatch:
     def _done(self, status: int) -> None:
         self.job.seen_at = now = time.perf_counter()
         took = now - self.started
-        self.executor._event_done(self.event, self.nbytes, took, self.slept and self.queries == 1)
+        executor = self.executor
+        if self.start is not None:
+            elapsed = ctypes.c_float()
+            if not status and not executor.device.driver.fn("cuEventElapsedTime_v2")(ctypes.byref(elapsed),
+                                                                                       self.start, self.event):
+                self.job.gpu_seconds = elapsed.value / 1e3
+            executor._timed_events.append(self.start)
+        executor._event_done(self.event, self.nbytes, took, self.slept and self.queries == 1, self.start is not None)
         self.job._gpu_done_here(status)

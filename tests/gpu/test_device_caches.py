@@ -346,15 +346,16 @@ def test_bench_device_runs_and_checks_its_bytes(tmp_path: Path) -> None:
                            "--json", str(out)], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     rows = json.loads(out.read_text())["results"]
-    phases = ["host before the launch", "driver calls to enqueue", "launch to end seen", "end seen to return"]
+    phases = ["host before the launch", "driver calls to enqueue", "launch to end seen", "GPU end to end seen",
+              "end seen to return"]
     assert [r["name"] for r in rows] == [
         "d2d pull", "d2d pull 2 MiB", *(f"2 MiB: {p}" for p in phases), "d2d pull 2 MiB, new blocks",
         *(f"new blocks: {p}" for p in phases), "d2d push", "swap h2d", "swap d2h", "host->dev pull"]
     assert all(r["gbps"] > 0 and r["ratio"] > 0 for r in rows if "gbps" in r)
-    for at in (1, 6):
+    for at in (1, 7):
         latency = rows[at]
         assert latency["runs"] >= 200 and 0 < latency["p50_us"] <= latency["p99_us"]
-        for phase in rows[at + 1:at + 5]:  # every call's copy completed through its polled event: all have phases
+        for phase in rows[at + 1:at + 6]:  # every call's copy completed through its polled event: all have phases
             assert phase["runs"] == latency["runs"] and 0 < phase["p50_us"] <= phase["p99_us"]
 
 

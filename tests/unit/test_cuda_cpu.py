@@ -876,6 +876,27 @@ async def test_the_loop_learns_the_end_from_an_event(dev: Device, executor: Cuda
         arena.free()
 
 
+async def test_timed_copies_know_their_gpu_time(dev: Device, executor: CudaExecutor,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``time_copies`` a copy runs between two timed events: its job learns the GPU's time for it (the
+    emulator delays the copy 20 ms), the bytes still land, and both events go back to a pool of their own."""
+    arena = Arena(dev, 1 << 20, 14)
+    try:
+        untimed = executor.start(arena.spans([0, 10], [100, 300], [10, 20]))
+        await executor.wait(untimed)
+        assert untimed.gpu_seconds == 0.0
+        executor.time_copies = True
+        monkeypatch.setenv("FAKE_CUDA_DELAY_US", "20000")
+        for spans in (arena.spans([0], [1 << 19], [4096]), arena.spans([0, 5000], [2 << 18, 3 << 18], [100, 200])):
+            job = executor.start(spans)
+            await executor.wait(job)
+            assert 0.015 < job.gpu_seconds < job.seen_at - job.enqueued_at
+        arena.check()
+        assert len(executor._timed_events) == 2 and len(executor._events) == 1
+    finally:
+        arena.free()
+
+
 def test_the_expected_rate_is_only_raised_by_copies_found_done_after_a_timer(executor: CudaExecutor) -> None:
     """A copy seen complete at the first query after a timer may have ended long before: its apparent rate is a
     lower bound, so it doubles the expectation (or takes the apparent rate if higher) and never lowers it; a

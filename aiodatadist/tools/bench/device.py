@@ -178,22 +178,29 @@ async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int, label:
     """Where a 2 MiB pull's time goes, from the GPU executor's timestamps of each call's copy: host time from the
     call to the copy's first driver call (validation, plan, spans, prepared launch), the driver calls that enqueue
     the copy (with the emulated GPU of the tests each wakes a thread, which a real driver does not), enqueue to
-    the loop seeing the copy's event complete (the copy, plus at most one loop iteration), and from there to the
-    call's return."""
+    the loop seeing the copy's event complete (the copy, plus at most one loop iteration), the part of that after
+    the GPU finished (enqueue to seen, less the copy's time between timed events around it: how late the loop
+    learns of the end, the launch's latency included), and from the loop seeing it to the call's return.  These
+    calls run with timed events (``CudaExecutor.time_copies``); the p50/p99 rows above run without."""
     executor = cm._engine.device().executor  # (a benchmark's look inside: no public name exposes the executor)
     names = [f"{label}: {phase}" for phase in ("host before the launch", "driver calls to enqueue",
-                                                "launch to end seen", "end seen to return")]
+                                                "launch to end seen", "GPU end to end seen", "end seen to return")]
     phases: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(runs):
-        start = time.perf_counter()
-        await call()
-        end = time.perf_counter()
-        job = executor.last_job
-        if job is None or not job.enqueued_at or not job.seen_at or job.enqueued_at < start:
-            continue  # completed by a stream callback, or no copy of its own
-        for name, value in zip(names, (job.launch_at - start, job.enqueued_at - job.launch_at,
-                                       job.seen_at - job.enqueued_at, end - job.seen_at), strict=True):
-            phases[name].append(value * 1e6)
+    executor.time_copies = True  # for "GPU end to end seen": events with timing around each copy
+    try:
+        for _ in range(runs):
+            start = time.perf_counter()
+            await call()
+            end = time.perf_counter()
+            job = executor.last_job
+            if job is None or not job.enqueued_at or not job.seen_at or job.enqueued_at < start or not job.gpu_seconds:
+                continue  # completed by a stream callback, no copy of its own, or not timed
+            seen = job.seen_at - job.enqueued_at
+            for name, value in zip(names, (job.launch_at - start, job.enqueued_at - job.launch_at, seen,
+                                           seen - job.gpu_seconds, end - job.seen_at), strict=True):
+                phases[name].append(value * 1e6)
+    finally:
+        executor.time_copies = False
     return [{"name": name, "p50_us": statistics.median(v), "p99_us": sorted(v)[max(0, int(len(v) * 0.99) - 1)],
              "runs": len(v)} for name, v in phases.items() if v]
 
