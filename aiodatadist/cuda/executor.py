@@ -2,7 +2,9 @@
 
 A job is enqueued on the executor's stream without blocking: one ``cuMemcpyAsync`` for a single span, else
 one launch of the pointer-list kernel (``adt_copy_spans``) for all spans, its descriptors copied to the device
-on the same stream.
+on the same stream.  A plan's launch (:meth:`CudaExecutor.start_plan`) is prepared once per plan and pair of
+tensor address lists, its descriptor table written by the native helper in one pass over the plan's grid, and
+kept on the device after its first copy: a repeated transfer is one ``cuLaunchKernel``.
 
 How the event loop learns that the GPU is done: an event recorded after the copy, which the loop itself queries
 (``cuEventQuery``, well under a microsecond).  A copy expected to take 2.5 ms or more (its bytes at the rate this
@@ -394,8 +396,6 @@ class CudaExecutor(ExecutorBase):
         if launch.single is None and launch.table is None:
             work._gpu_done(0)
             return
-        drv = self.device.driver
-        enqueued = False  # whether the stream may still read the descriptor staging memory
         self._seq += 1
         work._seq = self._seq
         start: ctypes.c_void_p | None = None
@@ -403,25 +403,7 @@ class CudaExecutor(ExecutorBase):
             work.launch_at = time.perf_counter()
             if self.time_copies:
                 start = self._record_event(timed=True)
-        try:
-            self.device.make_current()
-            if launch.single is not None:
-                drv.call("cuMemcpyAsync", *launch.single, self._stream)
-            else:
-                if launch.resident is None:
-                    desc = work._desc = self._acquire(launch.n)
-                    desc.view[:3 * launch.n] = launch.table
-                    drv.call("cuMemcpyHtoDAsync_v2", desc.dev, desc.host, 24 * launch.n, self._stream)
-                    enqueued = True
-                    if self._keep_resident(launch, desc):  # the launch's from now on, not the job's
-                        launch.resident, work._desc = desc, None
-                else:
-                    desc = launch.resident
-                launch.last_seq = self._seq
-                drv.call("cuLaunchKernel", self._function, launch.grid, 1, 1, launch.block, 1, 1, 0, self._stream,
-                         desc.params(launch.n), None)
-        except CudaError as exc:
-            work.error = exc  # still completed through the stream, after whatever was enqueued
+        staged = self._enqueue(launch, work)
         if isinstance(work, CudaJob):
             work.enqueued_at = time.perf_counter()
             self.last_job = work
@@ -429,17 +411,47 @@ class CudaExecutor(ExecutorBase):
                 return
         if start is not None:
             self._timed_events.append(start)
+        self._complete_by_callback(work, staged)
+
+    def _enqueue(self, launch: _Launch, work: _Work) -> bool:
+        """Enqueue ``launch``'s copy for ``work``; whether the stream may still read a staging buffer.  A driver
+        error becomes the job's error: the job still completes through the stream, after whatever was enqueued."""
+        drv = self.device.driver
+        staged = False
+        try:
+            self.device.make_current()
+            if launch.single is not None:
+                drv.call("cuMemcpyAsync", *launch.single, self._stream)
+                return staged
+            desc = launch.resident
+            if desc is None:
+                desc = work._desc = self._acquire(launch.n)
+                desc.view[:3 * launch.n] = launch.table
+                drv.call("cuMemcpyHtoDAsync_v2", desc.dev, desc.host, 24 * launch.n, self._stream)
+                staged = True
+                if self._keep_resident(launch, desc):  # the launch's from now on, not the job's
+                    launch.resident, work._desc = desc, None
+            launch.last_seq = self._seq
+            drv.call("cuLaunchKernel", self._function, launch.grid, 1, 1, launch.block, 1, 1, 0, self._stream,
+                     desc.params(launch.n), None)
+        except CudaError as exc:
+            work.error = exc
+        return staged
+
+    def _complete_by_callback(self, work: _Work, staged: bool) -> None:
+        """Have the driver's callback thread complete ``work`` (no event could be recorded, or a blocking wait);
+        if even that fails, drain the stream and complete it here."""
         key = next(_ids)
         with _pending_lock:
             _pending[key] = work
         try:
-            drv.call("cuStreamAddCallback", self._stream, _STREAM_DONE, ctypes.c_void_p(key), 0)
+            self.device.driver.call("cuStreamAddCallback", self._stream, _STREAM_DONE, ctypes.c_void_p(key), 0)
         except CudaError as exc:
             with _pending_lock:
                 _pending.pop(key, None)
             if work.error is None:
                 work.error = exc
-            if enqueued:  # the descriptors may still be read: reuse them only after the stream drained
+            if staged:  # the descriptors may still be read: reuse them only after the stream drained
                 self._drain_quietly()
             work._gpu_done(0)
 

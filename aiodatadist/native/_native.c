@@ -920,40 +920,40 @@ static PyObject *py_submit_grid(PyObject *self, PyObject *const *args, Py_ssize_
     return PyLong_FromVoidPtr(j);
 }
 
-/* Walk a grid's spans tensor-major, merged where they continue each other on both sides (zero-length runs
- * skipped) and cut into pieces of at most g->piece bytes; with `out`, write the pieces' sources to out[0, n),
- * destinations to out[n, 2n) and lengths to out[2n, 3n).  Returns the number of pieces; *merged: the spans
- * before cutting, *longest: the longest piece. */
+/* Append the span (s, d, l) to a descriptor table of n entries as pieces of at most `piece` bytes (only counted
+ * without `out`): sources at out[0, n), destinations at out[n, 2n), lengths at out[2n, 3n). */
+static inline void table_add(uint64_t *out, size_t n, size_t *k, uint64_t s, uint64_t d, uint64_t l, uint64_t piece,
+                             uint64_t *longest)
+{
+    while (l) {
+        uint64_t p = l < piece ? l : piece;
+        if (out) { out[*k] = s; out[n + *k] = d; out[2 * n + *k] = p; }
+        (*k)++;
+        if (p > *longest) *longest = p;
+        s += p; d += p; l -= p;
+    }
+}
+
+/* A grid's spans tensor-major, merged where they continue each other on both sides (zero-length runs skipped), as
+ * a descriptor table of n entries (see table_add; none written without `out`).  Returns the number of pieces;
+ * *merged: the spans before cutting, *longest: the longest piece. */
 static size_t table_walk(const grid *g, uint64_t *out, size_t n, size_t *merged, uint64_t *longest)
 {
     size_t k = 0, m = 0;
-    uint64_t cs = 0, cd = 0, cl = 0, mx = 0;
-    for (size_t t = 0; t <= g->nt; t++) {
-        for (size_t r = 0; t < g->nt && r < g->nr; r++) {
+    uint64_t cs = 0, cd = 0, cl = 0;
+    *longest = 0;
+    for (size_t t = 0; t < g->nt; t++) {
+        for (size_t r = 0; r < g->nr; r++) {
             uint64_t l = g->run_len[r];
             if (!l) continue;
             uint64_t s = g->src_base[t] + g->run_src[r], d = g->dst_base[t] + g->run_dst[r];
             if (cl && cs + cl == s && cd + cl == d) { cl += l; continue; }
-            if (!cl) { cs = s; cd = d; cl = l; continue; }
-            for (;;) {   /* emit the span [cs, cs + cl) in pieces, then start the next one at (s, d, l) */
-                uint64_t p = cl < g->piece ? cl : g->piece;
-                if (out) { out[k] = cs; out[n + k] = cd; out[2 * n + k] = p; }
-                k++; if (p > mx) mx = p;
-                cs += p; cd += p; cl -= p;
-                if (!cl) break;
-            }
-            m++;
+            if (cl) { table_add(out, n, &k, cs, cd, cl, g->piece, longest); m++; }
             cs = s; cd = d; cl = l;
         }
     }
-    while (cl) {   /* the last span */
-        uint64_t p = cl < g->piece ? cl : g->piece;
-        if (out) { out[k] = cs; out[n + k] = cd; out[2 * n + k] = p; }
-        k++; if (p > mx) mx = p;
-        cs += p; cd += p; cl -= p;
-        if (!cl) m++;
-    }
-    *merged = m; *longest = mx;
+    if (cl) { table_add(out, n, &k, cs, cd, cl, g->piece, longest); m++; }
+    *merged = m;
     return k;
 }
 
