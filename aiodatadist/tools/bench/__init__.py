@@ -16,7 +16,8 @@ Workloads:
 * ``concurrent``: ``--concurrency`` (64) concurrent 4 MiB ``pull_blocks`` / ``push_blocks``, aggregate throughput
   against the single paged figure;
 * ``calls``: what a call costs around its bytes: ``pull_blocks`` / ``push_blocks`` of tiny 64-byte blocks of a
-  64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), called in turn, per-call p50/p99,
+  64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), and 1 block of other blocks each
+  call (64 spans, a new plan each call, as a serving engine's requests have), called in turn, per-call p50/p99,
   and the marginal cost of a span.
 
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
@@ -295,21 +296,35 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
 
 async def _measure_calls(session: _Session, plane: str, direction: str, repeat: int,
                          progress: Progress) -> list[dict[str, Any]]:
-    """Per-call latency of 64 and 8192 spans of 64 bytes, the two sizes called in turn; the 8192-span row also
-    gives the marginal cost of a span (its p50 minus the 64-span p50, per extra span)."""
+    """Per-call latency of 64 and 8192 spans of 64 bytes, and of 64 spans with other blocks each call (a new plan
+    each time, as a serving engine's requests have), called in turn; the 8192-span row also gives the marginal
+    cost of a span (its p50 minus the 64-span p50, per extra span)."""
     runs = max(500, repeat * 100)
-    progress(f"{plane} {direction} calls of {' and '.join(map(str, CALL_SPANS))} spans in turn x {runs}")
+    progress(f"{plane} {direction} calls of {' and '.join(map(str, CALL_SPANS))} spans, and of 64 spans of other "
+             f"blocks each call, in turn x {runs}")
     calls = [functools.partial(session.call, direction, blocks, blocks)
              for blocks in (list(range(0, 2 * (spans // TENSORS), 2)) for spans in CALL_SPANS)]  # no coalescing
-    samples = await interleaved_times(calls, runs, 20)
+    picks = iter(np.random.default_rng(11).integers(0, BLOCKS, (runs + 40, 2)).tolist())
+
+    def new_blocks() -> Awaitable[None]:
+        src, dst = next(picks)
+        return session.call(direction, [src], [dst])
+
+    samples = await interleaved_times([*calls, new_blocks], runs, 20)
     rows: list[dict[str, Any]] = []
     p50s: dict[int, float] = {}
-    for spans, seconds in zip(CALL_SPANS, samples):
+    for at, seconds in enumerate(samples):
+        spans = CALL_SPANS[at] if at < len(CALL_SPANS) else TENSORS
         lat = sorted(t * 1e6 for t in seconds)
-        p50s[spans] = statistics.median(lat)
-        row = {"workload": "calls", "transport": plane, "direction": direction, "bytes": spans * TINY_BYTES,
-               "spans": spans, "p50_us": p50s[spans], "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs}
-        if spans != CALL_SPANS[0]:
+        p50 = statistics.median(lat)
+        row: dict[str, Any] = {"workload": "calls", "transport": plane, "direction": direction,
+                               "bytes": spans * TINY_BYTES, "spans": spans, "p50_us": p50,
+                               "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs}
+        if at >= len(CALL_SPANS):
+            row["new_blocks"] = True
+        else:
+            p50s[spans] = p50
+        if 0 < at < len(CALL_SPANS):
             row["ns_per_extra_span"] = (p50s[spans] - p50s[CALL_SPANS[0]]) * 1e3 / (spans - CALL_SPANS[0])
         rows.append(row)
     return rows
@@ -386,6 +401,8 @@ def _format(r: dict[str, Any]) -> str:
                 text += f"   {r[key]}: {r[f'{key}_gbps']:6.2f} GB/s   ratio {r[f'{key}_ratio']:.2f}"
     elif "p50_us" in r:
         text = f"{head} {r['spans']:>5} spans  p50 {r['p50_us']:7.1f} us  p99 {r['p99_us']:7.1f} us ({r['runs']} runs)"
+        if r.get("new_blocks"):
+            text += "   other blocks each call"
         if "ns_per_extra_span" in r:
             text += f"   {r['ns_per_extra_span']:.1f} ns per extra span"
     else:
