@@ -34,7 +34,6 @@ __all__ = [
     "copy_blocks_runs",
     "copy_cache_run",
     "make_plan",
-    "plan_side_spans",
     "plan_to_spans",
     "pull_tensor_indices",
     "push_tensor_indices",
@@ -439,41 +438,6 @@ class PlanCache(OrderedDict[tuple[Any, ...], tuple["CopyPlan", V]]):
             if replaced is not None and self._on_evict is not None:
                 self._on_evict(replaced[1])
         return value
-
-
-SIDE_SPANS_CACHE = 64
-"""One end's span lists kept (least recently used first out), for plans of at most :data:`SIDE_SPANS_MAX_SPANS`
-spans: a TCP transfer repeating a recent one (same plan, same tensors) reuses its lists on both ends."""
-SIDE_SPANS_MAX_SPANS = 16384
-_side_spans: PlanCache[tuple[UInt64Array, UInt64Array]] = PlanCache(SIDE_SPANS_CACHE)
-
-
-def plan_side_spans(plan: CopyPlan, tensor_addrs: npt.ArrayLike, side: str) -> tuple[UInt64Array, UInt64Array]:
-    """One end's spans of a plan (``side`` "src" or "dst"): addresses and lengths in plan order, merged where
-    that end's memory continues.  Merging never reorders bytes, so both ends agree on every byte's offset in the
-    transfer's stream even though each merges differently.
-
-    The lists are cached by the plan and the tensors' addresses (:class:`PlanCache`), and are read-only."""
-    addrs = np.asarray(tensor_addrs, dtype=np.uint64)
-    if plan.num_spans > SIDE_SPANS_MAX_SPANS:
-        return _plan_side_spans(plan, addrs, side)
-    return _side_spans.get_or_make(plan, (addrs.tobytes(), side), lambda: _read_only(_plan_side_spans(plan, addrs, side)))
-
-
-def _read_only(lists: tuple[UInt64Array, UInt64Array]) -> tuple[UInt64Array, UInt64Array]:
-    for array in lists:
-        array.flags.writeable = False
-    return lists
-
-
-def _plan_side_spans(plan: CopyPlan, addrs: UInt64Array, side: str) -> tuple[UInt64Array, UInt64Array]:
-    tensors, offsets = (plan.src_tensor, plan.runs.src_offset) if side == "src" else (
-        plan.dst_tensor, plan.runs.dst_offset)
-    start = (addrs[tensors][:, None] + offsets.view(np.uint64)[None, :]).ravel()
-    length = np.empty((len(tensors), len(offsets)), dtype=np.uint64)
-    length[:] = plan.runs.length.view(np.uint64)
-    merged, _, lengths = coalesce(start, start, length.ravel())
-    return merged.astype(np.uint64, copy=True), lengths.astype(np.uint64, copy=True)
 
 
 # -- transfers between two caches -----------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_cached_plans_are_read_only_and_errors_are_not_cached() -> None:
 
 def test_side_spans_are_cached_by_plan_and_addresses() -> None:
     """One end's span lists are reused for the same plan and tensor addresses, never for other addresses."""
-    from aiodatadist.layout import plan_side_spans
+    from aiodatadist.transport.tcp.side_spans import plan_side_spans
 
     geometry = CacheGeometry(2, 16 * 64, 16, True, 4)
     plan = transfer_plan(TransferParams("pull", "blocks", (1, 5), (3, 9), None, None, 2, -1, 0), geometry, geometry, 0)

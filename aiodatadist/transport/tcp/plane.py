@@ -20,7 +20,7 @@ from ..._aio import wait_through_cancellation
 from ..._checks import I64_MAX
 from ...copy.completion import Polling
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
-from ...layout import CopyPlan, plan_side_spans
+from ...layout import CopyPlan
 from ...protocol.messages import Descriptor
 from ...stats import OneSided
 from ..base import PULL, PUSH, TransferJob
@@ -29,6 +29,7 @@ from ..plane import DataPlane, LocalCache, OnUntrusted, Route, Transfer, UInt64A
 from ..same_host import PeerCapabilities
 from .native_connections import NativeConnections
 from .python_connections import PythonConnections
+from .side_spans import plan_side_spans
 
 __all__ = ["POLL_RATE", "STOP_ACK_TIMEOUT", "NativeTcpPlane", "TcpPlane"]
 
