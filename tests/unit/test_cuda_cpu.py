@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from helpers.examples import examples
 from helpers.fake_cuda import build_fake_libcuda
+from helpers.plans import draw_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -616,26 +617,8 @@ def test_a_plans_table_from_the_native_walk_is_the_span_arrays_one(executor: Cud
 
     if executor_module._grid_table is None:
         pytest.skip("no native helper")
-    tensors, size = data.draw(st.integers(1, 4)), 1 << 20
-    adjacent = data.draw(st.booleans())  # tensors that follow each other in memory merge across their boundary
-    src_addrs = np.array([(1 << 40) + t * size * (1 if adjacent else 3) for t in range(tensors)], np.uint64)
-    dst_addrs = np.array([(1 << 41) + t * size * (1 if adjacent else 5) for t in range(tensors)], np.uint64)
-    pairs = data.draw(st.integers(1, 6))
-    src_tensor = data.draw(st.lists(st.integers(0, tensors - 1), min_size=pairs, max_size=pairs))
-    dst_tensor = data.draw(st.lists(st.integers(0, tensors - 1), min_size=pairs, max_size=pairs))
     zero = data.draw(st.booleans())
-    s_off, d_off, lengths = [], [], []
-    for _ in range(data.draw(st.integers(1, 8))):
-        n = data.draw(st.integers(0 if zero else 1, 200_000))
-        if s_off and data.draw(st.booleans()):  # continues the previous run on both sides
-            s, d = s_off[-1] + lengths[-1], d_off[-1] + lengths[-1]
-        else:
-            s, d = data.draw(st.integers(0, size - n)), data.draw(st.integers(0, size - n))
-        s_off.append(s)
-        d_off.append(d)
-        lengths.append(n)
-    plan = make_plan(np.array(src_tensor, np.int64), np.array(dst_tensor, np.int64),
-                     Runs(np.array(s_off, np.int64), np.array(d_off, np.int64), np.array(lengths, np.int64)))
+    plan, src_addrs, dst_addrs = draw_plan(data, zero_lengths=zero)
     executor._piece_bytes = data.draw(st.sampled_from([16, 4096, 65536, None]))
     native = executor._prepare_plan(plan, src_addrs, dst_addrs)
     spans = executor._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
