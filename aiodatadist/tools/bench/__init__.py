@@ -310,24 +310,22 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
         src, dst = next(picks)
         return session.call(direction, [src], [dst])
 
-    samples = await interleaved_times([*calls, new_blocks], runs, 20)
+    *fixed, other = await interleaved_times([*calls, new_blocks], runs, 20)
     rows: list[dict[str, Any]] = []
-    p50s: dict[int, float] = {}
-    for at, seconds in enumerate(samples):
-        spans = CALL_SPANS[at] if at < len(CALL_SPANS) else TENSORS
-        lat = sorted(t * 1e6 for t in seconds)
-        p50 = statistics.median(lat)
-        row: dict[str, Any] = {"workload": "calls", "transport": plane, "direction": direction,
-                               "bytes": spans * TINY_BYTES, "spans": spans, "p50_us": p50,
-                               "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs}
-        if at >= len(CALL_SPANS):
-            row["new_blocks"] = True
-        else:
-            p50s[spans] = p50
-        if 0 < at < len(CALL_SPANS):
-            row["ns_per_extra_span"] = (p50s[spans] - p50s[CALL_SPANS[0]]) * 1e3 / (spans - CALL_SPANS[0])
+    for spans, seconds in zip(CALL_SPANS, fixed):
+        row = _call_row(plane, direction, spans, seconds)
+        if spans != CALL_SPANS[0]:
+            row["ns_per_extra_span"] = (row["p50_us"] - rows[0]["p50_us"]) * 1e3 / (spans - CALL_SPANS[0])
         rows.append(row)
+    rows.append({**_call_row(plane, direction, TENSORS, other), "new_blocks": True})
     return rows
+
+
+def _call_row(plane: str, direction: str, spans: int, seconds: list[float]) -> dict[str, Any]:
+    lat = sorted(t * 1e6 for t in seconds)
+    return {"workload": "calls", "transport": plane, "direction": direction, "bytes": spans * TINY_BYTES,
+            "spans": spans, "p50_us": statistics.median(lat), "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)],
+            "runs": len(lat)}
 
 
 def _compare_with_peers(rows: list[dict[str, Any]], peers: list[dict[str, Any]]) -> None:
