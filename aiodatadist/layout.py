@@ -44,6 +44,7 @@ __all__ = [
 
 Int64Array = npt.NDArray[np.int64]
 UInt64Array = npt.NDArray[np.uint64]
+_INT64 = np.dtype(np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,8 @@ class Spans:
 
 
 def _i64(values: Sequence[int] | npt.ArrayLike) -> Int64Array:
+    if type(values) is np.ndarray and values.dtype is _INT64 and values.ndim == 1:
+        return values
     try:
         return np.asarray(values, dtype=np.int64).reshape(-1)
     except OverflowError:
@@ -137,10 +140,8 @@ def _layer_tensors(layer_range: range | None, n: int) -> range | None:
 
 def all_tensor_indices(src: CacheGeometry, dst: CacheGeometry) -> tuple[Int64Array, Int64Array]:
     """Every tensor to the same index; both caches must have the same tensor count."""
-    require(
-        src.num_tensors == dst.num_tensors,
-        f"num_tensors mismatch: source has {src.num_tensors}, destination has {dst.num_tensors}.",
-    )
+    if src.num_tensors != dst.num_tensors:  # (messages are built only when raised: these checks run every call)
+        param_invalid(f"num_tensors mismatch: source has {src.num_tensors}, destination has {dst.num_tensors}.")
     idx = _every_tensor(dst.num_tensors)
     return idx, idx
 
@@ -205,25 +206,27 @@ def push_tensor_indices(
 ) -> tuple[Int64Array, Int64Array]:
     """Tensor windows of a push (the source is the local cache); unset ranges = all layers of the source."""
     n = tensor_num_per_layer
-    require(n > 0, f"tensor_num_per_layer must be > 0, but got {n}.")
-    require(
-        src.num_tensors % n == 0,
-        f"tensor_num_per_layer {n} must divide the source cache's tensor count {src.num_tensors}.",
-    )
+    if n <= 0:
+        param_invalid(f"tensor_num_per_layer must be > 0, but got {n}.")
+    if src.num_tensors % n:
+        param_invalid(f"tensor_num_per_layer {n} must divide the source cache's tensor count {src.num_tensors}.")
     for name, value in (("src_layer_range", src_layer_range), ("dst_layer_range", dst_layer_range)):
-        require(value is None or value.start < value.stop, f"{name} must satisfy 0 <= start < stop, but got {value}.")
+        if value is not None and value.start >= value.stop:
+            param_invalid(f"{name} must satisfy 0 <= start < stop, but got {value}.")
     layers = src.num_tensors // n
     s_layers = src_layer_range if src_layer_range is not None else range(layers)
     d_layers = dst_layer_range if dst_layer_range is not None else range(layers)
-    require(len(s_layers) == len(d_layers), f"src_layer_range {s_layers} and dst_layer_range {d_layers} "
-            "have different lengths.")
-    require(s_layers.stop <= layers, f"src_layer_range {s_layers} exceeds the source's {layers} layers.")
-    require(d_layers.stop <= dst.num_tensors // n,
-            f"dst_layer_range {d_layers} exceeds the destination's {dst.num_tensors // n} layers.")
-    return (
-        np.arange(s_layers.start * n, s_layers.stop * n, dtype=np.int64),
-        np.arange(d_layers.start * n, d_layers.stop * n, dtype=np.int64),
-    )
+    if len(s_layers) != len(d_layers):
+        param_invalid(f"src_layer_range {s_layers} and dst_layer_range {d_layers} have different lengths.")
+    if s_layers.stop > layers:
+        param_invalid(f"src_layer_range {s_layers} exceeds the source's {layers} layers.")
+    if d_layers.stop > dst.num_tensors // n:
+        param_invalid(f"dst_layer_range {d_layers} exceeds the destination's {dst.num_tensors // n} layers.")
+    return _tensor_window(s_layers.start * n, s_layers.stop * n), _tensor_window(d_layers.start * n, d_layers.stop * n)
+
+
+def _tensor_window(start: int, stop: int) -> Int64Array:
+    return _every_tensor(stop) if start == 0 else np.arange(start, stop, dtype=np.int64)
 
 
 # -- block lists and slots -> byte runs -----------------------------------------------------------------------
@@ -272,17 +275,16 @@ def b2b_runs(
 def _b2b_runs_short(s: list[int], d: list[int], src: CacheGeometry, dst: CacheGeometry) -> Runs:
     """:func:`b2b_runs` for short Python lists: the same checks and runs without numpy's per-call overhead
     (invalid input goes through the vectorised path, which raises the precise error)."""
-    n = len(s)
-    if not (n and len(d) == n and src.stride == dst.stride and min(s) >= 0 and max(s) < src.slots
+    n, stride = len(s), dst.stride
+    if n == 1 and len(d) == 1 and 0 <= s[0] < src.slots and 0 <= d[0] < dst.slots and src.stride == stride:
+        table = np.array(((s[0] * stride,), (d[0] * stride,), (stride,)), dtype=np.int64)
+        return Runs(table[0], table[1], table[2])
+    if not (n and len(d) == n and src.stride == stride and min(s) >= 0 and max(s) < src.slots
             and min(d) >= 0 and max(d) < dst.slots and len(set(d)) == n):
         return b2b_runs(np.asarray(s, dtype=object), np.asarray(d, dtype=object), src, dst)
     if any(a > b for a, b in itertools.pairwise(s)):
         pairs = sorted(zip(s, d), key=lambda pair: pair[0])
         s, d = [a for a, _ in pairs], [b for _, b in pairs]
-    stride = dst.stride
-    if n == 1:
-        return Runs(np.array(s, dtype=np.int64) * stride, np.array(d, dtype=np.int64) * stride,
-                    np.array([stride], dtype=np.int64))
     starts_s, starts_d, counts = [s[0]], [d[0]], [1]
     for a, b in zip(s[1:], d[1:]):
         if a == starts_s[-1] + counts[-1] and b == starts_d[-1] + counts[-1]:
@@ -291,8 +293,10 @@ def _b2b_runs_short(s: list[int], d: list[int], src: CacheGeometry, dst: CacheGe
             starts_s.append(a)
             starts_d.append(b)
             counts.append(1)
-    return Runs(np.array(starts_s, dtype=np.int64) * stride, np.array(starts_d, dtype=np.int64) * stride,
-                np.array(counts, dtype=np.int64) * stride)
+    # One array (its rows are the runs), the products taken in Python: a numpy call costs more than these lists.
+    table = np.array(([a * stride for a in starts_s], [b * stride for b in starts_d], [c * stride for c in counts]),
+                     dtype=np.int64)
+    return Runs(table[0], table[1], table[2])
 
 
 def c2b_runs(

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._checks import require
+from .._checks import param_invalid, require
 from ..errors import LLMException, LLMStatusCode
 from ..layout import transfer_plan
 from ..link.link import Link
@@ -78,10 +78,12 @@ class Owner:
     def _begin(self, link: Link, message: Begin, started: float) -> dict[str, Any]:
         tid, key, params, peer_geometry = message.tid, message.key, message.params, message.peer
         state = self._states.of(link)
-        require(tid not in state.leases, f"transfer {tid} is already running.")
+        if tid in state.leases:
+            param_invalid(f"transfer {tid} is already running.")
         registry = self._registry
         entry, slot = registry.resolve_wire(key.kind, key.a, key.b)
-        require(entry.remote_accessible, f"cache {entry.cache_id} is not remote accessible.")
+        if not entry.remote_accessible:
+            param_invalid(f"cache {entry.cache_id} is not remote accessible.")
         refusal = link.plane.refusal(entry.cache_id, entry.on_device)
         if refusal is not None:
             raise refusal

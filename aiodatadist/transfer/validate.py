@@ -115,8 +115,8 @@ def pull_blocks(entry_of: EntryOf, src_cache_key: Any, dst_cache: Any, src_block
     require(len(dst) > 0, "dst_blocks must not be empty.")
     if isinstance(src_cache_key, BlocksCacheKey):
         require(len(src) > 0, "src_blocks must not be empty when pulling by BlocksCacheKey.")
-        require(len(src) == len(dst), f"number of src_blocks ({len(src)}) mismatches number of dst_blocks "
-                f"({len(dst)}).")
+        if len(src) != len(dst):
+            param_invalid(f"number of src_blocks ({len(src)}) mismatches number of dst_blocks ({len(dst)}).")
     else:
         require(len(src) == 0, "src_blocks must be empty when pulling from a contiguous cache (C2B).")
         if isinstance(src_cache_key, CacheKey):
@@ -152,8 +152,8 @@ def push_blocks(entry_of: EntryOf, remote_accessible: bool | None, dst_cache_key
     require(entry.is_blocks, "push_blocks needs a blocks source cache.")
     require(len(dst) > 0, "dst_blocks must not be empty.")
     require(len(src) > 0, "src_blocks must not be empty.")
-    require(len(src) == len(dst), f"number of src_blocks ({len(src)}) mismatches number of dst_blocks "
-            f"({len(dst)}).")
+    if len(src) != len(dst):  # (the message is built only when raised: this runs every call)
+        param_invalid(f"number of src_blocks ({len(src)}) mismatches number of dst_blocks ({len(dst)}).")
     return _checked(TransferParams("push", "blocks", src, dst, src_range, dst_range, n, -1, 0), entry)
 
 

@@ -59,10 +59,12 @@ def test_cached_plans_are_read_only_and_errors_are_not_cached() -> None:
 
 def test_side_spans_are_cached_by_plan_and_addresses() -> None:
     """One end's span lists are reused for the same plan and tensor addresses, never for other addresses."""
-    from aiodatadist.transport.tcp.side_spans import plan_side_spans
+    from aiodatadist.transport.tcp.side_spans import SIDE_SPANS_MIN_SPANS, plan_side_spans
 
-    geometry = CacheGeometry(2, 16 * 64, 16, True, 4)
-    plan = transfer_plan(TransferParams("pull", "blocks", (1, 5), (3, 9), None, None, 2, -1, 0), geometry, geometry, 0)
+    geometry = CacheGeometry(2, 512 * 64, 512, True, 4)
+    src, dst = tuple(range(1, 256, 2)), tuple(range(2, 512, 4))  # 128 blocks, none adjacent: 256 spans
+    plan = transfer_plan(TransferParams("pull", "blocks", src, dst, None, None, 2, -1, 0), geometry, geometry, 0)
+    assert plan.num_spans >= SIDE_SPANS_MIN_SPANS
     here = np.array([1 << 20, 2 << 20], dtype=np.uint64)
     first = plan_side_spans(plan, here, "src")
     again = plan_side_spans(plan, here.copy(), "src")
@@ -71,6 +73,22 @@ def test_side_spans_are_cached_by_plan_and_addresses() -> None:
         first[0][0] = 0
     elsewhere = plan_side_spans(plan, here + np.uint64(4096), "src")
     assert np.array_equal(elsewhere[0], first[0] + np.uint64(4096))
+    assert list(first[0]) == [base + 64 * b for base in (1 << 20, 2 << 20) for b in src]
+    assert list(plan_side_spans(plan, here, "dst")[0]) == [base + 64 * b for base in (1 << 20, 2 << 20) for b in dst]
+
+
+def test_a_small_plans_side_spans_are_walked_at_every_call() -> None:
+    """Below the cached size the lists are made afresh, and right, for every call (other blocks each call are a
+    serving engine's common case, where keeping them costs more than walking)."""
+    from aiodatadist.transport.tcp.side_spans import SIDE_SPANS_MIN_SPANS, plan_side_spans
+
+    geometry = CacheGeometry(2, 16 * 64, 16, True, 4)
+    plan = transfer_plan(TransferParams("pull", "blocks", (1, 5), (3, 9), None, None, 2, -1, 0), geometry, geometry, 0)
+    assert plan.num_spans < SIDE_SPANS_MIN_SPANS
+    here = np.array([1 << 20, 2 << 20], dtype=np.uint64)
+    first = plan_side_spans(plan, here, "src")
+    assert plan_side_spans(plan, here, "src")[0] is not first[0]
     assert list(first[0]) == [(1 << 20) + 64, (1 << 20) + 5 * 64, (2 << 20) + 64, (2 << 20) + 5 * 64]
+    assert list(first[1]) == [64] * 4
     assert list(plan_side_spans(plan, here, "dst")[0]) == [(1 << 20) + 3 * 64, (1 << 20) + 9 * 64,
                                                            (2 << 20) + 3 * 64, (2 << 20) + 9 * 64]
