@@ -153,7 +153,7 @@ class _Session:
     """A prompt process and a decoder here, linked over one transport, with paged and contiguous caches."""
 
     def __init__(self, peer: PeerProcess, dd: LLMDataDist, blocks: Cache, slots: Cache, remote_slots: int,
-                 buffers: list[np.ndarray], tiny: Cache | None) -> None:
+                 buffers: list[np.ndarray], tiny: Cache) -> None:
         self.peer, self.dd, self.blocks, self.slots, self.remote_slots = peer, dd, blocks, slots, remote_slots
         self.tiny = tiny  # 64-byte blocks (the calls workload)
         self.buffers = buffers  # registered memory (nixl): alive as long as the caches
@@ -190,16 +190,17 @@ class _Session:
         cm = dd.cache_manager
         buffers: list[np.ndarray] = []
         if transport == "nixl":
-            buffers = [np.zeros(d.size, dtype=np.uint8) for d in (_blocks_desc(), _slot_desc()) for _ in range(TENSORS)]
+            buffers = [np.zeros(d.size, dtype=np.uint8) for d in (_blocks_desc(), _slot_desc(), _tiny_desc())
+                       for _ in range(TENSORS)]
             addrs = [int(b.ctypes.data) for b in buffers]
             local_blocks = cm.register_blocks_cache(_blocks_desc(), addrs[:TENSORS], BlocksCacheKey(DECODER, 0))
-            local_slots = cm.register_cache(_slot_desc(), addrs[TENSORS:])
-            local_tiny = None
+            local_slots = cm.register_cache(_slot_desc(), addrs[TENSORS:2 * TENSORS])
+            local_tiny = cm.register_blocks_cache(_tiny_desc(), addrs[2 * TENSORS:], BlocksCacheKey(DECODER, 1))
         else:
             local_blocks = cm.allocate_blocks_cache(_blocks_desc(), BlocksCacheKey(DECODER, 0))
             local_slots = cm.allocate_cache(_slot_desc())
             local_tiny = cm.allocate_blocks_cache(_tiny_desc(), BlocksCacheKey(DECODER, 1))
-            fill_pattern(local_tiny, 8)
+        fill_pattern(local_tiny, 8)
         fill_pattern(local_blocks, 5)
         fill_pattern(local_slots, 6)
         return cls(peer, dd, local_blocks, local_slots, int(slots["cache_id"]), buffers, local_tiny)
@@ -213,7 +214,6 @@ class _Session:
     def call(self, direction: str, src: list[int], dst: list[int]) -> Awaitable[None]:
         """A transfer of tiny blocks: its time is the call's, not the copy's."""
         cm, key = self.dd.cache_manager, BlocksCacheKey(PROMPT, 1)
-        assert self.tiny is not None
         if direction == "pull":
             return cm.pull_blocks(key, self.tiny, src, dst)
         return cm.push_blocks(key, self.tiny, src, dst)
@@ -278,7 +278,7 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
         lat = sorted(t * 1e3 for t in await _times(lambda: session.paged(direction, [7], [9]), runs, 5))
         row("small", TENSORS * BLOCK_BYTES, p50_ms=statistics.median(lat),
             p99_ms=lat[max(0, int(len(lat) * 0.99) - 1)], runs=runs)
-    if "calls" in workloads and session.tiny is not None:
+    if "calls" in workloads:
         rows.extend(await _measure_calls(session, str(plane), direction, repeat, progress))
     if "concurrent" in workloads and single is not None:
         progress(f"{plane} {direction} {concurrency} concurrent 4 MiB")
