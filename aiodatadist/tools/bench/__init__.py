@@ -16,9 +16,10 @@ Workloads:
 * ``concurrent``: ``--concurrency`` (64) concurrent 4 MiB ``pull_blocks`` / ``push_blocks``, aggregate throughput
   against the single paged figure;
 * ``calls``: what a call costs around its bytes: ``pull_blocks`` / ``push_blocks`` of tiny 64-byte blocks of a
-  64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), and 1 block of other blocks each
-  call (64 spans, a new plan each call, as a serving engine's requests have), called in turn, per-call p50/p99,
-  and the marginal cost of a span.
+  64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), 1 block of other blocks each
+  call (64 spans, a new plan each call, as a serving engine's requests have) and, for pulls, ``pull_cache`` of a
+  64 x 64-byte slot by ``CacheKey`` (a request key the owner releases: two control round trips), called in turn,
+  per-call p50/p99, and the marginal cost of a span.
 
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
 aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
@@ -58,7 +59,7 @@ from ...datadist import LLMDataDist
 from ...errors import LLMStatusCode
 from ...native import native_available
 from ...testing import PeerProcess, cluster_info, fill_pattern, free_port
-from ...types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
+from ...types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 from .baselines import StreamCopy, copyto_gbps, socket_stream_gbps
 from .baselines import gbps as _gbps
 from .timing import interleaved_times, stderr_progress
@@ -90,6 +91,11 @@ def _blocks_desc() -> CacheDesc:
 
 def _tiny_desc() -> CacheDesc:
     return CacheDesc(TENSORS, (BLOCKS, TINY_BYTES), DataType.DT_UINT8, Placement.HOST)
+
+
+def _keyed_desc(slots: int) -> CacheDesc:
+    """A contiguous cache of ``slots`` tiny slots (one per request key) for pulls by ``CacheKey``."""
+    return CacheDesc(TENSORS, (slots, TINY_BYTES), DataType.DT_UINT8, Placement.HOST)
 
 
 def _slot_desc() -> CacheDesc:
@@ -153,10 +159,13 @@ class _Session:
     """A prompt process and a decoder here, linked over one transport, with paged and contiguous caches."""
 
     def __init__(self, peer: PeerProcess, dd: LLMDataDist, blocks: Cache, slots: Cache, remote_slots: int,
-                 buffers: list[np.ndarray], tiny: Cache) -> None:
+                 buffers: list[np.ndarray], tiny: Cache, keyed: Cache, make: str) -> None:
         self.peer, self.dd, self.blocks, self.slots, self.remote_slots = peer, dd, blocks, slots, remote_slots
         self.tiny = tiny  # 64-byte blocks (the calls workload)
+        self.keyed = keyed  # one tiny slot that pulls by CacheKey land in
         self.buffers = buffers  # registered memory (nixl): alive as long as the caches
+        self.make = make  # how the peer makes its caches: "allocate", or "register" (nixl)
+        self._req_ids = itertools.count()
 
     @classmethod
     async def start(cls, transport: str) -> _Session:
@@ -190,20 +199,24 @@ class _Session:
         cm = dd.cache_manager
         buffers: list[np.ndarray] = []
         if transport == "nixl":
-            buffers = [np.zeros(d.size, dtype=np.uint8) for d in (_blocks_desc(), _slot_desc(), _tiny_desc())
-                       for _ in range(TENSORS)]
+            buffers = [np.zeros(d.size, dtype=np.uint8)
+                       for d in (_blocks_desc(), _slot_desc(), _tiny_desc(), _keyed_desc(1)) for _ in range(TENSORS)]
             addrs = [int(b.ctypes.data) for b in buffers]
             local_blocks = cm.register_blocks_cache(_blocks_desc(), addrs[:TENSORS], BlocksCacheKey(DECODER, 0))
             local_slots = cm.register_cache(_slot_desc(), addrs[TENSORS:2 * TENSORS])
-            local_tiny = cm.register_blocks_cache(_tiny_desc(), addrs[2 * TENSORS:], BlocksCacheKey(DECODER, 1))
+            local_tiny = cm.register_blocks_cache(_tiny_desc(), addrs[2 * TENSORS:3 * TENSORS],
+                                                  BlocksCacheKey(DECODER, 1))
+            local_keyed = cm.register_cache(_keyed_desc(1), addrs[3 * TENSORS:])
         else:
             local_blocks = cm.allocate_blocks_cache(_blocks_desc(), BlocksCacheKey(DECODER, 0))
             local_slots = cm.allocate_cache(_slot_desc())
             local_tiny = cm.allocate_blocks_cache(_tiny_desc(), BlocksCacheKey(DECODER, 1))
+            local_keyed = cm.allocate_cache(_keyed_desc(1))
         fill_pattern(local_tiny, 8)
         fill_pattern(local_blocks, 5)
         fill_pattern(local_slots, 6)
-        return cls(peer, dd, local_blocks, local_slots, int(slots["cache_id"]), buffers, local_tiny)
+        return cls(peer, dd, local_blocks, local_slots, int(slots["cache_id"]), buffers, local_tiny, local_keyed,
+                   make)
 
     def paged(self, direction: str, src: list[int], dst: list[int]) -> Awaitable[None]:
         cm, key = self.dd.cache_manager, BlocksCacheKey(PROMPT, 0)
@@ -217,6 +230,23 @@ class _Session:
         if direction == "pull":
             return cm.pull_blocks(key, self.tiny, src, dst)
         return cm.push_blocks(key, self.tiny, src, dst)
+
+    async def request_keys(self, count: int) -> Callable[[], Awaitable[None]]:
+        """A call per key: ``pull_cache`` by ``CacheKey`` of one of ``count`` request keys the peer binds now (to
+        the slots of a tiny contiguous cache), each pulled once, as a decoder pulls a finished prefill (through
+        the owner, which releases the key before the call returns)."""
+        first = next(self._req_ids)
+        for _ in range(count - 1):
+            next(self._req_ids)
+        keyed = await self.peer.call(self.make, num_tensors=TENSORS, shape=[count, TINY_BYTES],
+                                     keys=[[PROMPT, first + i] for i in range(count)])
+        await self.peer.call("fill", cache_id=keyed["cache_id"], seed=9)
+        req_ids = iter(range(first, first + count))
+        cm = self.dd.cache_manager
+
+        def pull() -> Awaitable[None]:
+            return cm.pull_cache(CacheKey(PROMPT, next(req_ids)), self.keyed, 0)
+        return pull
 
     def whole(self, direction: str) -> Awaitable[None]:
         key = CacheKeyByIdAndIndex(PROMPT, self.remote_slots, 0)
@@ -296,12 +326,13 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
 
 async def _measure_calls(session: _Session, plane: str, direction: str, repeat: int,
                          progress: Progress) -> list[dict[str, Any]]:
-    """Per-call latency of 64 and 8192 spans of 64 bytes, and of 64 spans with other blocks each call (a new plan
-    each time, as a serving engine's requests have), called in turn; the 8192-span row also gives the marginal
-    cost of a span (its p50 minus the 64-span p50, per extra span)."""
+    """Per-call latency of 64 and 8192 spans of 64 bytes and of 64 spans with other blocks each call (a new plan
+    each time, as a serving engine's requests have), called in turn, then, for pulls, of ``pull_cache`` by
+    ``CacheKey`` (a request key pulled once: through the owner, two round trips); the 8192-span row also gives
+    the marginal cost of a span (its p50 minus the 64-span p50, per extra span)."""
     runs = max(500, repeat * 100)
     progress(f"{plane} {direction} calls of {' and '.join(map(str, CALL_SPANS))} spans, and of 64 spans of other "
-             f"blocks each call, in turn x {runs}")
+             f"blocks each call, in turn x {runs}" + (", then by request key" if direction == "pull" else ""))
     calls = [functools.partial(session.call, direction, blocks, blocks)
              for blocks in (list(range(0, 2 * (spans // TENSORS), 2)) for spans in CALL_SPANS)]  # no coalescing
     picks = iter(np.random.default_rng(11).integers(0, BLOCKS, (runs + 40, 2)).tolist())
@@ -311,6 +342,9 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
         return session.call(direction, [src], [dst])
 
     *fixed, other = await interleaved_times([*calls, new_blocks], runs, 20)
+    # Apart, after them: what the owner still does once such a call returned (the key's release, the END) would
+    # otherwise fall on the next call in turn.
+    keyed = [await _times(await session.request_keys(runs + 20), runs, 20)] if direction == "pull" else []
     rows: list[dict[str, Any]] = []
     for spans, seconds in zip(CALL_SPANS, fixed):
         row = _call_row(plane, direction, spans, seconds)
@@ -318,6 +352,7 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
             row["ns_per_extra_span"] = (row["p50_us"] - rows[0]["p50_us"]) * 1e3 / (spans - CALL_SPANS[0])
         rows.append(row)
     rows.append({**_call_row(plane, direction, TENSORS, other), "new_blocks": True})
+    rows.extend({**_call_row(plane, direction, TENSORS, seconds), "by_key": True} for seconds in keyed)
     return rows
 
 
@@ -401,6 +436,8 @@ def _format(r: dict[str, Any]) -> str:
         text = f"{head} {r['spans']:>5} spans  p50 {r['p50_us']:7.1f} us  p99 {r['p99_us']:7.1f} us ({r['runs']} runs)"
         if r.get("new_blocks"):
             text += "   other blocks each call"
+        if r.get("by_key"):
+            text += "   pull_cache by CacheKey (through the owner)"
         if "ns_per_extra_span" in r:
             text += f"   {r['ns_per_extra_span']:.1f} ns per extra span"
     else:
