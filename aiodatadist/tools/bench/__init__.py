@@ -17,9 +17,9 @@ Workloads:
   against the single paged figure;
 * ``calls``: what a call costs around its bytes: ``pull_blocks`` / ``push_blocks`` of tiny 64-byte blocks of a
   64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), 1 block of other blocks each
-  call (64 spans, a new plan each call, as a serving engine's requests have) and, for pulls, ``pull_cache`` of a
-  64 x 64-byte slot by ``CacheKey`` (a request key the owner releases: two control round trips), called in turn,
-  per-call p50/p99, and the marginal cost of a span.
+  call (64 spans, a new plan each call, as a serving engine's requests have), called in turn, and, measured
+  apart after them, for pulls, ``pull_cache`` of a 64 x 64-byte slot by ``CacheKey`` (a request key the owner
+  releases: two control round trips); per-call p50/p99, and the marginal cost of a span.
 
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
 aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
@@ -165,7 +165,7 @@ class _Session:
         self.keyed = keyed  # one tiny slot that pulls by CacheKey land in
         self.buffers = buffers  # registered memory (nixl): alive as long as the caches
         self.make = make  # how the peer makes its caches: "allocate", or "register" (nixl)
-        self._req_ids = itertools.count()
+        self._next_req_id = 0  # request keys bound so far (pulls by CacheKey)
 
     @classmethod
     async def start(cls, transport: str) -> _Session:
@@ -235,9 +235,8 @@ class _Session:
         """A call per key: ``pull_cache`` by ``CacheKey`` of one of ``count`` request keys the peer binds now (to
         the slots of a tiny contiguous cache), each pulled once, as a decoder pulls a finished prefill (through
         the owner, which releases the key before the call returns)."""
-        first = next(self._req_ids)
-        for _ in range(count - 1):
-            next(self._req_ids)
+        first = self._next_req_id
+        self._next_req_id += count
         keyed = await self.peer.call(self.make, num_tensors=TENSORS, shape=[count, TINY_BYTES],
                                      keys=[[PROMPT, first + i] for i in range(count)])
         await self.peer.call("fill", cache_id=keyed["cache_id"], seed=9)
@@ -342,9 +341,6 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
         return session.call(direction, [src], [dst])
 
     *fixed, other = await interleaved_times([*calls, new_blocks], runs, 20)
-    # Apart, after them: what the owner still does once such a call returned (the key's release, the END) would
-    # otherwise fall on the next call in turn.
-    keyed = [await _times(await session.request_keys(runs + 20), runs, 20)] if direction == "pull" else []
     rows: list[dict[str, Any]] = []
     for spans, seconds in zip(CALL_SPANS, fixed):
         row = _call_row(plane, direction, spans, seconds)
@@ -352,7 +348,10 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
             row["ns_per_extra_span"] = (row["p50_us"] - rows[0]["p50_us"]) * 1e3 / (spans - CALL_SPANS[0])
         rows.append(row)
     rows.append({**_call_row(plane, direction, TENSORS, other), "new_blocks": True})
-    rows.extend({**_call_row(plane, direction, TENSORS, seconds), "by_key": True} for seconds in keyed)
+    if direction == "pull":  # apart, after them: what the owner still does once such a call returned (the key's
+        # release, the END) would otherwise fall on the next call in turn
+        keyed = await _times(await session.request_keys(runs + 20), runs, 20)
+        rows.append({**_call_row(plane, direction, TENSORS, keyed), "by_key": True})
     return rows
 
 
