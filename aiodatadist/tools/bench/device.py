@@ -178,9 +178,11 @@ async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int, label:
     """Where a 2 MiB pull's time goes, from the GPU executor's timestamps of each call's copy: host time from the
     call to the copy's first driver call (validation, plan, spans, prepared launch), the driver calls that enqueue
     the copy (with the emulated GPU of the tests each wakes a thread, which a real driver does not), enqueue to
-    the loop seeing the copy's event complete (the copy, plus at most one loop iteration), the part of that after
-    the GPU finished (enqueue to seen, less the copy's time between timed events around it: how late the loop
-    learns of the end, the launch's latency included), and from the loop seeing it to the call's return.  These
+    the loop seeing the copy's event complete (the copy, plus at most one loop iteration), how late the loop learns
+    of the end (from the first driver call to the loop seeing the end, less the copy's time between timed events
+    around it: an upper bound, as the launch's latency is included; measured from the enqueue's end instead it
+    could go negative, the GPU having started before the enqueue returned), and from the loop seeing it to the
+    call's return.  These
     calls run with timed events (``CudaExecutor.time_copies``); the p50/p99 rows above run without."""
     executor = cm._engine.device().executor  # (a benchmark's look inside: no public name exposes the executor)
     names = [f"{label}: {phase}" for phase in ("host before the launch", "driver calls to enqueue",
@@ -196,8 +198,9 @@ async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int, label:
             if job is None or not job.enqueued_at or not job.seen_at or job.enqueued_at < start or not job.gpu_seconds:
                 continue  # completed by a stream callback, no copy of its own, or not timed
             seen = job.seen_at - job.enqueued_at
+            late = job.seen_at - job.launch_at - job.gpu_seconds  # the start event is recorded after launch_at
             for name, value in zip(names, (job.launch_at - start, job.enqueued_at - job.launch_at, seen,
-                                           seen - job.gpu_seconds, end - job.seen_at), strict=True):
+                                           late, end - job.seen_at), strict=True):
                 phases[name].append(value * 1e6)
     finally:
         executor.time_copies = False
