@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -446,9 +446,11 @@ class PlanCache(OrderedDict[tuple[Any, ...], tuple["CopyPlan", V]]):
 
 # -- transfers between two caches -----------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class TransferParams:
-    """What a pull/push asks for, as both sides see it (``local_slot`` is the requester's batch slot)."""
+class TransferParams(NamedTuple):
+    """What a pull/push asks for, as both sides see it (``local_slot`` is the requester's batch slot).
+
+    A named tuple, not a frozen dataclass: every call builds one, and a frozen dataclass's ``__init__`` costs
+    several times as much (one ``object.__setattr__`` per field)."""
 
     op: str  # "pull" (owner is the source) or "push" (owner is the destination)
     api: str  # "cache" (pull_cache/push_cache) or "blocks" (pull_blocks/push_blocks)

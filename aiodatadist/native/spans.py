@@ -10,8 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -56,12 +55,11 @@ class StopFlag:
         return bool(self._word[0])
 
 
-@dataclass(frozen=True, slots=True)
-class CopySpec:
+class CopySpec(NamedTuple):
     """How to execute spans: ``mode`` :attr:`~CopyMode.MEMCPY` copies within this process,
     :attr:`~CopyMode.PVM_READ` reads from process ``pid`` (``process_vm_readv``), :attr:`~CopyMode.PVM_WRITE`
     writes into it (``process_vm_writev``).  ``src_delta``/``dst_delta`` translate addresses first (a peer's
-    segment mapped here)."""
+    segment mapped here).  A named tuple: cheap to build (see :class:`~aiodatadist.layout.TransferParams`)."""
 
     mode: CopyMode = CopyMode.MEMCPY
     pid: int = 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Self, TypeVar
+from typing import Any, ClassVar, Literal, NamedTuple, Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -206,9 +206,9 @@ def transport_from_wire(value: object) -> Transport:
     return Transport(value) if isinstance(value, str) and value in _TRANSPORTS else Transport.AUTO
 
 
-@dataclass(frozen=True, slots=True)
-class WireKey:
-    """A cache key as the owner indexes it: ``kind`` is ``id``, ``blocks``, ``req`` or ``prefix``."""
+class WireKey(NamedTuple):
+    """A cache key as the owner indexes it: ``kind`` is ``id``, ``blocks``, ``req`` or ``prefix`` (a named tuple:
+    cheap to build at every call)."""
 
     kind: str
     a: int
