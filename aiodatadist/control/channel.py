@@ -88,7 +88,8 @@ class TaskSet:
 
 
 class Channel:
-    """One link's message pipe (``send`` is bound to a DEALER or to a ROUTER + routing id).
+    """One link's message pipe (``send`` is bound to a DEALER or to a ROUTER + routing id; it raises
+    ``LLMLinkError`` when the transport refuses a frame).
 
     Outgoing messages are queued and flushed once per event-loop iteration, so the many requests and replies of
     concurrent transfers share ZeroMQ frames (a frame costs thread hand-offs; a message in it costs ~nothing).
@@ -126,11 +127,13 @@ class Channel:
         try:
             for start in range(0, len(messages), FRAME_MESSAGES):
                 self._send(encode_batch(messages[start:start + FRAME_MESSAGES]))
+        except LLMLinkError as exc:  # the transport refused the frame: the peer is gone
+            self.failed(exc)
         except LLMException as exc:
             self.close(exc)
 
     def failed(self, error: LLMException) -> None:
-        """The transport reported that a frame could not be delivered: the peer is gone."""
+        """The transport refused a frame (the send function raised ``LLMLinkError``): the peer is gone."""
         log.debug("send on %s failed: %s", self.name, error)
         self._outbox.clear()
         self.close(error)
@@ -165,12 +168,16 @@ class Channel:
         if self.closed is None:
             self._post(reply_to_wire(req_id, body, code=code, msg=msg))
 
+    def resolve(self, reply: dict[str, Any]) -> None:
+        """Hand a reply to the request awaiting it (a reply nobody awaits any more is dropped)."""
+        future = self._pending.get(reply["r"])
+        if future is not None and not future.done():
+            future.set_result(reply)
+
     async def dispatch(self, message: dict[str, Any]) -> None:
         """Route a decoded message: replies resolve futures, requests go to the handler."""
         if message["k"] == Kind.REPLY:
-            future = self._pending.get(message["r"])
-            if future is not None and not future.done():
-                future.set_result(message)
+            self.resolve(message)
             return
         req_id = message["i"]
         try:

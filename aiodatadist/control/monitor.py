@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 import zmq
 import zmq.asyncio
@@ -50,9 +50,10 @@ class ConnectionWatch:
     event's number; it is the monitor's only reader.  :meth:`close` stops it and closes the monitor socket (before
     the watched socket is closed: the monitor's inproc address is named after the socket's descriptor)."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, spawn: Callable[..., asyncio.Task[Any]], name: str) -> None:
+    def __init__(self, sock: zmq.Socket[Any], spawn: Callable[..., asyncio.Task[Any]], name: str) -> None:
         self._sock = sock
-        self._monitor: zmq.asyncio.Socket = sock.get_monitor_socket(FAILURES)
+        # (an asyncio socket: the watched socket's context is an asyncio one)
+        self._monitor = cast(zmq.asyncio.Socket, sock.get_monitor_socket(FAILURES))
         self.failed: asyncio.Task[int] = spawn(self._first_failure(), name=f"monitor-{name}")
 
     async def _first_failure(self) -> int:

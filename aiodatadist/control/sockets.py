@@ -1,8 +1,11 @@
-"""Control plane sockets on pyzmq's asyncio API: one ROUTER server per listening instance, one DEALER per link.
+"""Control plane sockets: one ROUTER server per listening instance, one DEALER per link, each a
+:class:`~.loop_socket.LoopSocket` (driven from the event loop without pyzmq's asyncio futures).
 
-Each socket has exactly one reader task (:meth:`Server.serve`, :func:`read_dealer`), which decodes frames and
-hands their messages to the link's :class:`~.channel.Channel` (inline kinds at once, others in tasks of the
-instance's :class:`~.channel.TaskSet`).
+Each socket has exactly one reader task (:meth:`Server.serve`, :func:`read_dealer`).  The socket hands every
+message it receives to that task's :class:`_Inbox`, which delivers them in order to the link's
+:class:`~.channel.Channel` (inline kinds awaited in turn, others in tasks of the instance's
+:class:`~.channel.TaskSet`).  A reply goes to the request awaiting it at once, without waking the task, when
+nothing received before it is still waiting or being handled.
 
 With :class:`~aiodatadist._curve_keys.CurveKeys` (``llm.CurveSecretKey``), every socket uses ZeroMQ CURVE: the
 server is a CURVE server whose context runs a ZAP handler (:class:`ZapHandler`) admitting only the listed client
@@ -14,8 +17,11 @@ for; a DEALER is a CURVE client that expects the server key listed for the clust
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import logging
 import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
@@ -28,6 +34,7 @@ from ..errors import LLMLinkError, LLMStatusCode
 from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode
 from ..protocol.messages import reply_to_wire
 from .channel import Channel, TaskSet
+from .loop_socket import LoopSocket
 
 __all__ = ["LINGER_MS", "ZAP_DOMAIN", "Context", "Server", "ZapHandler", "abandon_context", "connect_dealer",
            "dealer_sender", "new_context", "read_dealer"]
@@ -57,12 +64,20 @@ class Context(zmq.asyncio.Context):
     Here :func:`abandon_context` can still reach and close every one of them."""
 
     open_sockets: set[Any]
+    loop_sockets: weakref.WeakSet[LoopSocket]  # the DEALERs and ROUTERs (their descriptors watched by a loop)
     zap: ZapHandler | None  # CURVE: the context's ZAP handler, started with the first CURVE server
 
     def __init__(self) -> None:
         super().__init__()
         self.open_sockets = set()
+        self.loop_sockets = weakref.WeakSet()
         self.zap = None
+
+    def loop_socket(self, kind: int, *, copy: bool = True) -> LoopSocket:
+        """A DEALER or ROUTER driven by the running loop (see :class:`~.loop_socket.LoopSocket`)."""
+        sock = LoopSocket.open(self, kind, copy=copy)
+        self.loop_sockets.add(sock)
+        return sock
 
     def _add_socket(self, socket: Any) -> None:
         super()._add_socket(socket)
@@ -83,9 +98,14 @@ def new_context() -> Context:
 
 def abandon_context(ctx: Context) -> None:
     """Free a context whose owner was dropped without being closed (from a finalizer, on any thread, with its event
-    loop possibly gone): every socket closed with linger 0, then ``term()`` on a daemon thread.  Never blocks."""
+    loop possibly gone): every socket closed with linger 0 (a loop-driven one by its loop where that still runs),
+    then ``term()`` on a daemon thread.  Never blocks."""
+    driven = list(ctx.loop_sockets)
+    for loop_sock in driven:
+        loop_sock.abandon()
+    skip = {id(loop_sock.raw) for loop_sock in driven}
     for sock in list(ctx.open_sockets):
-        if sock.closed:
+        if sock.closed or id(sock) in skip:
             continue
         try:
             sock.close(linger=0)  # the asyncio close: cancels its futures, leaves its loop
@@ -103,7 +123,7 @@ def abandon_context(ctx: Context) -> None:
         pass
 
 
-def _tune(sock: zmq.asyncio.Socket) -> None:
+def _tune(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -112,17 +132,83 @@ def _tune(sock: zmq.asyncio.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
 
 
-async def read_dealer(sock: zmq.asyncio.Socket, channel: Channel, tasks: TaskSet) -> None:
-    """Reader task of a client socket."""
-    while True:
-        data = await sock.recv()
+class _Inbox:
+    """What a socket received, delivered in order by its reader task (:meth:`serve`).  A reply resolves its request
+    at once (:meth:`put`) while nothing received before it waits here or is being handled, which keeps the order
+    of a link's messages as the reader would see them one by one."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[Callable[[], Awaitable[None]]] = collections.deque()
+        self._wake: asyncio.Future[None] | None = None
+        self._busy = False
+        self._error: BaseException | None = None
+
+    def reading(self, received: Callable[[list[Any]], None]) -> Callable[[list[Any]], None]:
+        """``received`` (the socket's callback on the loop) with its failures raised by the reader task: a bug
+        there ends the task, as one in a delivery does, instead of only reaching the loop's exception handler."""
+        def guarded(frames: list[Any]) -> None:
+            if self._error is not None:
+                return
+            try:
+                received(frames)
+            except Exception as exc:  # noqa: BLE001 - raised again by serve()
+                self._error = exc
+                self._wake_up()
+        return guarded
+
+    def _wake_up(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def resolved(self, channel: Channel, message: dict[str, Any]) -> bool:
+        """Whether ``message`` was a reply handed to its request at once (nothing received before it pending)."""
+        if message["k"] == Kind.REPLY and not self._queue and not self._busy:
+            channel.resolve(message)
+            return True
+        return False
+
+    def put_call(self, deliver: Callable[[], Awaitable[None]]) -> None:
+        """Something for the reader task to await in turn."""
+        self._queue.append(deliver)
+        self._wake_up()
+
+    async def serve(self) -> None:
+        """Deliver what arrives, for ever (the reader task)."""
+        loop = asyncio.get_running_loop()
+        queue = self._queue
+        while True:
+            if self._error is not None:
+                raise self._error
+            if not queue:
+                self._wake = loop.create_future()
+                await self._wake
+                continue
+            self._busy = True
+            try:
+                await queue.popleft()()
+            finally:
+                self._busy = False
+
+
+async def read_dealer(sock: LoopSocket, channel: Channel, tasks: TaskSet) -> None:
+    """Reader task of a client socket (cancelled, it stops reading)."""
+    inbox = _Inbox()
+
+    def received(frames: list[Any]) -> None:
         try:
-            messages = decode_batch(data)
+            messages = decode_batch(frames[-1])
         except Exception as exc:  # noqa: BLE001 - whatever a peer sends must not end the reader
             log.warning("dropping malformed message on %s: %s", channel.name, exc)
-            continue
+            return
         for message in messages:
-            await _deliver(channel, message, tasks)
+            if not inbox.resolved(channel, message):
+                inbox.put_call(functools.partial(_deliver, channel, message, tasks))
+
+    sock.start(inbox.reading(received))
+    try:
+        await inbox.serve()
+    finally:
+        sock.stop()
 
 
 def _decoded(routing_id: bytes, data: bytes) -> list[dict[str, Any]]:
@@ -142,47 +228,44 @@ async def _deliver(channel: Channel, message: dict[str, Any], tasks: TaskSet) ->
         tasks.spawn(channel.dispatch(message), name=f"handle-{message['k']}")
 
 
-def _report_failure(channel: Channel, future: Any) -> None:
-    if future.cancelled():
-        return
-    exc = future.exception()
-    if exc is not None:
-        channel.failed(LLMLinkError(f"peer of {channel.name} unreachable: {exc}"))
+def _sender(sock: LoopSocket, channel: Channel, envelope: tuple[bytes, ...]) -> Callable[[bytes], None]:
+    def send(data: bytes) -> None:
+        try:
+            sock.send([*envelope, data])
+        except zmq.ZMQError as exc:  # e.g. a ROUTER's peer is gone (ROUTER_MANDATORY), or the socket closed
+            raise LLMLinkError(f"peer of {channel.name} unreachable: {exc}") from None
+    return send
 
 
-def dealer_sender(sock: zmq.asyncio.Socket) -> Callable[[Channel], Callable[[bytes], None]]:
-    """The send function of a client channel (frames are queued by ZeroMQ; failures close the channel)."""
-    def bind(channel: Channel) -> Callable[[bytes], None]:
-        def send(data: bytes) -> None:
-            future: Any = sock.send(data)
-            future.add_done_callback(lambda f: _report_failure(channel, f))
-        return send
-    return bind
+def dealer_sender(sock: LoopSocket) -> Callable[[Channel], Callable[[bytes], None]]:
+    """The send function of a client channel (frames are queued by ZeroMQ; a refused one fails the channel)."""
+    return lambda channel: _sender(sock, channel, ())
 
 
-def connect_dealer(ctx: zmq.asyncio.Context, endpoint: str, routing_id: bytes, curve: CurveKeys | None = None,
-                   remote_id: int = 0, *, watch: Callable[[zmq.asyncio.Socket], W]) -> tuple[zmq.asyncio.Socket, W]:
+def connect_dealer(ctx: Context, endpoint: str, routing_id: bytes, curve: CurveKeys | None = None,
+                   remote_id: int = 0, *, watch: Callable[[zmq.Socket[Any]], W]) -> tuple[LoopSocket, W]:
     """A DEALER connected to ``endpoint``, and what ``watch(socket)`` made of it just before it connected (a
     :class:`~.monitor.ConnectionWatch`: no connection event is missed).  With ``curve``, a CURVE client that
     completes its handshake only with a server holding the secret key of the public key listed for cluster
     ``remote_id`` (a server without CURVE, or with another key, refuses it: the watch sees the failed handshake).
     With no key listed for that cluster the socket is not connected at all (logged), so that the link fails
     without a byte in the clear (at its timeout)."""
-    sock = ctx.socket(zmq.DEALER)
-    _tune(sock)
-    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock = ctx.loop_socket(zmq.DEALER)
+    raw = sock.raw
+    _tune(raw)
+    raw.setsockopt(zmq.ROUTING_ID, routing_id)
     if curve is not None:
         server_key = curve.server_key(remote_id)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+        raw.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+        raw.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
         if server_key is None:
             log.warning("no CURVE public key for cluster %d in llm.CurvePeerKeys (list it as %d=KEY, or list "
                         "exactly one key without an id): the link to %s is not attempted", remote_id, remote_id,
                         endpoint)
-            return sock, watch(sock)
-        sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
-    watching = watch(sock)
-    sock.connect(endpoint)
+            return sock, watch(raw)
+        raw.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+    watching = watch(raw)
+    raw.connect(endpoint)
     return sock, watching
 
 
@@ -257,22 +340,23 @@ class Server:
         self.curve = curve
         if curve is not None:
             _zap_for(ctx, curve)  # bound before the server: no handshake may happen without it
-        self.sock = ctx.socket(zmq.ROUTER)
-        _tune(self.sock)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock = ctx.loop_socket(zmq.ROUTER, copy=curve is None)  # CURVE: frames carry the client's key
+        raw = self.sock.raw
+        _tune(raw)
+        raw.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        raw.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if curve is not None:
-            self.sock.setsockopt(zmq.CURVE_SERVER, 1)
-            self.sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
-            self.sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
-            self.sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: nobody gets in
+            raw.setsockopt(zmq.CURVE_SERVER, 1)
+            raw.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+            raw.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+            raw.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: nobody gets in
         try:
-            self.sock.bind(endpoint)
+            raw.bind(endpoint)
         except zmq.ZMQError:
             self.sock.close(linger=0)  # an unclosed socket would block the context's term() forever
             raise
         self.requested = endpoint  # as asked: port 0 means any free port
-        bound = self.sock.getsockopt(zmq.LAST_ENDPOINT)
+        bound = raw.getsockopt(zmq.LAST_ENDPOINT)
         port = bound.decode().rsplit(":", 1)[1] if isinstance(bound, bytes) else endpoint.rsplit(":", 1)[1]
         self.endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"  # as bound: the port peers connect to
         self.channels: dict[bytes, Channel] = {}
@@ -280,73 +364,78 @@ class Server:
         self._keys: dict[bytes, bytes] = {}  # CURVE: routing id -> the client key that said hello on it
 
     def sender(self, routing_id: bytes) -> Callable[[Channel], Callable[[bytes], None]]:
-        """The send function of a server-side channel (an unknown routing id closes the channel)."""
-        def bind(channel: Channel) -> Callable[[bytes], None]:
-            def send(data: bytes) -> None:
-                future: Any = self.sock.send_multipart([routing_id, data])
-                future.add_done_callback(lambda f: _report_failure(channel, f))
-            return send
-        return bind
+        """The send function of a server-side channel (an unknown routing id fails the channel)."""
+        return lambda channel: _sender(self.sock, channel, (routing_id,))
 
-    async def reply_raw(self, routing_id: bytes, message: dict[str, Any]) -> None:
+    def reply_raw(self, routing_id: bytes, message: dict[str, Any]) -> None:
         try:
-            await self.sock.send_multipart([routing_id, encode(message)])
+            self.sock.send([routing_id, encode(message)])
         except zmq.ZMQError:
             pass
 
     async def serve(self, tasks: TaskSet) -> None:
-        """Reader task of the server socket."""
-        if self.curve is not None:
-            await self._serve_curve(tasks, self.curve)
-            return
-        while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) != 2:
-                continue
-            routing_id, data = frames
-            for message in _decoded(routing_id, data):
-                await self._route(routing_id, message, tasks)
+        """Reader task of the server socket (cancelled, it stops reading)."""
+        inbox = _Inbox()
+        curve = self.curve
 
-    async def _route(self, routing_id: bytes, message: dict[str, Any], tasks: TaskSet) -> None:
+        def received(frames: list[Any]) -> None:
+            if len(frames) != 2:
+                return
+            if curve is None:
+                routing_id, data = frames
+                for message in _decoded(routing_id, data):
+                    self._route(inbox, routing_id, message, tasks)
+            else:
+                self._received_curve(inbox, frames, tasks, curve)
+
+        self.sock.start(inbox.reading(received))
+        try:
+            await inbox.serve()
+        finally:
+            self.sock.stop()
+
+    def _route(self, inbox: _Inbox, routing_id: bytes, message: dict[str, Any], tasks: TaskSet) -> None:
+        channel = self.channels.get(routing_id)
+        if channel is None or not inbox.resolved(channel, message):
+            inbox.put_call(functools.partial(self._deliver, routing_id, message, tasks))
+
+    async def _deliver(self, routing_id: bytes, message: dict[str, Any], tasks: TaskSet) -> None:
+        """A message in its turn, to the channel its routing id has by then."""
         channel = self.channels.get(routing_id)
         if channel is not None:
             await _deliver(channel, message, tasks)
         elif message["k"] == Kind.HELLO:
             tasks.spawn(self._on_hello(routing_id, message), name="hello")
         elif message["k"] != Kind.REPLY:
-            await self.reply_raw(routing_id, reply_to_wire(
+            self.reply_raw(routing_id, reply_to_wire(
                 message["i"], code=int(LLMStatusCode.LLM_NOT_YET_LINK), msg="not linked"))
 
-    async def _serve_curve(self, tasks: TaskSet, curve: CurveKeys) -> None:
-        """Reader task of a CURVE server: as :meth:`serve`, reading each message's User-Id (the client's public
-        key, set by the ZAP handler) to bind cluster ids and routing ids to keys."""
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            if len(frames) != 2:
-                continue
-            routing_id, data = frames[0].bytes, frames[1].bytes
-            try:
-                key = str(frames[1].get("User-Id")).encode()
-            except zmq.ZMQError:  # no User-Id: not admitted by our ZAP handler (cannot happen: fail closed)
-                continue
-            for message in _decoded(routing_id, data):
-                if routing_id in self.channels:
-                    if self._keys.get(routing_id) != key:
-                        log.warning("dropping a message on a linked connection taken over by another CURVE key "
-                                    "(%s)", key.decode())
-                        continue
-                elif message["k"] == Kind.HELLO:
-                    allowed = curve.clusters_of(key)
-                    claimed = message.get("cluster")
-                    if allowed is not None and not (type(claimed) is int and claimed in allowed):
-                        log.warning("refused a link from cluster %r: CURVE key %s is listed only for cluster(s) %s",
-                                    claimed, key.decode(), ",".join(map(str, sorted(allowed))))
-                        await self.reply_raw(routing_id, reply_to_wire(
-                            message["i"], code=int(LLMStatusCode.LLM_LINK_FAILED),
-                            msg=f"this CURVE key is not trusted for cluster {claimed!r}"))
-                        continue
-                    self._remember(routing_id, key)
-                await self._route(routing_id, message, tasks)
+    def _received_curve(self, inbox: _Inbox, frames: list[Any], tasks: TaskSet, curve: CurveKeys) -> None:
+        """A CURVE server's message: as a plain one, reading its User-Id (the client's public key, set by the ZAP
+        handler) to bind cluster ids and routing ids to keys."""
+        routing_id, data = frames[0].bytes, frames[1].bytes
+        try:
+            key = str(frames[1].get("User-Id")).encode()
+        except zmq.ZMQError:  # no User-Id: not admitted by our ZAP handler (cannot happen: fail closed)
+            return
+        for message in _decoded(routing_id, data):
+            if routing_id in self.channels:
+                if self._keys.get(routing_id) != key:
+                    log.warning("dropping a message on a linked connection taken over by another CURVE key "
+                                "(%s)", key.decode())
+                    continue
+            elif message["k"] == Kind.HELLO:
+                allowed = curve.clusters_of(key)
+                claimed = message.get("cluster")
+                if allowed is not None and not (type(claimed) is int and claimed in allowed):
+                    log.warning("refused a link from cluster %r: CURVE key %s is listed only for cluster(s) %s",
+                                claimed, key.decode(), ",".join(map(str, sorted(allowed))))
+                    self.reply_raw(routing_id, reply_to_wire(
+                        message["i"], code=int(LLMStatusCode.LLM_LINK_FAILED),
+                        msg=f"this CURVE key is not trusted for cluster {claimed!r}"))
+                    continue
+                self._remember(routing_id, key)
+            self._route(inbox, routing_id, message, tasks)
 
     def _remember(self, routing_id: bytes, key: bytes) -> None:
         """Bind ``routing_id`` to ``key`` (the newest last); past the bound, routes that are not linked are

@@ -6,9 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-import zmq.asyncio
-
 from ..control.channel import Channel
+from ..control.loop_socket import LoopSocket
 from ..control.monitor import ConnectionWatch
 from ..transport.plane import DataPlane
 from ..transport.tcp.plane import Connections
@@ -26,7 +25,7 @@ class Link:
     endpoint: str
     remote_role: int = 0
     plane: DataPlane = field(init=False)  # set once chosen (the factory's closures refer to the link)
-    sock: zmq.asyncio.Socket | None = None
+    sock: LoopSocket | None = None
     reader: asyncio.Task[Any] | None = None
     watcher: asyncio.Task[Any] | None = None
     watch: ConnectionWatch | None = None  # client side: the first failure of its connection

@@ -12,7 +12,7 @@ import socket
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -20,6 +20,7 @@ import zmq.asyncio
 from .._aio import wait_through_cancellation
 from .._settings import Settings
 from ..control.channel import Channel, TaskSet
+from ..control.loop_socket import LoopSocket
 from ..control.monitor import ConnectionWatch, describe_failure, probe
 from ..control.sockets import (
     LINGER_MS,
@@ -122,7 +123,7 @@ class _Client:
     its link once made (what a cancelled attempt undoes)."""
 
     endpoint: str
-    sock: zmq.asyncio.Socket
+    sock: LoopSocket
     channel: Channel
     reader: asyncio.Task[Any]
     watch: ConnectionWatch
@@ -276,7 +277,7 @@ class LinkManager:
         try:
             hello = Hello.from_wire(message)
         except ProtocolError as exc:
-            await server.reply_raw(routing_id, reply_to_wire(req_id, code=int(S.LLM_LINK_FAILED),
+            server.reply_raw(routing_id, reply_to_wire(req_id, code=int(S.LLM_LINK_FAILED),
                                                              msg=f"malformed hello: {exc}"))
             return
         cluster = hello.cluster
@@ -300,7 +301,7 @@ class LinkManager:
             else:
                 await self._accept(server, routing_id, req_id, hello, nonces, caps, chosen)
                 return
-        await server.reply_raw(routing_id, reply_to_wire(req_id, code=code, msg=msg))
+        server.reply_raw(routing_id, reply_to_wire(req_id, code=code, msg=msg))
 
     def _choose(self, peer_transport: Any, caps: PeerCapabilities) -> Plane | LLMException:
         """The plane of a link with a peer set to ``peer_transport``, or why there is none."""
@@ -377,13 +378,13 @@ class LinkManager:
         outcome = authenticate(self._auth_key, self._challenges, routing_id, hello, self._cluster_id,
                                time.monotonic())
         if isinstance(outcome, HelloChallenge):
-            await server.reply_raw(routing_id, outcome.reply_to_wire(req_id))
+            server.reply_raw(routing_id, outcome.reply_to_wire(req_id))
             return None
         if isinstance(outcome, Refused):
             if outcome.msg == AUTH_FAILED:
                 log.warning("cluster %d refused a link from cluster %d: authentication failed", self._cluster_id,
                             hello.cluster)
-            await server.reply_raw(routing_id, reply_to_wire(req_id, code=outcome.code, msg=outcome.msg))
+            server.reply_raw(routing_id, reply_to_wire(req_id, code=outcome.code, msg=outcome.msg))
             return None
         return outcome
 
@@ -445,7 +446,7 @@ class LinkManager:
         """A client socket to ``endpoint``, watched from before it connects, with its channel and reader."""
         name = f"{self._cluster_id}->{remote_id}"
 
-        def watch(sock: zmq.asyncio.Socket) -> ConnectionWatch:
+        def watch(sock: zmq.Socket[Any]) -> ConnectionWatch:
             return ConnectionWatch(sock, self._tasks.spawn, name)
 
         sock, connection = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15), self._settings.curve,
@@ -670,7 +671,7 @@ class LinkManager:
     async def _watch_server(self, server: Server) -> None:
         """Server side: when a client connection breaks, find which links lost their peer (a PING to a vanished
         routing id fails at once) and drop them, so that their transfers fail fast instead of timing out."""
-        monitor = server.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = cast(zmq.asyncio.Socket, server.sock.raw.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         try:
             while True:
                 await monitor.recv_multipart()
@@ -690,7 +691,7 @@ class LinkManager:
                         break
         finally:
             if not server.sock.closed:
-                server.sock.disable_monitor()
+                server.sock.raw.disable_monitor()
             monitor.close(linger=0)
 
     async def _watch(self, link: Link) -> None:

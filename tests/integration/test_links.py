@@ -859,28 +859,28 @@ async def test_a_failed_link_reader_drops_its_link_at_once(monkeypatch: pytest.M
     """A client link's reader task that fails (a bug: it survives any peer input) drops its link, so a waiting
     pull fails at once with LLM_LINK_FAILED instead of running into sync_kv_timeout; finalize stays quiet (the
     failure was handled) and the other side keeps serving."""
-    from aiodatadist.control import sockets
+    from aiodatadist.control.channel import Channel
     from aiodatadist.testing import linked_pair
 
-    deliver = sockets._deliver
+    resolve = Channel.resolve
 
-    async def broken(channel: Any, message: dict[str, Any], tasks: Any) -> None:
-        if channel.name.startswith("2->") and message["k"] == "reply":
+    def broken(channel: Channel, reply: dict[str, Any]) -> None:  # a reply handed over by the reader
+        if channel.name.startswith("2->"):
             raise RuntimeError("a bug in the reader")
-        await deliver(channel, message, tasks)
+        resolve(channel, reply)
 
     desc = CacheDesc(1, (4, 1024), DataType.DT_UINT8, Placement.HOST)
     async with linked_pair(1, 2, sync_kv_timeout=10_000) as (prompt, decoder):
         prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
         dst = decoder.cache_manager.allocate_blocks_cache(desc)
-        monkeypatch.setattr(sockets, "_deliver", broken)
+        monkeypatch.setattr(Channel, "resolve", broken)
         started = time.monotonic()
         with pytest.raises(LLMException) as info:
             await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
         assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
         assert time.monotonic() - started < 5
         assert decoder.links() == []
-        monkeypatch.setattr(sockets, "_deliver", deliver)
+        monkeypatch.setattr(Channel, "resolve", resolve)
         assert prompt._links is not None and prompt._links.listening is not None
         port = int(prompt._links.listening.rsplit(":", 1)[1])
         code, _ = await decoder.link_clusters([cluster_info(1, port)])  # the server drops its stale end
