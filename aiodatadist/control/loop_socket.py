@@ -116,6 +116,8 @@ class LoopSocket:
             self._backlog.popleft()
 
     def _read(self) -> None:
+        """Read while the socket has messages (asking ``ZMQ_EVENTS`` is cheaper than the ``zmq.Again`` a receive
+        on an empty socket raises)."""
         raw, copy = self.raw, self._copy
         for _ in range(READ_BATCH):
             on_frames = self._on_frames
@@ -126,6 +128,8 @@ class LoopSocket:
             except zmq.Again:
                 return
             on_frames(frames)
+            if raw.closed or not _events(raw) & zmq.POLLIN:
+                return
         self._loop.call_soon(self._ready)  # more may be waiting: after the loop's other callbacks
 
     def abandon(self) -> None:
