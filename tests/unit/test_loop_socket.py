@@ -96,7 +96,7 @@ async def test_a_message_whose_signal_a_send_consumed_is_still_read(ctx: Context
     routing_id = (await at_router.wait_for(1))[0][0]
     for round_ in range(5):
         router.send([routing_id, b"reply %d" % round_])
-        time.sleep(0.02)  # the loop is busy while the reply arrives (its signal is pending)...
+        time.sleep(0.02)  # noqa: ASYNC251 - the loop is busy while the reply arrives (its signal is pending)
         dealer.send([b"next %d" % round_])  # ...and this send takes the signal before the loop looks
         got = await at_dealer.wait_for(round_ + 1, timeout=2)
         assert got[-1] == [b"reply %d" % round_]
