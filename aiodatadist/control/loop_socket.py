@@ -33,6 +33,12 @@ OnFrames = Callable[[list[Any]], None]
 READ_BATCH: Final = 256
 """Messages read in one go before the loop runs its other callbacks (the rest are read on its next iteration)."""
 
+# Plain ints: pyzmq's flags are enum members, and an operation on one costs microseconds.
+_POLLIN: Final = int(zmq.POLLIN)
+_POLLOUT: Final = int(zmq.POLLOUT)
+_NOBLOCK: Final = int(zmq.NOBLOCK)
+_EVENTS: Final = int(zmq.EVENTS)
+
 
 class LoopSocket:
     """A ZeroMQ socket (created by :meth:`open`) read and written from its event loop without pyzmq's futures.
@@ -82,14 +88,17 @@ class LoopSocket:
             self._backlog.append(frames)
             return
         try:
-            self.raw.send_multipart(frames, zmq.NOBLOCK)
+            if len(frames) == 1:
+                self.raw.send(frames[0], _NOBLOCK)
+            else:
+                self.raw.send_multipart(frames, _NOBLOCK)
         except zmq.Again:
             self._backlog.append(frames)
         self._look_again()
 
     def _look_again(self) -> None:
         """After a send: read on the next iteration what arrived meanwhile (its signal may have been consumed)."""
-        wanted = (zmq.POLLIN if self._on_frames is not None else 0) | (zmq.POLLOUT if self._backlog else 0)
+        wanted = (_POLLIN if self._on_frames is not None else 0) | (_POLLOUT if self._backlog else 0)
         if wanted and _events(self.raw) & wanted:
             self._loop.call_soon(self._ready)
 
@@ -99,36 +108,35 @@ class LoopSocket:
         if raw.closed:
             return
         try:
-            events = _events(raw)
-            if self._backlog and events & zmq.POLLOUT:
+            if self._backlog and _events(raw) & _POLLOUT:
                 self._send_backlog()
-            if events & zmq.POLLIN:
-                self._read()
+            self._read()  # (tried at once: a wake-up nearly always brings a message)
         except zmq.ZMQError as exc:  # the context is being terminated: the socket is going away
             log.debug("control socket: %s", exc)
 
     def _send_backlog(self) -> None:
         while self._backlog:
             try:
-                self.raw.send_multipart(self._backlog[0], zmq.NOBLOCK)
+                self.raw.send_multipart(self._backlog[0], _NOBLOCK)
             except zmq.Again:
                 return
             self._backlog.popleft()
 
     def _read(self) -> None:
-        """Read while the socket has messages (asking ``ZMQ_EVENTS`` is cheaper than the ``zmq.Again`` a receive
-        on an empty socket raises)."""
+        """Read while the socket has messages (after one, asking ``ZMQ_EVENTS`` is cheaper than the ``zmq.Again``
+        a receive on an empty socket raises).  Either takes ZeroMQ's pending commands, which quiets the
+        descriptor until something new happens."""
         raw, copy = self.raw, self._copy
         for _ in range(READ_BATCH):
             on_frames = self._on_frames
             if on_frames is None or raw.closed:
                 return
             try:
-                frames = raw.recv_multipart(zmq.NOBLOCK, copy=copy)
+                frames = raw.recv_multipart(_NOBLOCK, copy=copy)
             except zmq.Again:
                 return
             on_frames(frames)
-            if raw.closed or not _events(raw) & zmq.POLLIN:
+            if raw.closed or not _events(raw) & _POLLIN:
                 return
         self._loop.call_soon(self._ready)  # more may be waiting: after the loop's other callbacks
 
@@ -167,4 +175,4 @@ class LoopSocket:
 def _events(raw: zmq.Socket[Any]) -> int:
     """``ZMQ_EVENTS``: what the socket can do now (``POLLIN``, ``POLLOUT``); reading it also takes ZeroMQ's
     pending commands, which resets its descriptor's signal."""
-    return cast(int, raw.get(zmq.EVENTS))
+    return cast(int, raw.get(_EVENTS))
