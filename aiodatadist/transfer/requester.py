@@ -20,7 +20,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from .._aio import wait_through_cancellation
-from .._checks import check_int, require
+from .._checks import U64_MAX, check_int, require
 from .._deadlines import deadline
 from .._settings import Settings
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
@@ -50,7 +50,10 @@ def wire_key(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> WireKey:
     if isinstance(key, CacheKeyByIdAndIndex):
         return WireKey("id", key.cache_id, key.batch_index)
     if isinstance(key, BlocksCacheKey):
-        return WireKey("blocks", check_int("model_id", key.model_id, "uint64"), 0)
+        model_id = key.model_id  # an int (BlocksCacheKey checks that): only its range is left to check
+        if not 0 <= model_id <= U64_MAX:
+            check_int("model_id", model_id, "uint64")  # (raises, saying why)
+        return WireKey("blocks", model_id, 0)
     kind, ident, model = key.index_key()
     return WireKey(kind, ident, model)
 
@@ -77,7 +80,7 @@ class Requester:
         nbytes = 0
         try:
             try:
-                async with deadline(timeout_ms / 1000):
+                with deadline(timeout_ms / 1000):
                     release, nbytes = await self._run(key, local, params, note)
             except TimeoutError as exc:
                 if isinstance(exc, LLMException):

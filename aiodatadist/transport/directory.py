@@ -23,8 +23,6 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..memory import map_peer_segment
 from ..native import DIR_WORDS, DirWord
 from ..segment_identity import SegmentIdentity
@@ -33,7 +31,7 @@ __all__ = ["DirectoryView", "Resolved"]
 
 MAX_DIRECTORY_BYTES = 4096 * DIR_WORDS * 8 * 16  # a bound on what a peer may announce (16x the default table)
 _WORDS = DIR_WORDS  # a row's words: see DirWord (mirrors _net.c)
-_STAMP, _CACHE, _MODEL = DirWord.STAMP, DirWord.CACHE, DirWord.MODEL
+_STAMP, _CACHE, _MODEL = int(DirWord.STAMP), int(DirWord.CACHE), int(DirWord.MODEL)
 
 
 class DirectoryView:
@@ -41,7 +39,11 @@ class DirectoryView:
 
     def __init__(self, identity: SegmentIdentity) -> None:
         self._map: mmap.mmap | None = map_peer_segment(identity, writable=False)
-        self._words = np.frombuffer(self._map, dtype=np.int64)
+        try:  # a memoryview: indexing it gives Python ints, several times cheaper than numpy's scalars
+            self._words = memoryview(self._map).cast("q")
+        except TypeError:  # not a whole number of words
+            self._map.close()
+            raise ValueError("a directory holds whole 64-bit words") from None
         self.rows = len(self._words) // _WORDS
 
     @classmethod
@@ -67,7 +69,8 @@ class DirectoryView:
 
     def close(self) -> None:
         if self._map is not None:
-            self._words = np.empty(0, dtype=np.int64)
+            self._words.release()
+            self._words = memoryview(b"").cast("q")
             self.rows = 0
             try:
                 self._map.close()

@@ -152,6 +152,7 @@ class PeerMemory:
         self._populating: dict[tuple[int, int], asyncio.Task[Any]] = {}
         self._holds: dict[tuple[int, int], int] = {}  # copies running on a mapping
         self._forgotten: dict[tuple[int, int], Callable[[int], None]] = {}  # freed by the peer, unmap when idle
+        self._copiers: dict[tuple[int, int, bool, bool], CopySpec] = {}  # (local base, remote base, ...) -> spec
 
     def local_base(self, identity: SegmentIdentity) -> int:
         """Where a peer segment is mapped in this process (mapped on first use, then cached; with ``fds``,
@@ -266,10 +267,17 @@ class PeerMemory:
         """How to copy spans whose ``src`` (pull) or ``dst`` (push) addresses are the peer's."""
         if segment is not None and self.caps.can_map:
             identity, remote_base = segment
-            delta = (self.local_base(identity) - remote_base) % U64_LIMIT
-            if remote_is_src:
-                return CopySpec(CopyMode.MEMCPY, streaming=streaming, src_delta=delta)
-            return CopySpec(CopyMode.MEMCPY, streaming=streaming, dst_delta=delta)
+            local_base = self.local_base(identity)
+            key = (local_base, remote_base, remote_is_src, streaming)
+            spec = self._copiers.get(key)  # (every call's: built once per mapping and direction)
+            if spec is None:
+                if len(self._copiers) >= 256:
+                    self._copiers.clear()
+                delta = (local_base - remote_base) % U64_LIMIT
+                spec = self._copiers[key] = CopySpec(CopyMode.MEMCPY, streaming=streaming,
+                                                     src_delta=delta if remote_is_src else 0,
+                                                     dst_delta=0 if remote_is_src else delta)
+            return spec
         if self.caps.can_pvm:
             return pvm_copier(self.caps.pid, remote_is_src=remote_is_src)
         raise LLMException(_unreachable_reason(self.caps, segment), status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)

@@ -83,7 +83,7 @@ def test_peers_map_the_directory_read_only() -> None:
     directory = CacheDirectory(rows=4)
     view = DirectoryView(directory.identity)
     try:
-        with pytest.raises(ValueError):
+        with pytest.raises(TypeError, match="read-only"):
             view._words[0] = 1  # a peer can never forge a live entry
     finally:
         view.close()

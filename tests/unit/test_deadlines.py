@@ -91,3 +91,35 @@ async def test_nested_deadlines_the_outer_one_expiring() -> None:
                     await asyncio.sleep(10)
             except TimeoutError:
                 pytest.fail("the inner deadline did not expire")
+
+
+async def test_the_plain_with_form_expires_and_nests_as_the_async_one() -> None:
+    with pytest.raises(TimeoutError):
+        with deadline(10):
+            with deadline(0.02):
+                await asyncio.sleep(10)
+            raise AssertionError("the inner deadline's TimeoutError must leave the outer block")
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    with deadline(5):
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)  # no stray cancellation arrives later
+
+
+def test_a_finished_loop_is_not_kept_alive_by_its_deadlines() -> None:
+    """The per-loop timers are keyed weakly by loop and hold none themselves: a loop that used deadlines and
+    ended is collected (a loop keeps its selector and every callback it knew)."""
+    import gc
+    import weakref
+
+    async def use() -> None:
+        with deadline(5):
+            await asyncio.sleep(0)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(use())
+    loop.close()
+    ref = weakref.ref(loop)
+    del loop
+    gc.collect()
+    assert ref() is None
