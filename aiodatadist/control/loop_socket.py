@@ -38,6 +38,8 @@ _POLLIN: Final = int(zmq.POLLIN)
 _POLLOUT: Final = int(zmq.POLLOUT)
 _NOBLOCK: Final = int(zmq.NOBLOCK)
 _EVENTS: Final = int(zmq.EVENTS)
+_RCVMORE: Final = int(zmq.RCVMORE)
+_SNDMORE: Final = int(zmq.SNDMORE)
 
 
 class LoopSocket:
@@ -88,10 +90,7 @@ class LoopSocket:
             self._backlog.append(frames)
             return
         try:
-            if len(frames) == 1:
-                self.raw.send(frames[0], _NOBLOCK)
-            else:
-                self.raw.send_multipart(frames, _NOBLOCK)
+            _send(self.raw, frames)
         except zmq.Again:
             self._backlog.append(frames)
         self._look_again()
@@ -117,7 +116,7 @@ class LoopSocket:
     def _send_backlog(self) -> None:
         while self._backlog:
             try:
-                self.raw.send_multipart(self._backlog[0], _NOBLOCK)
+                _send(self.raw, self._backlog[0])
             except zmq.Again:
                 return
             self._backlog.popleft()
@@ -132,7 +131,7 @@ class LoopSocket:
             if on_frames is None or raw.closed:
                 return
             try:
-                frames = raw.recv_multipart(_NOBLOCK, copy=copy)
+                frames = _recv(raw, copy)
             except zmq.Again:
                 return
             on_frames(frames)
@@ -176,3 +175,20 @@ def _events(raw: zmq.Socket[Any]) -> int:
     """``ZMQ_EVENTS``: what the socket can do now (``POLLIN``, ``POLLOUT``); reading it also takes ZeroMQ's
     pending commands, which resets its descriptor's signal."""
     return cast(int, raw.get(_EVENTS))
+
+
+def _send(raw: zmq.Socket[Any], frames: list[Any]) -> None:
+    """``send_multipart`` without its flag arithmetic on enum members (a multipart message is queued atomically:
+    ``zmq.Again`` can come only with its first frame)."""
+    last = len(frames) - 1
+    for frame in frames[:last]:
+        raw.send(frame, _NOBLOCK | _SNDMORE)
+    raw.send(frames[last], _NOBLOCK)
+
+
+def _recv(raw: zmq.Socket[Any], copy: bool) -> list[Any]:
+    """``recv_multipart`` likewise (the rest of a message is there once its first frame is)."""
+    frames = [raw.recv(_NOBLOCK, copy=copy)]
+    while raw.get(_RCVMORE):
+        frames.append(raw.recv(_NOBLOCK, copy=copy))
+    return frames
