@@ -134,7 +134,7 @@ def _tune(sock: zmq.Socket[Any]) -> None:
 
 class _Inbox:
     """What a socket received, delivered in order by its reader task (:meth:`serve`).  A reply resolves its request
-    at once (:meth:`put`) while nothing received before it waits here or is being handled, which keeps the order
+    at once (:meth:`resolved`) while nothing received before it waits here or is being handled, which keeps the order
     of a link's messages as the reader would see them one by one."""
 
     def __init__(self) -> None:
