@@ -93,7 +93,8 @@ class LoopSocket:
             _send(self.raw, frames)
         except zmq.Again:
             self._backlog.append(frames)
-        self._look_again()
+        finally:  # a refused send took ZeroMQ's pending commands too
+            self._look_again()
 
     def _look_again(self) -> None:
         """After a send: read on the next iteration what arrived meanwhile (its signal may have been consumed)."""

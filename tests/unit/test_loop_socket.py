@@ -102,6 +102,23 @@ async def test_a_message_whose_signal_a_send_consumed_is_still_read(ctx: Context
         assert got[-1] == [b"reply %d" % round_]
 
 
+async def test_a_message_whose_signal_a_refused_send_consumed_is_still_read(ctx: Context) -> None:
+    """The same with a send ZeroMQ refuses (a ROUTER's peer is gone): the refusal takes the pending commands too."""
+    router, dealer, endpoint = _pair(ctx)
+    dealer.raw.connect(endpoint)
+    at_router = Received()
+    router.start(at_router)
+    dealer.send([b"hello"])
+    await at_router.wait_for(1)
+    for round_ in range(5):
+        dealer.send([b"next %d" % round_])
+        time.sleep(0.02)  # noqa: ASYNC251 - the loop is busy while the message arrives (its signal is pending)
+        with pytest.raises(zmq.ZMQError):
+            router.send([b"gone", b"x"])
+        got = await at_router.wait_for(round_ + 2, timeout=2)
+        assert got[-1][1] == b"next %d" % round_
+
+
 async def test_a_send_before_any_connection_waits_and_goes_out_once_connected(ctx: Context) -> None:
     """A DEALER that may queue only to completed connections (``IMMEDIATE``) cannot take a message before it
     connects: the message waits in the backlog, later ones behind it, and all go out in order once connected."""
