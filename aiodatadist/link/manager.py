@@ -278,7 +278,7 @@ class LinkManager:
             hello = Hello.from_wire(message)
         except ProtocolError as exc:
             server.reply_raw(routing_id, reply_to_wire(req_id, code=int(S.LLM_LINK_FAILED),
-                                                             msg=f"malformed hello: {exc}"))
+                                                       msg=f"malformed hello: {exc}"))
             return
         cluster = hello.cluster
         nonces = None

@@ -94,11 +94,10 @@ async def test_nested_deadlines_the_outer_one_expiring() -> None:
 
 
 async def test_the_plain_with_form_expires_and_nests_as_the_async_one() -> None:
-    with pytest.raises(TimeoutError):
-        with deadline(10):
-            with deadline(0.02):
-                await asyncio.sleep(10)
-            raise AssertionError("the inner deadline's TimeoutError must leave the outer block")
+    with pytest.raises(TimeoutError), deadline(10):
+        with deadline(0.02):
+            await asyncio.sleep(10)
+        raise AssertionError("the inner deadline's TimeoutError must leave the outer block")
     task = asyncio.current_task()
     assert task is not None and task.cancelling() == 0
     with deadline(5):

@@ -182,8 +182,8 @@ async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int, label:
     of the end (from the first driver call to the loop seeing the end, less the copy's time between timed events
     around it: an upper bound, as the launch's latency is included; measured from the enqueue's end instead it
     could go negative, the GPU having started before the enqueue returned), and from the loop seeing it to the
-    call's return.  These
-    calls run with timed events (``CudaExecutor.time_copies``); the p50/p99 rows above run without."""
+    call's return.  These calls run with timed events (``CudaExecutor.time_copies``); the p50/p99 rows above run
+    without."""
     executor = cm._engine.device().executor  # (a benchmark's look inside: no public name exposes the executor)
     names = [f"{label}: {phase}" for phase in ("host before the launch", "driver calls to enqueue",
                                                 "launch to end seen", "GPU end to end seen", "end seen to return")]
