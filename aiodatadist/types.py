@@ -241,6 +241,9 @@ class CacheDesc:
         )
 
 
+_INT_ONLY = {int}
+
+
 def _parse_key_args(
     kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], defaults: dict[str, Any]
 ) -> tuple[dict[str, Any], str]:
@@ -271,6 +274,12 @@ class CacheKey:
     __slots__ = ("_cluster_id", "_model_id", "_prefix_id", "_req_id")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not kwargs and 2 <= len(args) <= 4 and set(map(type, args)) == _INT_ONLY \
+                and 0 <= min(args) and max(args) <= U64_MAX:  # the common call, checked at a fraction of the cost
+            self._cluster_id, self._req_id = args[0], args[1]
+            self._model_id = args[2] if len(args) > 2 else 0
+            self._prefix_id = args[3] if len(args) > 3 else U64_MAX
+            return
         names = ("cluster_id", "req_id", "model_id", "prefix_id")
         values, _ = _parse_key_args("CacheKey", args, kwargs, names, {"model_id": 0, "prefix_id": U64_MAX})
         require("req_id" in values, "CacheKey requires req_id.")
@@ -370,6 +379,9 @@ class BlocksCacheKey:
     __slots__ = ("_cluster_id", "_cluster_kw", "_model_id")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not kwargs and 1 <= len(args) <= 2 and set(map(type, args)) == _INT_ONLY:  # the common call
+            self._cluster_id, self._model_id, self._cluster_kw = args[0], args[1] if len(args) > 1 else 0, "cluster_id"
+            return
         values, self._cluster_kw = _parse_key_args(
             "BlocksCacheKey", args, kwargs, ("cluster_id", "model_id"), {"model_id": 0}
         )

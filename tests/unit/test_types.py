@@ -414,6 +414,36 @@ def test_cache_key_value_error_message() -> None:
         CacheKey(1, -1)
 
 
+_KEY_FIELD = st.one_of(st.integers(-2, 3), st.integers(2**64 - 2, 2**64 + 1), st.booleans(),
+                       st.integers(0, 9).map(np.int64), st.just(1.0), st.none())
+
+
+def _outcome(make: Any) -> Any:
+    try:
+        key = make()
+    except Exception as exc:  # noqa: BLE001 - the outcome compared is the exception's type
+        return type(exc)
+    return (key.cluster_id, getattr(key, "req_id", None), key.model_id, getattr(key, "prefix_id", None))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_KEY_FIELD, min_size=0, max_size=5))
+def test_key_positional_forms_match_keyword_forms(values: list[Any]) -> None:
+    """The positional forms (checked on a shorter path for plain ints) accept, refuse and store exactly as the
+    keyword forms do."""
+    names = ("cluster_id", "req_id", "model_id", "prefix_id")
+    positional = _outcome(lambda: CacheKey(*values))
+    if len(values) <= 4:
+        assert positional == _outcome(lambda: CacheKey(**dict(zip(names, values))))
+    else:
+        assert positional is LLMException
+    positional = _outcome(lambda: BlocksCacheKey(*values))
+    if len(values) <= 2:
+        assert positional == _outcome(lambda: BlocksCacheKey(**dict(zip(("cluster_id", "model_id"), values))))
+    else:
+        assert positional is LLMException
+
+
 def test_cache_key_equality_and_hash() -> None:
     a = CacheKey(1, 2)
     b = CacheKey(prompt_cluster_id=1, req_id=2, model_id=0, prefix_id=U64)
