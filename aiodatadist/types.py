@@ -272,6 +272,10 @@ class CacheKey:
     """
 
     __slots__ = ("_cluster_id", "_model_id", "_prefix_id", "_req_id")
+    _cluster_id: int
+    _req_id: int
+    _model_id: int
+    _prefix_id: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not kwargs and 2 <= len(args) <= 4 and set(map(type, args)) == _INT_ONLY \
@@ -377,6 +381,9 @@ class BlocksCacheKey:
     """Key of a paged (blocks) cache: ``(cluster_id, model_id=0)``; the owner indexes ``model_id`` only."""
 
     __slots__ = ("_cluster_id", "_cluster_kw", "_model_id")
+    _cluster_id: int
+    _model_id: int
+    _cluster_kw: str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if not kwargs and 1 <= len(args) <= 2 and set(map(type, args)) == _INT_ONLY:  # the common call
