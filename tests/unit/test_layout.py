@@ -818,6 +818,14 @@ def test_huge_index_is_param_invalid(call):
     assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
+def test_offset_beyond_int64_is_param_invalid():
+    """A slot whose byte offset needs 64 bits (a geometry as a peer may describe it) is refused, not overflowed."""
+    huge = CacheGeometry(num_tensors=1, tensor_size=2**64, slots=2, is_blocks=False)  # slots of 2**63 bytes
+    with pytest.raises(LLMException) as info:
+        slot_run(1, huge, 0, huge)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
 def test_make_plan_rejects_length_mismatch():
     runs = b2b_runs([0], [0], geometry(2, 2, 4), geometry(2, 2, 4))
     with pytest.raises(LLMException) as info:
