@@ -54,12 +54,12 @@ def check_int(name: str, value: Any, kind: str) -> int:
     return int(value)
 
 
-_INT_ONLY = {int}
+INT_ONLY = {int}  # the set of element types of a list of plain ints
 
 
 def check_int_list(name: str, values: Any, kind: str, *, container: tuple[type, ...] = (list, tuple)) -> list[int]:
     """Check a list/tuple of integers of C type ``kind``; returns a plain list."""
-    if type(values) in container and (not values or set(map(type, values)) == _INT_ONLY):  # the common case
+    if type(values) in container and (not values or set(map(type, values)) == INT_ONLY):  # the common case
         low, high = _RANGES[kind]
         if not values or (low <= min(values) and max(values) <= high):
             return list(values)

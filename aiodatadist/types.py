@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import U64_MAX, check_int, check_isinstance, require
+from ._checks import INT_ONLY, U64_MAX, check_int, check_isinstance, require
 from .errors import LLMException, LLMStatusCode
 
 __all__ = [
@@ -241,9 +241,6 @@ class CacheDesc:
         )
 
 
-_INT_ONLY = {int}
-
-
 def _parse_key_args(
     kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...], defaults: dict[str, Any]
 ) -> tuple[dict[str, Any], str]:
@@ -278,7 +275,7 @@ class CacheKey:
     _prefix_id: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if not kwargs and 2 <= len(args) <= 4 and set(map(type, args)) == _INT_ONLY \
+        if not kwargs and 2 <= len(args) <= 4 and set(map(type, args)) == INT_ONLY \
                 and 0 <= min(args) and max(args) <= U64_MAX:  # the common call, checked at a fraction of the cost
             self._cluster_id, self._req_id = args[0], args[1]
             self._model_id = args[2] if len(args) > 2 else 0
@@ -386,7 +383,7 @@ class BlocksCacheKey:
     _cluster_kw: str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if not kwargs and 1 <= len(args) <= 2 and set(map(type, args)) == _INT_ONLY:  # the common call
+        if not kwargs and 1 <= len(args) <= 2 and set(map(type, args)) == INT_ONLY:  # the common call
             self._cluster_id, self._model_id, self._cluster_kw = args[0], args[1] if len(args) > 1 else 0, "cluster_id"
             return
         values, self._cluster_kw = _parse_key_args(
