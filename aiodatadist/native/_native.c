@@ -497,15 +497,22 @@ static inline int copy_span_fast(copier *c, uint64_t s, uint64_t d, uint64_t l, 
 
 #define TINY_SPAN 64u   /* copy_small's limit */
 
+/* The run holding byte `rem` of a tensor's share of a grid: the last r with prefix[r] <= rem (prefix: the nr + 1
+ * running sums of the runs' lengths; zero-length runs are skipped over). */
+static size_t run_at(const uint64_t *prefix, size_t nr, uint64_t rem)
+{
+    size_t lo = 0, hi = nr;
+    while (hi - lo > 1) { size_t mid = lo + (hi - lo) / 2; if (prefix[mid] <= rem) lo = mid; else hi = mid; }
+    return lo;
+}
+
 /* Copy bytes [b0, b1) of the grid's stream: 0, an errno, or -1 when stopped. */
 static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
 {
     if (b0 >= b1 || g->per_tensor == 0) return 0;
     size_t t = (size_t)(b0 / g->per_tensor);
     uint64_t rem = b0 - (uint64_t)t * g->per_tensor;
-    size_t lo = 0, hi = g->nr;   /* the run holding byte `rem` of the tensor: the last r with prefix[r] <= rem */
-    while (hi - lo > 1) { size_t mid = lo + (hi - lo) / 2; if (g->prefix[mid] <= rem) lo = mid; else hi = mid; }
-    size_t r = lo;
+    size_t r = run_at(g->prefix, g->nr, rem);
     uint64_t off = rem - g->prefix[r], pos = b0, cs = 0, cd = 0, cl = 0;
     /* Locals, not g->...: the copies in between may alias anything, so the compiler would reload every field. */
     const uint64_t *run_src = g->run_src, *run_dst = g->run_dst, *run_len = g->run_len;
@@ -692,41 +699,86 @@ static int send_all(int fd, struct iovec *iov, int n)   /* every byte of iov[0..
     return 0;
 }
 
-/* Send `hlen` header bytes, then spans [lo, hi) with sendmsg: up to IOV_CAP iovecs per batch, consecutive small
- * spans gathered into one.  Returns 0, or the errno that ended the connection. */
+/* A frame being sent: iovecs (up to IOV_CAP), spans shorter than SMALL_SPAN gathered into a bounce buffer, a span
+ * that continues the previous iovec extending it; sent (send_all) whenever either is full, and at the end. */
+typedef struct {
+    struct iovec iov[IOV_CAP];
+    int n, gathering;
+    size_t used;
+    uint8_t gather[GATHER_BYTES];
+} sendbuf;
+
+static int sb_flush(sendbuf *b, int fd)
+{
+    int err = b->n ? send_all(fd, b->iov, b->n) : 0;
+    b->n = 0; b->used = 0; b->gathering = 0;
+    return err;
+}
+
+static void sb_open(sendbuf *b, const uint8_t *header, size_t hlen)
+{
+    b->n = 0; b->used = 0; b->gathering = 0;
+    if (hlen) { b->iov[0].iov_base = (void *)header; b->iov[0].iov_len = hlen; b->n = 1; }
+}
+
+static int sb_add(sendbuf *b, int fd, const uint8_t *src, size_t l)   /* 0, or the errno that ended the connection */
+{
+    int err;
+    if (l == 0) return 0;
+    if (l < SMALL_SPAN) {
+        if ((b->used + l > GATHER_BYTES || (!b->gathering && b->n == IOV_CAP)) && (err = sb_flush(b, fd))) return err;
+        uint8_t *to = b->gather + b->used;
+        if (!copy_small((char *)to, (const char *)src, l)) memcpy(to, src, l);
+        if (b->gathering) b->iov[b->n - 1].iov_len += l;
+        else { b->iov[b->n].iov_base = to; b->iov[b->n].iov_len = l; b->n++; b->gathering = 1; }
+        b->used += l;
+        return 0;
+    }
+    if (b->n && !b->gathering && (const uint8_t *)b->iov[b->n - 1].iov_base + b->iov[b->n - 1].iov_len == src) {
+        b->iov[b->n - 1].iov_len += l;
+        return 0;
+    }
+    if (b->n == IOV_CAP && (err = sb_flush(b, fd))) return err;
+    b->iov[b->n].iov_base = (void *)src; b->iov[b->n].iov_len = l; b->n++;
+    b->gathering = 0;
+    return 0;
+}
+
+/* Send `hlen` header bytes, then spans [lo, hi).  Returns 0, or the errno that ended the connection. */
 int adt_send_frame(int fd, const uint8_t *header, size_t hlen, const uint64_t *addr, const uint64_t *len,
                    int64_t lo, int64_t hi)
 {
-    struct iovec iov[IOV_CAP];
-    uint8_t gather[GATHER_BYTES];
-    int64_t i = lo;
-    int first = 1;
-    while (first || i < hi) {
-        int n = 0, gathering = 0;
-        size_t used = 0;
-        if (first && hlen) { iov[n].iov_base = (void *)header; iov[n].iov_len = hlen; n++; }
-        first = 0;
-        while (i < hi) {
-            size_t l = (size_t)len[i];
-            const uint8_t *src = (const uint8_t *)(uintptr_t)addr[i];
-            if (l == 0) { i++; continue; }
-            if (l < SMALL_SPAN) {
-                if (used + l > GATHER_BYTES || (!gathering && n == IOV_CAP)) break;
-                if (!copy_small((char *)(gather + used), (const char *)src, l)) memcpy(gather + used, src, l);
-                if (gathering) iov[n - 1].iov_len += l;
-                else { iov[n].iov_base = gather + used; iov[n].iov_len = l; n++; gathering = 1; }
-                used += l;
-            } else {
-                if (n == IOV_CAP) break;
-                iov[n].iov_base = (void *)src; iov[n].iov_len = l; n++;
-                gathering = 0;
-            }
-            i++;
-        }
-        int err = send_all(fd, iov, n);
+    sendbuf b;
+    sb_open(&b, header, hlen);
+    for (int64_t i = lo; i < hi; i++) {
+        int err = sb_add(&b, fd, (const uint8_t *)(uintptr_t)addr[i], (size_t)len[i]);
         if (err) return err;
     }
-    return 0;
+    return sb_flush(&b, fd);
+}
+
+/* Send `hlen` header bytes, then bytes [b0, b1) of a grid's stream: bases[t] + offs[r], lens[r] bytes, for each of
+ * the nt tensors then each of the nr runs (`prefix`: the nr + 1 running sums of lens), walked straight into the
+ * frame (no span list is built).  Returns 0, or the errno that ended the connection. */
+int adt_send_grid(int fd, const uint8_t *header, size_t hlen, const uint64_t *bases, size_t nt, const uint64_t *offs,
+                  const uint64_t *lens, size_t nr, const uint64_t *prefix, uint64_t b0, uint64_t b1)
+{
+    sendbuf b;
+    sb_open(&b, header, hlen);
+    uint64_t per = nr ? prefix[nr] : 0;
+    if (b0 < b1 && per) {
+        size_t t = (size_t)(b0 / per), r = run_at(prefix, nr, b0 - (uint64_t)t * per);
+        uint64_t off = b0 - (uint64_t)t * per - prefix[r], pos = b0;
+        while (pos < b1 && t < nt) {
+            uint64_t l = lens[r] - off;
+            if (l > b1 - pos) l = b1 - pos;
+            int err = sb_add(&b, fd, (const uint8_t *)(uintptr_t)(bases[t] + offs[r] + off), (size_t)l);
+            if (err) return err;
+            pos += l; off = 0;
+            if (++r == nr) { r = 0; t++; }
+        }
+    }
+    return sb_flush(&b, fd);
 }
 
 /* The first span index in [k, hi) whose running end (`ends`) reaches `at`, or hi: a binary search, so that each

@@ -4,11 +4,13 @@
  * with a fixed header (adt_hdr).  Transfers are jobs keyed by (flag, transfer id):
  *   - a receive job owns destination spans; DATA frames carry a slice of its byte stream (offset, length) and
  *     land straight in the spans (scatter recvmsg);
- *   - a send job owns source spans, cut into frames of at most `frame` bytes; sender threads take frames
- *     round-robin across send jobs, so concurrent transfers share every connection fairly;
+ *   - a send job owns its source as a grid (a list of spans is a grid of one tensor), whose byte stream is cut
+ *     into frames of at most `frame` bytes; the sender of a frame walks the grid straight into its iovecs and
+ *     bounce buffer (no span list is built).  Sender threads take frames round-robin across send jobs, so
+ *     concurrent transfers share every connection fairly;
  *   - a one-sided READ (pull by a resolved key) registers a receive job and queues a READ frame naming the
  *     owner's spans as a grid (the owner's tensor bases, the runs' offsets and lengths: a few words however many
- *     spans); the owner's receiver thread expands it, validates every span against its cache directory (live
+ *     spans); the owner's receiver thread validates every span against its cache directory (live
  *     stamp, spans inside the cache's segment) and queues a *serve* job that sends them back as DATA frames, with no Python
  *     and no control-plane round trip on the owner.  A serve job re-checks the stamp before each frame and
  *     marks the row busy while reading it, so a release (adt_dir_withdraw) waits for at most one frame.
@@ -27,6 +29,8 @@
 
 int adt_send_frame(int fd, const uint8_t *header, size_t hlen, const uint64_t *addr, const uint64_t *len,
                    int64_t lo, int64_t hi);
+int adt_send_grid(int fd, const uint8_t *header, size_t hlen, const uint64_t *bases, size_t nt, const uint64_t *offs,
+                  const uint64_t *lens, size_t nr, const uint64_t *prefix, uint64_t b0, uint64_t b1);
 long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uint64_t *ends, size_t n,
                     uint64_t off, uint64_t nbytes, const volatile int32_t *stop, uint8_t *scratch,
                     size_t scratch_len, int poll_ms, uint64_t *consumed);
@@ -63,10 +67,15 @@ typedef struct {
 typedef struct net_job {
     int kind;                /* 0 receive, 1 send, 2 serve (a send for a peer's READ) */
     uint64_t key;
-    uint64_t *addr, *len, *ends;
+    uint64_t *addr, *len, *ends;   /* receive: the destination spans and their running ends */
     size_t n;
-    int64_t *bounds;         /* send: frame boundaries (span indices), nframes + 1 */
-    uint64_t *offsets;       /* send: stream offset at each boundary */
+    /* send, serve: the source, a grid (bases[t] + offs[r], lens[r] bytes for each tensor t then each run r; a list
+     * of spans is a grid of one tensor at 0) walked by the sender of each frame; frame f is bytes
+     * [f * frame_bytes, (f + 1) * frame_bytes) of its stream.  gmem: the memory the grid lives in (the job's). */
+    const uint64_t *bases, *offs, *lens;
+    size_t nt, nr;
+    uint64_t *prefix, *gmem;         /* prefix: the nr + 1 running sums of lens */
+    uint64_t frame_bytes;
     size_t nframes, next_frame;
     uint64_t total, moved;
     int ready;               /* receive: spans known */
@@ -180,21 +189,10 @@ static void end_job(adt_net *n, net_job *j)   /* after finish_if_idle returned 1
 static void free_job(net_job *j)
 {
     if (!j) return;
-    free(j->addr); free(j->len); free(j->ends); free(j->bounds); free(j->offsets);
+    free(j->addr); free(j->len); free(j->ends); free(j->prefix); free(j->gmem);
     if (j->wframe) for (size_t f = 0; f < j->nframes; f++) free(j->wframe[f]);
     free(j->wframe); free(j->wframe_len);
     free(j);
-}
-
-static int copy_spans(net_job *j, const uint64_t *addr, const uint64_t *len, size_t n)
-{
-    j->addr = malloc((n ? n : 1) * sizeof *j->addr);
-    j->len = malloc((n ? n : 1) * sizeof *j->len);
-    if (!j->addr || !j->len) return -1;
-    memcpy(j->addr, addr, n * sizeof *addr);
-    memcpy(j->len, len, n * sizeof *len);
-    j->n = n;
-    return 0;
 }
 
 /* Frames of at most `frame` bytes.  A transfer smaller than one frame per connection is cut into one frame per
@@ -210,73 +208,40 @@ static uint64_t frame_for(uint64_t total, uint64_t frame, int nconns)
     return frame;
 }
 
-/* A send job's spans being cut into frames as they are added, in one pass: a span is cut at each frame boundary
- * inside it, and one that continues the previous piece of its frame extends it (framer_add_grid). */
-typedef struct {
-    uint64_t *addr, *len, *offsets;
-    int64_t *bounds;
-    size_t k, nb;
-    uint64_t frame, acc, total;
-} framer;
-
-static int framer_open(framer *f, size_t spans, uint64_t total, uint64_t frame)
+/* Make j a send of a grid that lives in `gmem` (the job owns it from now on, even on failure): its running sums,
+ * total and frames.  -1 when out of memory.  The caller checked that the total does not overflow. */
+static int grid_job(net_job *j, uint64_t *gmem, const uint64_t *bases, size_t nt, const uint64_t *offs,
+                    const uint64_t *lens, size_t nr, uint64_t frame, int nconns)
 {
-    size_t frames = (size_t)(total / frame) + 1, pieces = spans + frames;   /* a boundary cuts one span at most */
-    memset(f, 0, sizeof *f);
-    f->addr = malloc(pieces * sizeof *f->addr);
-    f->len = malloc(pieces * sizeof *f->len);
-    f->bounds = malloc((frames + 1) * sizeof *f->bounds);
-    f->offsets = malloc((frames + 1) * sizeof *f->offsets);
-    f->frame = frame;
-    f->nb = 1;
-    if (!f->addr || !f->len || !f->bounds || !f->offsets) {
-        free(f->addr); free(f->len); free(f->bounds); free(f->offsets);
-        return -1;
-    }
-    f->bounds[0] = 0; f->offsets[0] = 0;
+    j->gmem = gmem;
+    j->prefix = malloc((nr + 1) * sizeof *j->prefix);
+    if (!j->prefix) return -1;
+    j->prefix[0] = 0;
+    for (size_t r = 0; r < nr; r++) j->prefix[r + 1] = j->prefix[r] + lens[r];
+    j->bases = bases; j->nt = nt; j->offs = offs; j->lens = lens; j->nr = nr;
+    j->total = j->prefix[nr] * (uint64_t)nt;
+    j->frame_bytes = frame_for(j->total, frame, nconns);
+    j->nframes = (size_t)((j->total + j->frame_bytes - 1) / j->frame_bytes);
     return 0;
 }
 
-/* Add the spans of a grid, bases[t] + offs[r] (lens[r] bytes) for each tensor t then each run r, in that order.
- * The state is kept in locals: stores into the span arrays could alias the framer's fields. */
-static void framer_add_grid(framer *f, const uint64_t *bases, uint64_t nt, const uint64_t *offs,
-                            const uint64_t *lens, uint64_t nr)
+static const uint64_t zero_base = 0;
+
+/* A send job's source from a list of spans (copied: nothing of the caller's arrays is kept). */
+static int span_job(net_job *j, const uint64_t *addr, const uint64_t *len, size_t n, uint64_t frame, int nconns)
 {
-    uint64_t *addr = f->addr, *len = f->len, frame = f->frame, acc = f->acc, total = f->total, end = 0;
-    size_t k = f->k, nb = f->nb;
-    if (k) end = addr[k - 1] + len[k - 1];
-    for (uint64_t t = 0; t < nt; t++)
-        for (uint64_t r = 0; r < nr; r++) {
-            uint64_t a = bases[t] + offs[r], l = lens[r];
-            while (l > 0) {
-                uint64_t take = frame - acc < l ? frame - acc : l;
-                if (acc && end == a) len[k - 1] += take;   /* continues the last piece of this frame */
-                else { addr[k] = a; len[k] = take; k++; }
-                a += take; end = a; l -= take; acc += take; total += take;
-                if (acc == frame) { f->bounds[nb] = (int64_t)k; f->offsets[nb] = total; nb++; acc = 0; }
-            }
-        }
-    f->k = k; f->nb = nb; f->acc = acc; f->total = total;
+    uint64_t *mem = malloc((2 * n + 1) * sizeof *mem);
+    if (!mem) return -1;
+    memcpy(mem, addr, n * sizeof *addr);
+    memcpy(mem + n, len, n * sizeof *len);
+    return grid_job(j, mem, &zero_base, 1, mem, mem + n, n, frame, nconns);
 }
 
-static void framer_close(framer *f, net_job *j)   /* the frames become the (new) job's spans */
+static uint64_t frame_start(const net_job *j, size_t f) { return (uint64_t)f * j->frame_bytes; }
+static uint64_t frame_end(const net_job *j, size_t f)
 {
-    if (f->bounds[f->nb - 1] != (int64_t)f->k) { f->bounds[f->nb] = (int64_t)f->k; f->offsets[f->nb] = f->total; f->nb++; }
-    j->addr = f->addr; j->len = f->len; j->n = f->k;
-    j->bounds = f->bounds; j->offsets = f->offsets; j->nframes = f->nb - 1; j->total = f->total;
-}
-
-/* A send job's frames from its spans (the arrays are the caller's: nothing of them is kept). */
-static int frame_spans(net_job *j, const uint64_t *addr, const uint64_t *len, size_t n, uint64_t frame, int nconns)
-{
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++) total += len[i];
-    static const uint64_t zero = 0;
-    framer f;
-    if (framer_open(&f, n, total, frame_for(total, frame, nconns))) return -1;
-    framer_add_grid(&f, &zero, 1, addr, len, n);   /* a list of spans is a grid of one tensor at 0 */
-    framer_close(&f, j);
-    return 0;
+    uint64_t end = ((uint64_t)f + 1) * j->frame_bytes;
+    return end < j->total ? end : j->total;
 }
 
 static void queue_ctrl_full(adt_net *n, int conn, uint32_t type, uint64_t key, uint64_t offset, uint8_t *payload,
@@ -375,12 +340,12 @@ static void finish_all_idle(adt_net *n)   /* under the lock: announce jobs that 
     }
 }
 
-/* A READ's payload: the model id the cache must still answer to (-1: any), a reserved word, then the spans. */
-/* Under the lock; 0 or a status.  A serve job of one frame of at most `room` bytes, on a link with nothing else to
+/* Under the lock; 0 or a status.  The serve job takes the READ's payload (*payload is then NULL): its frames are
+ * walked from the grid it names.  A serve job of one frame of at most `room` bytes, on a link with nothing else to
  * send, is not queued: its frame is claimed and the job handed back in *claimed, for the caller to send inline. */
-static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload, uint64_t room, net_job **claimed)
+static int serve_read(adt_net *n, const adt_hdr *h, uint64_t **payload_in, uint64_t room, net_job **claimed)
 {
-    uint64_t nt = payload[1], nr = payload[2];
+    uint64_t *payload = *payload_in, nt = payload[1], nr = payload[2];
     const uint64_t *bases = payload + READ_HEAD, *offs = bases + nt, *lens = offs + nr;
     int64_t row = (int64_t)h->a, model = (int64_t)payload[0];
     if (!n->dir || row < 0 || (size_t)row >= n->dir_rows) return 1;
@@ -400,10 +365,8 @@ static int serve_read(adt_net *n, const adt_hdr *h, uint64_t *payload, uint64_t 
     if (__builtin_mul_overflow(nt, run_bytes, &total)) return 3;
     net_job *j = calloc(1, sizeof *j);
     if (!j) return 2;
-    framer f;
-    if (framer_open(&f, (size_t)(nt * nr), total, frame_for(total, n->frame, n->nconns))) { free(j); return 2; }
-    framer_add_grid(&f, bases, nt, offs, lens, nr);   /* in plan order, merging spans that continue each other */
-    framer_close(&f, j);
+    *payload_in = NULL;
+    if (grid_job(j, payload, bases, (size_t)nt, offs, lens, (size_t)nr, n->frame, n->nconns)) { free_job(j); return 2; }
     j->kind = 2; j->key = h->key; j->row = row; j->stamp = h->offset;
     n->served[0]++;
     n->served[1] += j->total;
@@ -548,7 +511,7 @@ static void *receiver(void *arg)
             uint64_t room = inline_room(fd);
             net_job *claimed = NULL;
             pthread_mutex_lock(&n->lock);
-            int status = serve_read(n, &h, spans, room, &claimed);
+            int status = serve_read(n, &h, &spans, room, &claimed);
             if (status) { n->served[2]++; queue_ctrl(n, T_ERROR, h.key, (uint64_t)status, NULL, 0, 0, 0); }
             pthread_mutex_unlock(&n->lock);
             free(spans);
@@ -638,11 +601,12 @@ static int send_job_frame(adt_net *n, int index, int fd, net_job *j, size_t fram
     int err = 0, gone = 0;
     if (j->kind == 2 && !dir_enter(n, j->row, j->stamp)) gone = 1;   /* released meanwhile */
     if (!gone) {
-        adt_hdr h = {NET_MAGIC, T_DATA, j->key, j->offsets[frame], j->offsets[frame + 1] - j->offsets[frame], 0, 0};
+        uint64_t lo = frame_start(j, frame), hi = frame_end(j, frame);
+        adt_hdr h = {NET_MAGIC, T_DATA, j->key, lo, hi - lo, 0, 0};
         const uint8_t *head = (const uint8_t *)&h;
         size_t hlen = sizeof h;
         if (j->wframe) { head = j->wframe[frame]; hlen = j->wframe_len[frame]; }   /* a WRITE */
-        err = adt_send_frame(fd, head, hlen, j->addr, j->len, j->bounds[frame], j->bounds[frame + 1]);
+        err = adt_send_grid(fd, head, hlen, j->bases, j->nt, j->offs, j->lens, j->nr, j->prefix, lo, hi);
         if (j->kind == 2) dir_leave(n, j->row);
     }
     pthread_mutex_unlock(&n->send_lock[index]);
@@ -654,7 +618,7 @@ static int send_job_frame(adt_net *n, int index, int fd, net_job *j, size_t fram
         unqueue(n, j);
         queue_ctrl(n, T_ERROR, j->key, 1, NULL, 0, 0, 0);
     }
-    if (!err && !gone) j->moved += j->offsets[frame + 1] - j->offsets[frame];
+    if (!err && !gone) j->moved += frame_end(j, frame) - frame_start(j, frame);
     if (err) { if (!j->error) j->error = err; broken(n); }
     int ann = finish_if_idle(n, j);
     if (j->done && j->kind == 2) { free_job(j); j = NULL; }
@@ -819,7 +783,7 @@ void *adt_net_send(void *net, uint64_t key, const uint64_t *addr, const uint64_t
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
-    if (!j || frame_spans(j, addr, len, count, n->frame, n->nconns)) { free_job(j); return NULL; }
+    if (!j || span_job(j, addr, len, count, n->frame, n->nconns)) { free_job(j); return NULL; }
     return start_send(n, j);
 }
 
@@ -923,23 +887,23 @@ void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64
                     const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal)
 {
     adt_net *n = (adt_net *)net;
-    net_job *j = new_job(1, key), *r = new_job(1, key);
-    if (!j || !r || frame_spans(j, local_addr, local_len, nlocal, n->frame, n->nconns)
-        || copy_spans(r, remote_addr, remote_len, nremote)) { free_job(j); free_job(r); return NULL; }
+    net_job *j = new_job(1, key);
+    if (!j || span_job(j, local_addr, local_len, nlocal, n->frame, n->nconns)) { free_job(j); return NULL; }
+    const uint64_t *ra = remote_addr, *rl = remote_len;
     j->wframe = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe);
     j->wframe_len = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe_len);
     int bad = !j->wframe || !j->wframe_len;
-    /* Cut the owner's spans at the same stream offsets as the local ones: frame f carries [offsets[f], offsets[f+1]). */
+    /* Cut the owner's spans at the same stream offsets as the local ones (frame_start, frame_end). */
     size_t k = 0;
     uint64_t inner = 0, rtotal = 0;
-    for (size_t i = 0; i < r->n; i++) rtotal += r->len[i];
+    for (size_t i = 0; i < nremote; i++) rtotal += rl[i];
     if (rtotal != j->total) bad = 1;
     for (size_t f = 0; !bad && f < j->nframes; f++) {
-        uint64_t want = j->offsets[f + 1] - j->offsets[f];
+        uint64_t want = frame_end(j, f) - frame_start(j, f);
         /* spans this frame touches: from k on, until `want` bytes */
         size_t count = 0, kk = k;
         uint64_t in = inner, left = want;
-        while (left > 0) { uint64_t take = r->len[kk] - in < left ? r->len[kk] - in : left; count++; left -= take; in += take; if (in == r->len[kk]) { kk++; in = 0; } }
+        while (left > 0) { uint64_t take = rl[kk] - in < left ? rl[kk] - in : left; count++; left -= take; in += take; if (in == rl[kk]) { kk++; in = 0; } }
         size_t blen = sizeof(adt_hdr) + 16 + 16 * count;
         uint8_t *b = malloc(blen);
         if (!b) { bad = 1; break; }
@@ -949,14 +913,13 @@ void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64
         w[0] = (uint64_t)model_id; w[1] = count;
         left = want;
         for (size_t c = 0; c < count; c++) {
-            uint64_t take = r->len[k] - inner < left ? r->len[k] - inner : left;
-            w[2 + 2 * c] = r->addr[k] + inner; w[3 + 2 * c] = take;
+            uint64_t take = rl[k] - inner < left ? rl[k] - inner : left;
+            w[2 + 2 * c] = ra[k] + inner; w[3 + 2 * c] = take;
             left -= take; inner += take;
-            if (inner == r->len[k]) { k++; inner = 0; }
+            if (inner == rl[k]) { k++; inner = 0; }
         }
         j->wframe[f] = b; j->wframe_len[f] = blen;
     }
-    free_job(r);
     if (bad) { free_job(j); return NULL; }
     return start_send(n, j);
 }
