@@ -721,10 +721,17 @@ static void sb_open(sendbuf *b, const uint8_t *header, size_t hlen)
     if (hlen) { b->iov[0].iov_base = (void *)header; b->iov[0].iov_len = hlen; b->n = 1; }
 }
 
-static int sb_add(sendbuf *b, int fd, const uint8_t *src, size_t l)   /* 0, or the errno that ended the connection */
+/* 0, or the errno that ended the connection.  Inlined: it runs once per span, and most spans are tiny. */
+static inline __attribute__((always_inline)) int sb_add(sendbuf *b, int fd, const uint8_t *src, size_t l)
 {
     int err;
     if (l == 0) return 0;
+    if (l <= TINY_SPAN && b->gathering && b->used + l <= GATHER_BYTES) {   /* the common case, first */
+        if (!copy_small((char *)(b->gather + b->used), (const char *)src, l)) memcpy(b->gather + b->used, src, l);
+        b->iov[b->n - 1].iov_len += l;
+        b->used += l;
+        return 0;
+    }
     if (l < SMALL_SPAN) {
         if ((b->used + l > GATHER_BYTES || (!b->gathering && b->n == IOV_CAP)) && (err = sb_flush(b, fd))) return err;
         uint8_t *to = b->gather + b->used;
@@ -869,6 +876,14 @@ static long recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const 
             left -= got;
             written += got;
             while (got > 0) {   /* k < n: want never runs past the spans */
+                if (inner == 0 && k < n && len[k] <= TINY_SPAN && len[k] <= got) {   /* whole tiny spans: the common case */
+                    while (k < n && len[k] <= TINY_SPAN && len[k] <= got) {
+                        char *to = (char *)(uintptr_t)addr[k];
+                        if (!copy_small(to, (const char *)p, (size_t)len[k])) memcpy(to, p, (size_t)len[k]);
+                        p += len[k]; got -= len[k]; k++;
+                    }
+                    continue;
+                }
                 uint64_t take = len[k] - inner;
                 if (take > got) take = got;
                 char *to = (char *)(uintptr_t)(addr[k] + inner);

@@ -125,6 +125,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_job_submit.restype = vp
     lib.adt_send_frame.argtypes = [c_int, vp, sz, vp, vp, i64, i64]
     lib.adt_send_frame.restype = c_int
+    lib.adt_send_grid.argtypes = [c_int, vp, sz, vp, sz, vp, vp, sz, vp, u64, u64]
+    lib.adt_send_grid.restype = c_int
     lib.adt_recv_frame.argtypes = [c_int, vp, vp, vp, sz, u64, u64, vp, vp, sz, c_int, vp]
     lib.adt_recv_frame.restype = ctypes.c_long
     lib.adt_dir_withdraw.argtypes, lib.adt_dir_withdraw.restype = [vp, i64], None
