@@ -91,6 +91,8 @@ class _Notifier(NotifyPipe):
 class NativeExecutor(ExecutorBase):
     """A pool of native worker threads shared by every instance in the process."""
 
+    polling: Polling  # every job is a candidate: the short ones are polled for
+
     def __init__(self, workers: int | None = None) -> None:
         lib = native_pool()
         if lib is None or native_extension() is None:
@@ -123,35 +125,41 @@ class NativeExecutor(ExecutorBase):
         arrays = (np.ascontiguousarray(spans.dst, dtype=np.uint64), np.ascontiguousarray(spans.src, dtype=np.uint64),
                   np.ascontiguousarray(spans.length, dtype=np.uint64), np.ascontiguousarray(bounds, dtype=np.int64))
         dst, src, length, bounds = arrays
-        return self._submit(copier, arrays, spans.total_bytes, lambda fd: self._lib.adt_job_submit(
-            self._pool, dst.ctypes.data, src.ctypes.data, length.ctypes.data, bounds.ctypes.data,
-            len(bounds) - 1, copier.mode, copier.pid, int(copier.streaming), fd))
+        loop, notifier, pool = self._target()
+        return self._track(self._lib.adt_job_submit(
+            pool, dst.ctypes.data, src.ctypes.data, length.ctypes.data, bounds.ctypes.data, len(bounds) - 1,
+            copier.mode, copier.pid, int(copier.streaming), notifier.fd), loop, notifier, copier, arrays,
+            spans.total_bytes)
 
     def start_plan(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec, *,
                    chunk_bytes: int | None = None) -> NativeJob:
         """Queue a plan's copy; the helper's workers walk its grid themselves (no span list is built)."""
-        runs = plan.runs
-        chunk = chunk_bytes or self.chunk_bytes_for(plan.total_bytes)
-        pool = self._pool
-        return self._submit(copier, (runs,), plan.total_bytes, lambda fd: _ext.submit_grid(
+        runs, total = plan.runs, plan.total_bytes
+        chunk = chunk_bytes or self.chunk_bytes_for(total)
+        loop, notifier, pool = self._target()
+        return self._track(_ext.submit_grid(
             pool, as_u64(src_addrs), as_u64(dst_addrs), plan.src_tensor, plan.dst_tensor, runs.src_offset,
             runs.dst_offset, runs.length, copier.src_delta, copier.dst_delta, chunk, min(PIECE, chunk),
-            int(copier.mode), copier.pid, int(copier.streaming), fd))
+            int(copier.mode), copier.pid, int(copier.streaming), notifier.fd), loop, notifier, copier, (runs,), total)
 
-    def _submit(self, copier: CopySpec, keepalive: tuple[Any, ...], nbytes: int, submit: Any) -> NativeJob:
-        if self._pool is None:
+    def _target(self) -> tuple[asyncio.AbstractEventLoop, _Notifier, int]:
+        """The running loop, its notify pipe and the pool a job is queued on (the executor must be open)."""
+        pool = self._pool
+        if pool is None:
             raise LLMException("the copy executor was shut down", status_code=LLMStatusCode.LLM_FAILED)
         loop = asyncio.get_running_loop()
-        job = NativeJob(self, copier, loop)
-        notifier = self._notifier(loop)
-        handle = submit(notifier.fd)
+        return loop, self._notifiers.get(loop) or self._notifier(loop), pool
+
+    def _track(self, handle: int | None, loop: asyncio.AbstractEventLoop, notifier: _Notifier, copier: CopySpec,
+               keepalive: tuple[Any, ...], nbytes: int) -> NativeJob:
+        """The job of a queued ``handle`` (0 or None: the helper was out of memory), awaited from now on."""
         if not handle:
             raise LLMException("cannot queue a copy job: out of memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+        job = NativeJob(self, copier, loop)
         job.handle = handle
         job.keepalive = keepalive
         notifier.jobs[handle] = job
-        if self.polling is not None:
-            self.polling.watch(job.future, nbytes)
+        self.polling.watch(job.future, nbytes)
         return job
 
     def cancel(self, job: NativeJob, error: BaseException | None = None) -> None:
