@@ -506,6 +506,15 @@ static size_t run_at(const uint64_t *prefix, size_t nr, uint64_t rem)
     return lo;
 }
 
+/* After a tensor's last run: on to the next tensor's first (its bases in *sb, *db); 0 when that was the last. */
+static inline int next_tensor(const grid *g, size_t *r, size_t *t, uint64_t *sb, uint64_t *db)
+{
+    *r = 0;
+    if (++*t == g->nt) return 0;
+    *sb = g->src_base[*t] + g->src_delta; *db = g->dst_base[*t] + g->dst_delta;
+    return 1;
+}
+
 /* Copy bytes [b0, b1) of the grid's stream: 0, an errno, or -1 when stopped. */
 static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
 {
@@ -516,7 +525,7 @@ static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
     uint64_t off = rem - g->prefix[r], pos = b0, cs = 0, cd = 0, cl = 0;
     /* Locals, not g->...: the copies in between may alias anything, so the compiler would reload every field. */
     const uint64_t *run_src = g->run_src, *run_dst = g->run_dst, *run_len = g->run_len;
-    const size_t nt = g->nt, nr = g->nr;
+    const size_t nr = g->nr;
     const uint64_t piece = g->piece;
     uint64_t sb = g->src_base[t] + g->src_delta, db = g->dst_base[t] + g->dst_delta;
     const volatile int32_t *stop = c->stop;
@@ -538,11 +547,7 @@ static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
                 if (!copy_small(d, s, (size_t)l)) memmove(d, s, (size_t)l);
                 pos += l;
             }
-            if (r == nr) {
-                r = 0;
-                if (++t == nt) break;
-                sb = g->src_base[t] + g->src_delta; db = g->dst_base[t] + g->dst_delta;
-            }
+            if (r == nr && !next_tensor(g, &r, &t, &sb, &db)) break;
             continue;
         }
         uint64_t l = run_len[r] - off;
@@ -557,11 +562,7 @@ static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
             }
         }
         pos += l; off = 0;
-        if (++r == nr) {
-            r = 0;
-            if (++t == nt) break;
-            sb = g->src_base[t] + g->src_delta; db = g->dst_base[t] + g->dst_delta;
-        }
+        if (++r == nr && !next_tensor(g, &r, &t, &sb, &db)) break;
     }
     if (cl && (err = copy_span(c, cs, cd, cl, piece))) return err;
     if (c->mode != 0 && (c->stop == NULL || !*c->stop)) return pvm_flush(c);
@@ -876,14 +877,12 @@ static long recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const 
             left -= got;
             written += got;
             while (got > 0) {   /* k < n: want never runs past the spans */
-                if (inner == 0 && k < n && len[k] <= TINY_SPAN && len[k] <= got) {   /* whole tiny spans: the common case */
-                    while (k < n && len[k] <= TINY_SPAN && len[k] <= got) {
-                        char *to = (char *)(uintptr_t)addr[k];
-                        if (!copy_small(to, (const char *)p, (size_t)len[k])) memcpy(to, p, (size_t)len[k]);
-                        p += len[k]; got -= len[k]; k++;
-                    }
-                    continue;
+                while (inner == 0 && k < n && len[k] <= TINY_SPAN && len[k] <= got) {   /* whole tiny spans first */
+                    char *to = (char *)(uintptr_t)addr[k];
+                    if (!copy_small(to, (const char *)p, (size_t)len[k])) memcpy(to, p, (size_t)len[k]);
+                    p += len[k]; got -= len[k]; k++;
                 }
+                if (got == 0) break;
                 uint64_t take = len[k] - inner;
                 if (take > got) take = got;
                 char *to = (char *)(uintptr_t)(addr[k] + inner);
