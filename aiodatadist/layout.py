@@ -8,7 +8,6 @@ loop per block.
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +18,12 @@ import numpy as np
 import numpy.typing as npt
 
 from ._checks import param_invalid, require
+
+_block_runs: Callable[..., bytes | None] | None
+try:
+    from ._blocks import block_runs as _block_runs  # the compiled fast path of b2b_runs (optional)
+except ImportError:
+    _block_runs = None
 
 __all__ = [
     "CacheGeometry",
@@ -254,9 +259,13 @@ def b2b_runs(
     """Block ``src_blocks[i]`` -> block ``dst_blocks[i]``; both caches are blocks caches of equal block size.
 
     The runs are in source order: read in ascending addresses, scattered blocks copy 10-15 % faster (the
-    hardware prefetchers and DRAM pages see one forward stream), and pairs given in any order still merge."""
-    if isinstance(src_blocks, (list, tuple)) and isinstance(dst_blocks, (list, tuple)) and len(dst_blocks) <= 64:
-        return _b2b_runs_short(list(src_blocks), list(dst_blocks), src, dst)
+    hardware prefetchers and DRAM pages see one forward stream), and pairs given in any order still merge.
+    Lists and tuples (every call's case) are checked and turned into runs in one native pass where the helper
+    is built; anything it does not take (arrays, invalid input) goes through the vectorised checks."""
+    if _block_runs is not None and src.stride == dst.stride:
+        table = _block_runs(src_blocks, dst_blocks, src.slots, dst.slots, dst.stride)
+        if table is not None:
+            return _thirds(np.frombuffer(table, dtype=np.int64))  # read-only: the bytes are immutable
     s, d = _i64(src_blocks), _i64(dst_blocks)
     require(len(s) > 0, "src_blocks must not be empty.")
     require(len(d) > 0, "dst_blocks must not be empty.")
@@ -272,30 +281,6 @@ def b2b_runs(
     return _runs(s * stride, d * stride, np.full(len(s), stride, dtype=np.int64))
 
 
-def _b2b_runs_short(s: list[int], d: list[int], src: CacheGeometry, dst: CacheGeometry) -> Runs:
-    """:func:`b2b_runs` for short Python lists: the same checks and runs without numpy's per-call overhead
-    (invalid input goes through the vectorised path, which raises the precise error)."""
-    n, stride = len(s), dst.stride
-    if n == 1 and len(d) == 1 and 0 <= s[0] < src.slots and 0 <= d[0] < dst.slots and src.stride == stride:
-        return _table_runs((s[0] * stride, d[0] * stride, stride))
-    if not (n and len(d) == n and src.stride == stride and min(s) >= 0 and max(s) < src.slots
-            and min(d) >= 0 and max(d) < dst.slots and len(set(d)) == n):
-        return b2b_runs(np.asarray(s, dtype=object), np.asarray(d, dtype=object), src, dst)
-    if any(a > b for a, b in itertools.pairwise(s)):
-        pairs = sorted(zip(s, d), key=lambda pair: pair[0])
-        s, d = [a for a, _ in pairs], [b for _, b in pairs]
-    starts_s, starts_d, counts = [s[0]], [d[0]], [1]
-    for a, b in zip(s[1:], d[1:]):
-        if a == starts_s[-1] + counts[-1] and b == starts_d[-1] + counts[-1]:
-            counts[-1] += 1
-        else:
-            starts_s.append(a)
-            starts_d.append(b)
-            counts.append(1)
-    # One array (its rows are the runs), the products taken in Python: a numpy call costs more than these lists.
-    return _table_runs([a * stride for a in starts_s] + [b * stride for b in starts_d] + [c * stride for c in counts])
-
-
 def _table_runs(values: Sequence[int]) -> Runs:
     """Runs from ``n`` source offsets, then ``n`` destination offsets, then ``n`` lengths: one read-only array whose
     thirds are the runs' arrays (they inherit its read-only flag: plans are cached and shared, and marking each
@@ -305,6 +290,10 @@ def _table_runs(values: Sequence[int]) -> Runs:
     except OverflowError:
         param_invalid("an offset is out of range (>= 2**63).")
     table.flags.writeable = False
+    return _thirds(table)
+
+
+def _thirds(table: Int64Array) -> Runs:
     n = len(table) // 3
     return Runs(table[:n], table[n:2 * n], table[2 * n:])
 
@@ -399,7 +388,8 @@ def swap_blocks_runs(src_to_dst: Mapping[int, int], src: CacheGeometry, dst: Cac
 def make_plan(src_tensors: Int64Array, dst_tensors: Int64Array, runs: Runs) -> CopyPlan:
     require(len(src_tensors) == len(dst_tensors), "tensor index lists differ in length.")
     src, dst = _i64(src_tensors), _i64(dst_tensors)
-    per_tensor = int(runs.length[0]) if len(runs.length) == 1 else int(runs.length.sum())
+    lengths = runs.length  # (a numpy reduction costs ~3 us whatever the size; a short list's sum less)
+    per_tensor = sum(lengths.tolist()) if len(lengths) <= 64 else int(lengths.sum())
     return CopyPlan(src, dst, runs, per_tensor * len(src))
 
 

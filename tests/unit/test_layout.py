@@ -456,7 +456,8 @@ def b2b_inputs(draw):
 @SETTINGS
 @given(b2b_inputs(), st.data(), st.sampled_from(["list", "tuple", "array"]))
 def test_b2b_runs(inputs, data, container):
-    """Short lists take a pure-Python path, arrays the vectorised one: both must match the reference."""
+    """Lists and tuples take the native path (where built), arrays the vectorised one: both must match the
+    reference."""
     src, dst, src_blocks, dst_blocks = inputs
     def as_array(values: list[int]) -> object:
         return np.asarray(values, dtype=np.int64) if all(-2**63 <= v < 2**63 for v in values) else values
@@ -472,6 +473,49 @@ def test_b2b_runs(inputs, data, container):
     assert len(runs.length) == consecutive_runs([a for a, _ in by_src], [b for _, b in by_src])
     pairs = list(zip(*data.draw(tensor_pairs(src.num_tensors, dst.num_tensors), label="tensors")))
     check_plan(data, runs, src, dst, pairs, ref_runs)
+
+
+@st.composite
+def long_block_lists(draw):
+    """Block lists of up to 600 pairs over caches of up to 2000 blocks (past the native path's stack buffers
+    and through its hash set of destinations), in any order, sometimes with one destination twice."""
+    slots = draw(st.integers(1, 2000))
+    n = draw(st.integers(1, min(slots, 600)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    how = draw(st.sampled_from(["random", "ascending", "runs"]))
+    if how == "runs":  # consecutive stretches on both sides, which merge
+        start_s, start_d = draw(st.integers(0, slots - n)), draw(st.integers(0, slots - n))
+        src, dst = list(range(start_s, start_s + n)), list(range(start_d, start_d + n))
+        cut = draw(st.integers(0, n))
+        src, dst = src[cut:] + src[:cut], dst[cut:] + dst[:cut]
+    else:
+        src = rng.integers(0, slots, n).tolist()  # duplicate sources are allowed
+        dst = rng.choice(slots, n, replace=False).tolist()
+        if how == "ascending":
+            src.sort()
+            dst.sort()
+    if n > 1 and draw(st.booleans()):
+        dst[draw(st.integers(0, n - 1))] = dst[draw(st.integers(0, n - 1))]  # maybe a duplicate destination
+    return slots, src, dst
+
+
+@SETTINGS
+@given(long_block_lists(), st.integers(1, 64), st.sampled_from([list, tuple]))
+def test_b2b_runs_of_long_lists_match_the_vectorised_path(inputs, stride, container):
+    """The native pass over lists and tuples gives the vectorised path's runs (and rejects what it rejects),
+    for lists longer than its stack buffers and destinations in any order."""
+    slots, src_blocks, dst_blocks = inputs
+    g = geometry(2, slots, stride)
+    result = compare(lambda: ref_b2b(src_blocks, dst_blocks, g, g),
+                     lambda: b2b_runs(container(src_blocks), container(dst_blocks), g, g))
+    if result is None:
+        return
+    runs = result[1]
+    vectorised = b2b_runs(np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64), g, g)
+    for mine, theirs in zip((runs.src_offset, runs.dst_offset, runs.length),
+                            (vectorised.src_offset, vectorised.dst_offset, vectorised.length)):
+        assert mine.dtype == np.int64 and not mine.flags.writeable
+        assert mine.tolist() == theirs.tolist()
 
 
 def ref_c2b(src_slot, src: CacheGeometry, dst_blocks, dst: CacheGeometry):

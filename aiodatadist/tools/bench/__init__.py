@@ -16,8 +16,8 @@ Workloads:
 * ``concurrent``: ``--concurrency`` (64) concurrent 4 MiB ``pull_blocks`` / ``push_blocks``, aggregate throughput
   against the single paged figure;
 * ``calls``: what a call costs around its bytes: ``pull_blocks`` / ``push_blocks`` of tiny 64-byte blocks of a
-  64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), 1 block of other blocks each
-  call (64 spans, a new plan each call, as a serving engine's requests have), called in turn, and, measured
+  64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), then both sizes again with other
+  blocks each call (a new plan each call, as a serving engine's requests have), called in turn, and, measured
   apart after them, for pulls, ``pull_cache`` of a 64 x 64-byte slot by ``CacheKey`` (a request key the owner
   releases: two control round trips); per-call p50/p99, and the marginal cost of a span.
 
@@ -325,29 +325,33 @@ async def _measure(session: _Session, direction: str, workloads: set[str], repea
 
 async def _measure_calls(session: _Session, plane: str, direction: str, repeat: int,
                          progress: Progress) -> list[dict[str, Any]]:
-    """Per-call latency of 64 and 8192 spans of 64 bytes and of 64 spans with other blocks each call (a new plan
-    each time, as a serving engine's requests have), called in turn, then, for pulls, of ``pull_cache`` by
-    ``CacheKey`` (a request key pulled once: through the owner, two round trips); the 8192-span row also gives
-    the marginal cost of a span (its p50 minus the 64-span p50, per extra span)."""
+    """Per-call latency of 64 and 8192 spans of 64 bytes, then of both sizes with other blocks each call (a new
+    plan each time, as a serving engine's requests have: random blocks, distinct on each side), called in turn,
+    then, for pulls, of ``pull_cache`` by ``CacheKey`` (a request key pulled once: through the owner, two round
+    trips); the 8192-span row also gives the marginal cost of a span (its p50 minus the 64-span p50, per extra
+    span)."""
     runs = max(500, repeat * 100)
-    progress(f"{plane} {direction} calls of {' and '.join(map(str, CALL_SPANS))} spans, and of 64 spans of other "
-             f"blocks each call, in turn x {runs}" + (", then by request key" if direction == "pull" else ""))
+    sizes = ' and '.join(map(str, CALL_SPANS))
+    progress(f"{plane} {direction} calls of {sizes} spans, and of {sizes} spans of other blocks each call, in turn "
+             f"x {runs}" + (", then by request key" if direction == "pull" else ""))
     calls = [functools.partial(session.call, direction, blocks, blocks)
              for blocks in (list(range(0, 2 * (spans // TENSORS), 2)) for spans in CALL_SPANS)]  # no coalescing
-    picks = iter(np.random.default_rng(11).integers(0, BLOCKS, (runs + 40, 2)).tolist())
+    rng = np.random.default_rng(11)
 
-    def new_blocks() -> Awaitable[None]:
-        src, dst = next(picks)
-        return session.call(direction, [src], [dst])
+    def new_blocks(count: int) -> Callable[[], Awaitable[None]]:
+        picks = iter([(rng.choice(BLOCKS, count, replace=False).tolist(), rng.choice(BLOCKS, count, replace=False)
+                       .tolist()) for _ in range(runs + 40)])
+        return lambda: session.call(direction, *next(picks))
 
-    *fixed, other = await interleaved_times([*calls, new_blocks], runs, 20)
+    times = await interleaved_times([*calls, *(new_blocks(spans // TENSORS) for spans in CALL_SPANS)], runs, 20)
     rows: list[dict[str, Any]] = []
-    for spans, seconds in zip(CALL_SPANS, fixed):
+    for new, (spans, seconds) in enumerate(zip(CALL_SPANS * 2, times)):
         row = _call_row(plane, direction, spans, seconds)
-        if spans != CALL_SPANS[0]:
+        if new >= len(CALL_SPANS):
+            row["new_blocks"] = True
+        elif spans != CALL_SPANS[0]:
             row["ns_per_extra_span"] = (row["p50_us"] - rows[0]["p50_us"]) * 1e3 / (spans - CALL_SPANS[0])
         rows.append(row)
-    rows.append({**_call_row(plane, direction, TENSORS, other), "new_blocks": True})
     if direction == "pull":  # apart, after them: what the owner still does once such a call returned (the key's
         # release, the END) would otherwise fall on the next call in turn
         keyed = await _times(await session.request_keys(runs + 20), runs, 20)
