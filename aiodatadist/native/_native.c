@@ -1127,13 +1127,13 @@ static PyObject *py_int_bounds(PyObject *self, PyObject *seq)
 }
 
 /* The TCP plane's one-sided calls (_net.c), called as Python functions for the same reason as the plan functions:
- * net_read(net, key, row, stamp, cache_id, model_id, bases, offsets, lengths, local_addr, local_len) and
+ * net_read(net, key, row, stamp, cache_id, model_id, bases, offsets, lengths, local_bases, local_offsets) and
  * net_write(net, key, row, stamp, cache_id, model_id, remote_addr, remote_len, local_addr, local_len) -> job handle
- * (0: out of memory).  A read names the owner's spans as a grid (its tensors' bases, the runs' offsets and
- * lengths); the arrays (8-byte items) are copied by the callee. */
+ * (0: out of memory).  A read names both sides as grids: the owner's tensors' bases, the runs' offsets and lengths,
+ * and this side's tensors' bases and the runs' offsets here; the arrays (8-byte items) are copied by the callee. */
 void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                    const uint64_t *bases, size_t ntensors, const uint64_t *offsets, const uint64_t *lengths,
-                   size_t nruns, const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal, int defer);
+                   size_t nruns, const uint64_t *local_bases, const uint64_t *local_offsets, int defer);
 void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                     const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
                     const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal);
@@ -1162,16 +1162,17 @@ static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int writ
         }
     }
     size_t n0 = (size_t)(b[0].len / 8), n1 = (size_t)(b[1].len / 8), n2 = (size_t)(b[2].len / 8);
-    size_t nlocal = (size_t)(b[nbuf - 2].len / 8);
+    size_t n3 = (size_t)(b[3].len / 8), nlast = (size_t)(b[nbuf - 1].len / 8);
     void *job = NULL;
-    if ((size_t)(b[nbuf - 1].len / 8) != nlocal || (write ? n1 != n0 : n2 != n1))
+    /* write: remote addresses and lengths, local ones; read: the remote grid, then the local bases and offsets */
+    if (write ? n1 != n0 || nlast != n2 : n2 != n1 || n3 != n0 || nlast != n1)
         PyErr_SetString(PyExc_ValueError, "span arrays of different lengths");
     else if (write)
         job = adt_net_write(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, b[1].buf, n0,
-                            b[2].buf, b[3].buf, nlocal);
+                            b[2].buf, b[3].buf, n2);
     else
         job = adt_net_read(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, n0, b[1].buf,
-                           b[2].buf, n1, b[3].buf, b[4].buf, nlocal, 1);
+                           b[2].buf, n1, b[3].buf, b[4].buf, 1);
     for (int i = 0; i < nbuf; i++) PyBuffer_Release(&b[i]);
     if (PyErr_Occurred()) return NULL;
     return PyLong_FromVoidPtr(job);

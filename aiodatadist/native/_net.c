@@ -803,17 +803,13 @@ void *adt_net_receive(void *net, uint64_t key)
     return j;
 }
 
-int adt_net_set_destination(void *net, void *job, const uint64_t *addr, const uint64_t *len, size_t count)
+/* Hand a receive job its destination: `count` spans at a[i], l[i] bytes, e[i] their running ends (the job takes
+ * the arrays, or they are freed if it had ended); DATA frames that waited for it land now. */
+static void install_destination(adt_net *n, net_job *j, uint64_t *a, uint64_t *l, uint64_t *e, size_t count)
 {
-    adt_net *n = (adt_net *)net;
-    net_job *j = (net_job *)job;
-    uint64_t *a = malloc((count ? count : 1) * 8), *l = malloc((count ? count : 1) * 8), *e = malloc((count ? count : 1) * 8);
-    if (!a || !l || !e) { free(a); free(l); free(e); return ENOMEM; }
-    uint64_t total = 0;
-    for (size_t i = 0; i < count; i++) { a[i] = addr[i]; l[i] = len[i]; total += len[i]; e[i] = total; }
     pthread_mutex_lock(&n->lock);
     if (!j->ready) {
-        j->addr = a; j->len = l; j->ends = e; j->n = count; j->total = total; j->ready = 1;
+        j->addr = a; j->len = l; j->ends = e; j->n = count; j->total = count ? e[count - 1] : 0; j->ready = 1;
         a = l = e = NULL;
     }
     int ann = finish_if_idle(n, j);
@@ -821,17 +817,52 @@ int adt_net_set_destination(void *net, void *job, const uint64_t *addr, const ui
     pthread_mutex_unlock(&n->lock);
     free(a); free(l); free(e);
     if (ann) end_job(n, j);
+}
+
+int adt_net_set_destination(void *net, void *job, const uint64_t *addr, const uint64_t *len, size_t count)
+{
+    uint64_t *a = malloc((count ? count : 1) * 8), *l = malloc((count ? count : 1) * 8), *e = malloc((count ? count : 1) * 8);
+    if (!a || !l || !e) { free(a); free(l); free(e); return ENOMEM; }
+    uint64_t total = 0;
+    for (size_t i = 0; i < count; i++) { a[i] = addr[i]; l[i] = len[i]; total += len[i]; e[i] = total; }
+    install_destination((adt_net *)net, (net_job *)job, a, l, e, count);
     return 0;
 }
 
-/* One-sided pull: receive into the local spans what the owner's directory row (row, stamp, cache id) holds at
- * the remote spans (and still answers to `model_id`, unless -1).  The owner answers with DATA frames, or an
+/* A destination given as a grid: run r of tensor t at bases[t] + offs[r], lens[r] bytes, tensor-major (a plan's
+ * order), as span arrays for install_destination, merged where the memory continues.  Walked in one pass, so that
+ * the caller builds no span list (a new plan's 8192-span list took the event loop ~100 us).  0 or ENOMEM. */
+typedef struct { uint64_t *a, *l, *e; size_t n; } dest_spans;
+
+static int grid_destination(const uint64_t *bases, size_t nt, const uint64_t *offs, const uint64_t *lens, size_t nr,
+                            dest_spans *out)
+{
+    size_t cap = nt && nr ? nt * nr : 1, k = 0;
+    uint64_t *a = malloc(cap * 8), *l = malloc(cap * 8), *e = malloc(cap * 8);
+    if (!a || !l || !e) { free(a); free(l); free(e); return ENOMEM; }
+    uint64_t total = 0;
+    for (size_t t = 0; t < nt; t++) {
+        for (size_t r = 0; r < nr; r++) {
+            uint64_t at = bases[t] + offs[r], len = lens[r];
+            if (!len) continue;
+            total += len;
+            if (k && a[k - 1] + l[k - 1] == at) { l[k - 1] += len; e[k - 1] = total; continue; }
+            a[k] = at; l[k] = len; e[k] = total; k++;
+        }
+    }
+    *out = (dest_spans){a, l, e, k};
+    return 0;
+}
+
+/* One-sided pull: receive into the local grid (local_bases[t] + local_offsets[r], lengths[r]: the owner's runs, laid
+ * out in this side's tensors) what the owner's directory row (row, stamp, cache id) holds at the remote grid (and
+ * still answers to `model_id`, unless -1).  The owner answers with DATA frames, or an
  * ERROR frame (status 1: released, unknown or re-keyed, 3: outside the cache).  The READ frame goes out from
  * this thread when the link has no other receive job and the connection is idle; otherwise a sender thread sends
  * it, woken at once, or (`defer`) only by adt_net_flush, so that a burst of reads costs one wake-up. */
 void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                    const uint64_t *bases, size_t ntensors, const uint64_t *offsets, const uint64_t *lengths,
-                   size_t nruns, const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal, int defer)
+                   size_t nruns, const uint64_t *local_bases, const uint64_t *local_offsets, int defer)
 {
     adt_net *n = (adt_net *)net;
     size_t plen = 8 * (READ_HEAD + ntensors + 2 * nruns);
@@ -841,9 +872,11 @@ void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_
     memcpy(list + READ_HEAD, bases, 8 * ntensors);
     memcpy(list + READ_HEAD + ntensors, offsets, 8 * nruns);
     memcpy(list + READ_HEAD + ntensors + nruns, lengths, 8 * nruns);
+    dest_spans dest;
+    if (grid_destination(local_bases, ntensors, local_offsets, lengths, nruns, &dest)) { free(list); return NULL; }
     net_job *j = (net_job *)adt_net_receive(net, key);
-    if (!j) { free(list); return NULL; }
-    if (adt_net_set_destination(net, j, local_addr, local_len, nlocal)) { free(list); return j; }
+    if (!j) { free(list); free(dest.a); free(dest.l); free(dest.e); return NULL; }
+    install_destination(n, j, dest.a, dest.l, dest.e, dest.n);
     pthread_mutex_lock(&n->lock);
     int conn = n->nconns ? n->next_conn++ % n->nconns : -1, fd = conn >= 0 ? n->fds[conn] : -1;
     int live = !j->done && !n->closed && conn >= 0;

@@ -191,7 +191,7 @@ async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
                 await conns.wait(job)
             assert all(np.array_equal(a, b.reshape(-1)) for a, b in zip(data, dst.tensors))
 
-        local = (np.array([src.tensor_addrs[0]], dtype=np.uint64), np.array([4096], dtype=np.uint64))
+        local = (np.array([src.tensor_addrs[0]], dtype=np.uint64), np.zeros(1, dtype=np.uint64))  # bases, offsets
         remote = (np.array([dst.tensor_addrs[0]], dtype=np.uint64), np.zeros(1, dtype=np.uint64),
                   np.array([4096], dtype=np.uint64))  # as READ names the owner's spans: bases, offsets, lengths
         mine = src.tensors[0].copy()

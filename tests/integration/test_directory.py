@@ -193,23 +193,29 @@ async def test_one_sided_reads_outside_the_cache_are_refused() -> None:
         link = next(iter(decoder._links.links.values()))
         resolved = next(iter(decoder._transfers.state_of(link).resolved.values()))
         before = [t.copy() for t in dst.tensors]
-        local = (np.array([dst.tensor_addrs[0]], dtype=np.uint64), np.array([2048], dtype=np.uint64))
+        here = int(dst.tensor_addrs[0])
         first, end = src.tensor_addrs[0], src.tensor_addrs[0] + 4 * DESC.size
 
         def grid(bases: list[int], offsets: list[int]) -> tuple[np.ndarray[Any, Any], ...]:
             """The owner's spans as READ names them: each base plus each offset, 1024 bytes each."""
             return (np.array(bases, np.uint64), np.array(offsets, np.uint64), np.full(len(offsets), 1024, np.uint64))
 
+        def local(tensors: int, runs: int) -> tuple[np.ndarray[Any, Any], ...]:
+            """Where they would land here: 2048 bytes of the first tensor, in the owner's grid's shape."""
+            return (here + 1024 * runs * np.arange(tensors, dtype=np.uint64),
+                    1024 * np.arange(runs, dtype=np.uint64))
+
         for bad in (grid([secret.tensor_addrs[0]], [0, 1024]),  # elsewhere
                     grid([first, end - 512], [0]),  # the second tensor's span straddles the end
                     grid([first], [0, 4 * DESC.size]),  # an offset past the end
                     grid([first], [0, 2**64 - 512])):  # an offset that wraps around
-            job = link.plane.conns.read(10_000, resolved.row, resolved.stamp, resolved.cache_id, None, bad, local)
+            job = link.plane.conns.read(10_000, resolved.row, resolved.stamp, resolved.cache_id, None, bad,
+                                        local(len(bad[0]), len(bad[1])))
             with pytest.raises(LLMException) as info:
                 await link.plane.conns.wait(job)
             assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
         stale = link.plane.conns.read(10_001, resolved.row, resolved.stamp + 1, resolved.cache_id, None,
-                                      grid([first], [0, 1024]), local)
+                                      grid([first], [0, 1024]), local(1, 2))
         with pytest.raises(LLMException) as info:
             await link.plane.conns.wait(stale)
         assert info.value.status_code == NOT_EXIST

@@ -166,18 +166,18 @@ class NativeConnections(WaitingMixin[TransferJob]):
 
     def read(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None,
              remote: tuple[UInt64Array, npt.NDArray[Any], npt.NDArray[Any]],
-             local: tuple[UInt64Array, UInt64Array]) -> TransferJob:
+             local: tuple[UInt64Array, npt.NDArray[Any]]) -> TransferJob:
         """One-sided pull: the owner's directory row ``(row, stamp, cache_id)`` (still answering to ``model_id``,
         if given) holds the ``remote`` spans, a grid ``(bases, offsets, lengths)``: ``bases[t] + offsets[r]``,
         ``lengths[r]`` for each tensor ``t`` then each run ``r`` (a plan's order; 8-byte integers, a few words on
-        the wire however many spans); they land in the ``local`` spans.  Fails with the owner's status if the
-        cache was released or re-keyed, or a span is outside it."""
+        the wire however many spans); they land in the ``local`` grid ``(bases, offsets)``: the same runs' lengths
+        at ``bases[t] + offsets[r]`` here (as many tensors and runs), which the helper walks itself.  Fails with the
+        owner's status if the cache was released or re-keyed, or a span is outside it."""
         self._check_open()
         bases, offsets, lengths = remote
-        la, ll = _u64(local[0]), _u64(local[1])
         job = self._track("read", PULL, tid, _ext.net_read(
             self._net, PULL << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
-            ANY_MODEL if model_id is None else model_id, bases, offsets, lengths, la, ll))
+            ANY_MODEL if model_id is None else model_id, bases, offsets, lengths, local[0], local[1]))
         # Concurrent reads of one iteration go out together: a sender thread is woken at the end of the
         # iteration (or every READ_BATCH reads), not once per read: each wake-up, and each READ the loop sent
         # itself (the kernel delivers a loopback segment and wakes the peer on the sending thread), took this

@@ -173,10 +173,11 @@ class NativeTcpPlane(TcpPlane):
         conns, plan, descriptor, local = self.conns, transfer.plan, transfer.descriptor, transfer.local
         where = (resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id)
         if transfer.pull:
-            runs = plan.runs  # the owner's spans as a grid: a few words on the wire however many spans
+            runs = plan.runs  # both sides' spans as grids: a few words on the wire however many spans
             grid = (descriptor.addrs[plan.src_tensor], np.ascontiguousarray(runs.src_offset),
                     np.ascontiguousarray(runs.length))
-            job = conns.read(transfer.tid, *where, grid, plan_side_spans(plan, local.addrs, "dst"))
+            job = conns.read(transfer.tid, *where, grid,
+                             (local.addrs[plan.dst_tensor], np.ascontiguousarray(runs.dst_offset)))
         else:
             job = transfer.job = conns.write(transfer.tid, *where, plan_side_spans(plan, descriptor.addrs, "dst"),
                                              plan_side_spans(plan, local.addrs, "src"))
