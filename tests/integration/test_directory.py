@@ -127,6 +127,39 @@ async def test_repeated_pulls_ask_the_owner_once(directory: str, transport: str,
         assert begins[0] == (1 if directory == "on" else 3)
 
 
+@pytest.mark.parametrize("block_bytes", [64, 4096])  # the receiver's bounce buffer, and recvmsg in place
+async def test_one_sided_tcp_reads_land_every_byte_in_their_destination_grid(block_bytes: int) -> None:
+    """A read names its destination as a grid that the helper walks into spans, merging where this side's memory
+    continues (consecutive destination blocks, and a tensor's last block with the next tensor's first: allocated
+    tensors lie back to back) while the owner's side does not: every byte lands where the plan says, and nothing
+    else is touched."""
+    desc = CacheDesc(6, (40, block_bytes), DataType.DT_UINT8, Placement.HOST)
+    rng = np.random.default_rng(block_bytes)
+    async with linked_pair(config=config("tcp")) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 3))
+        dst = decoder.cache_manager.allocate_blocks_cache(desc)
+        fill_pattern(src, 21)
+        begins = count_begins(decoder)
+        lists = [(rng.choice(40, 40, replace=False).tolist(), list(range(40))),  # every destination block, merged
+                 (rng.choice(40, 9, replace=False).tolist(), list(range(31, 40))),  # the tail: merges into the next
+                 (list(range(0, 40, 2)), rng.choice(40, 20, replace=False).tolist())]  # scattered on both sides
+        lists += [(rng.choice(40, k, replace=False).tolist(), rng.choice(40, k, replace=False).tolist())
+                  for k in rng.integers(1, 41, 12).tolist()]
+        for i, (s, d) in enumerate(lists):
+            fill_pattern(dst, 100 + i)
+            before = blocks(dst, list(range(40)))
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, s, d)
+            after = blocks(dst, list(range(40)))
+            wanted = blocks(src, s)
+            untouched = sorted(set(range(40)) - set(d))
+            for t in range(desc.num_tensors):
+                assert np.array_equal(after[t][d], wanted[t]), f"pull {i}, tensor {t}"
+                assert np.array_equal(after[t][untouched], before[t][untouched]), f"pull {i}, tensor {t}"
+        assert begins[0] == 1  # the first pull resolved the key; every other one was a one-sided read
+        assert decoder._links.links[1].plane.conns.served_reads()[0] == 0  # (the reads are served by the owner)
+        assert prompt._links.links[2].plane.conns.served_reads()[0] == len(lists) - 1
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 async def test_a_model_id_taken_over_or_released_is_resolved_again(transport: str) -> None:
     async with linked_pair(config=config(transport)) as (prompt, decoder):
