@@ -1127,24 +1127,23 @@ static PyObject *py_int_bounds(PyObject *self, PyObject *seq)
 }
 
 /* The TCP plane's one-sided calls (_net.c), called as Python functions for the same reason as the plan functions:
- * net_read(net, key, row, stamp, cache_id, model_id, bases, offsets, lengths, local_bases, local_offsets) and
- * net_write(net, key, row, stamp, cache_id, model_id, remote_addr, remote_len, local_addr, local_len) -> job handle
- * (0: out of memory).  A read names both sides as grids: the owner's tensors' bases, the runs' offsets and lengths,
- * and this side's tensors' bases and the runs' offsets here; the arrays (8-byte items) are copied by the callee. */
+ * net_read and net_write(net, key, row, stamp, cache_id, model_id, remote_bases, remote_offsets, lengths,
+ * local_bases, local_offsets) -> job handle (0: out of memory).  Both name both sides as grids of the same runs: the
+ * owner's tensors' bases and the runs' offsets there, the runs' lengths, this side's tensors' bases and the runs'
+ * offsets here (tensor t's run r pairs with tensor t's run r); the arrays (8-byte items) are copied by the callee. */
 void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                    const uint64_t *bases, size_t ntensors, const uint64_t *offsets, const uint64_t *lengths,
                    size_t nruns, const uint64_t *local_bases, const uint64_t *local_offsets, int defer);
 void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
-                    const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
-                    const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal);
+                    const uint64_t *remote_bases, size_t nt, const uint64_t *remote_offs, const uint64_t *lens,
+                    size_t nr, const uint64_t *local_bases, const uint64_t *local_offs);
 int adt_net_job_state(void *net, void *job, int *error, int *status);
 void adt_net_job_free(void *job);
 
 static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int write)
 {
-    int nbuf = write ? 4 : 5;
-    if (nargs != 6 + nbuf) {
-        PyErr_SetString(PyExc_TypeError, write ? "net_write takes 10 arguments" : "net_read takes 11 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, write ? "net_write takes 11 arguments" : "net_read takes 11 arguments");
         return NULL;
     }
     void *net = PyLong_AsVoidPtr(args[0]);
@@ -1153,27 +1152,28 @@ static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int writ
     long long row = PyLong_AsLongLong(args[2]), model = PyLong_AsLongLong(args[5]);
     if (PyErr_Occurred()) return NULL;
     if (net == NULL) { PyErr_SetString(PyExc_ValueError, "no data plane"); return NULL; }
-    Py_buffer b[5];
-    for (int i = 0; i < nbuf; i++) {
+    Py_buffer b[5];   /* remote bases, remote offsets, lengths, local bases, local offsets */
+    for (int i = 0; i < 5; i++) {
         if (PyObject_GetBuffer(args[6 + i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 || b[i].itemsize != 8) {
-            if (!PyErr_Occurred()) { PyBuffer_Release(&b[i]); PyErr_SetString(PyExc_ValueError, "span arrays hold uint64"); }
+            if (!PyErr_Occurred()) {
+                PyBuffer_Release(&b[i]);
+                PyErr_SetString(PyExc_ValueError, "grid arrays hold 8-byte ints");
+            }
             while (--i >= 0) PyBuffer_Release(&b[i]);
             return NULL;
         }
     }
-    size_t n0 = (size_t)(b[0].len / 8), n1 = (size_t)(b[1].len / 8), n2 = (size_t)(b[2].len / 8);
-    size_t n3 = (size_t)(b[3].len / 8), nlast = (size_t)(b[nbuf - 1].len / 8);
+    size_t nt = (size_t)(b[0].len / 8), nr = (size_t)(b[1].len / 8);
     void *job = NULL;
-    /* write: remote addresses and lengths, local ones; read: the remote grid, then the local bases and offsets */
-    if (write ? n1 != n0 || nlast != n2 : n2 != n1 || n3 != n0 || nlast != n1)
-        PyErr_SetString(PyExc_ValueError, "span arrays of different lengths");
+    if ((size_t)(b[2].len / 8) != nr || (size_t)(b[3].len / 8) != nt || (size_t)(b[4].len / 8) != nr)
+        PyErr_SetString(PyExc_ValueError, "grid arrays of different lengths");
     else if (write)
-        job = adt_net_write(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, b[1].buf, n0,
-                            b[2].buf, b[3].buf, n2);
+        job = adt_net_write(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, nt, b[1].buf,
+                            b[2].buf, nr, b[3].buf, b[4].buf);
     else
-        job = adt_net_read(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, n0, b[1].buf,
-                           b[2].buf, n1, b[3].buf, b[4].buf, 1);
-    for (int i = 0; i < nbuf; i++) PyBuffer_Release(&b[i]);
+        job = adt_net_read(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, nt, b[1].buf,
+                           b[2].buf, nr, b[3].buf, b[4].buf, 1);
+    for (int i = 0; i < 5; i++) PyBuffer_Release(&b[i]);
     if (PyErr_Occurred()) return NULL;
     return PyLong_FromVoidPtr(job);
 }

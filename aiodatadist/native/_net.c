@@ -910,33 +910,62 @@ void adt_net_flush(void *net)
     pthread_mutex_unlock(&n->lock);
 }
 
-/* One-sided push: the local spans' bytes land at the remote spans of the owner's directory row (row, stamp,
+/* A walk through a grid's byte stream (run r of tensor t at bases[t] + offs[r], lens[r] bytes, tensor-major). */
+typedef struct {
+    const uint64_t *bases, *offs, *lens;
+    size_t nt, nr, t, r;
+    uint64_t inner;   /* bytes of run r already walked */
+} grid_walk;
+
+/* The walk's next `want` bytes as spans, merged where they continue: (address, length) pairs written to `out` and
+ * the walk advanced when `out` is given, else only counted.  Returns the number of spans. */
+static size_t walk_spans(grid_walk *w, uint64_t want, uint64_t *out)
+{
+    grid_walk at = *w;
+    size_t count = 0;
+    uint64_t end = 0;   /* where the last span ends */
+    while (want > 0 && at.t < at.nt) {
+        uint64_t take = at.lens[at.r] - at.inner, addr = at.bases[at.t] + at.offs[at.r] + at.inner;
+        if (take > want) take = want;
+        if (take) {
+            if (count && addr == end) { if (out) out[2 * count - 1] += take; }
+            else { if (out) { out[2 * count] = addr; out[2 * count + 1] = take; } count++; }
+            end = addr + take;
+            want -= take;
+            at.inner += take;
+        }
+        if (at.inner == at.lens[at.r]) { at.inner = 0; if (++at.r == at.nr) { at.r = 0; at.t++; } }
+    }
+    if (out) *w = at;
+    return count;
+}
+
+/* One-sided push: the local grid's bytes land at the remote grid of the owner's directory row (row, stamp,
  * cache id; still answering to `model_id`, unless -1) with no event loop on the owner: each frame is a WRITE
  * naming its own slice of the owner's spans, validated and written by the owner's receiver thread, which answers
  * WRITE_ACK once the bytes landed, or ERROR (status 1: released, unknown or re-keyed, 3: outside the cache).  The
- * job completes once every byte was acknowledged.  Remote and local spans must cover the same number of bytes. */
+ * job completes once every byte was acknowledged.  Both grids have `nt` tensors and the same `nr` runs' lengths:
+ * run r of tensor t is at remote_bases[t] + remote_offs[r] there and local_bases[t] + local_offs[r] here. */
 void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
-                    const uint64_t *remote_addr, const uint64_t *remote_len, size_t nremote,
-                    const uint64_t *local_addr, const uint64_t *local_len, size_t nlocal)
+                    const uint64_t *remote_bases, size_t nt, const uint64_t *remote_offs, const uint64_t *lens,
+                    size_t nr, const uint64_t *local_bases, const uint64_t *local_offs)
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
-    if (!j || span_job(j, local_addr, local_len, nlocal, n->frame, n->nconns)) { free_job(j); return NULL; }
-    const uint64_t *ra = remote_addr, *rl = remote_len;
+    uint64_t *gmem = j ? malloc((nt + 2 * nr + 1) * sizeof *gmem) : NULL;   /* the local grid, the job's own */
+    if (!gmem) { free_job(j); return NULL; }
+    memcpy(gmem, local_bases, nt * 8);
+    memcpy(gmem + nt, local_offs, nr * 8);
+    memcpy(gmem + nt + nr, lens, nr * 8);
+    if (grid_job(j, gmem, gmem, nt, gmem + nt, gmem + nt + nr, nr, n->frame, n->nconns)) { free_job(j); return NULL; }
     j->wframe = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe);
     j->wframe_len = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe_len);
     int bad = !j->wframe || !j->wframe_len;
-    /* Cut the owner's spans at the same stream offsets as the local ones (frame_start, frame_end). */
-    size_t k = 0;
-    uint64_t inner = 0, rtotal = 0;
-    for (size_t i = 0; i < nremote; i++) rtotal += rl[i];
-    if (rtotal != j->total) bad = 1;
+    /* Each frame names the owner's spans of the same stream bytes (frame_start, frame_end). */
+    grid_walk remote = {remote_bases, remote_offs, lens, nt, nr, 0, 0, 0};
     for (size_t f = 0; !bad && f < j->nframes; f++) {
         uint64_t want = frame_end(j, f) - frame_start(j, f);
-        /* spans this frame touches: from k on, until `want` bytes */
-        size_t count = 0, kk = k;
-        uint64_t in = inner, left = want;
-        while (left > 0) { uint64_t take = rl[kk] - in < left ? rl[kk] - in : left; count++; left -= take; in += take; if (in == rl[kk]) { kk++; in = 0; } }
+        size_t count = walk_spans(&remote, want, NULL);
         size_t blen = sizeof(adt_hdr) + 16 + 16 * count;
         uint8_t *b = malloc(blen);
         if (!b) { bad = 1; break; }
@@ -944,13 +973,7 @@ void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64
         memcpy(b, &h, sizeof h);
         uint64_t *w = (uint64_t *)(b + sizeof h);
         w[0] = (uint64_t)model_id; w[1] = count;
-        left = want;
-        for (size_t c = 0; c < count; c++) {
-            uint64_t take = rl[k] - inner < left ? rl[k] - inner : left;
-            w[2 + 2 * c] = ra[k] + inner; w[3 + 2 * c] = take;
-            left -= take; inner += take;
-            if (inner == rl[k]) { k++; inner = 0; }
-        }
+        walk_spans(&remote, want, w + 2);
         j->wframe[f] = b; j->wframe_len[f] = blen;
     }
     if (bad) { free_job(j); return NULL; }

@@ -136,7 +136,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_net_receive.argtypes, lib.adt_net_receive.restype = [vp, u64], vp
     lib.adt_net_set_destination.argtypes, lib.adt_net_set_destination.restype = [vp, vp, vp, vp, sz], c_int
     lib.adt_net_read.argtypes = [vp, u64, i64, u64, u64, i64, vp, sz, vp, vp, sz, vp, vp, c_int]
-    lib.adt_net_write.argtypes = [vp, u64, i64, u64, u64, i64, vp, vp, sz, vp, vp, sz]
+    lib.adt_net_write.argtypes = [vp, u64, i64, u64, u64, i64, vp, sz, vp, vp, sz, vp, vp]
     lib.adt_net_read.restype = lib.adt_net_write.restype = vp
     lib.adt_net_job_state.argtypes, lib.adt_net_job_state.restype = [vp, vp, vp, vp], c_int
     lib.adt_net_job_free.argtypes, lib.adt_net_job_free.restype = [vp], None

@@ -191,13 +191,14 @@ async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
                 await conns.wait(job)
             assert all(np.array_equal(a, b.reshape(-1)) for a, b in zip(data, dst.tensors))
 
-        local = (np.array([src.tensor_addrs[0]], dtype=np.uint64), np.zeros(1, dtype=np.uint64))  # bases, offsets
-        remote = (np.array([dst.tensor_addrs[0]], dtype=np.uint64), np.zeros(1, dtype=np.uint64),
-                  np.array([4096], dtype=np.uint64))  # as READ names the owner's spans: bases, offsets, lengths
+        # Grids as READ names them: tensors' bases and runs' offsets on each side, the runs' lengths.
+        local = (np.array([src.tensor_addrs[0]], dtype=np.uint64), np.zeros(1, dtype=np.uint64))
+        remote = (np.array([dst.tensor_addrs[0]], dtype=np.uint64), np.zeros(1, dtype=np.uint64))
+        lengths = np.array([4096], dtype=np.uint64)
         mine = src.tensors[0].copy()
         for row in range(4):
             for stamp in range(1, 17):
-                job = conns.read(10_000 + stamp, row, stamp, dst.cache_id, None, remote, local)
+                job = conns.read(10_000 + stamp, row, stamp, dst.cache_id, None, remote, lengths, local)
                 with pytest.raises(LLMException) as info:
                     await conns.wait(job)
                 assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST

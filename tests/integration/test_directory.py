@@ -127,37 +127,41 @@ async def test_repeated_pulls_ask_the_owner_once(directory: str, transport: str,
         assert begins[0] == (1 if directory == "on" else 3)
 
 
-@pytest.mark.parametrize("block_bytes", [64, 4096])  # the receiver's bounce buffer, and recvmsg in place
-async def test_one_sided_tcp_reads_land_every_byte_in_their_destination_grid(block_bytes: int) -> None:
-    """A read names its destination as a grid that the helper walks into spans, merging where this side's memory
-    continues (consecutive destination blocks, and a tensor's last block with the next tensor's first: allocated
-    tensors lie back to back) while the owner's side does not: every byte lands where the plan says, and nothing
-    else is touched."""
+@pytest.mark.parametrize("direction", ["pull", "push"])
+@pytest.mark.parametrize("block_bytes", [64, 4096, 32768])  # bounce buffers; in place; frames cut inside runs
+async def test_one_sided_tcp_transfers_move_every_byte_between_their_grids(block_bytes: int, direction: str) -> None:
+    """One-sided reads and writes name both sides as grids, which the helper walks into spans (merging where one
+    side's memory continues: consecutive blocks, and a tensor's last block with the next tensor's first, as
+    allocated tensors lie back to back) and cuts into frames (a write's frames name the owner's spans of their
+    bytes): every byte lands where the plan says, and nothing else is touched."""
     desc = CacheDesc(6, (40, block_bytes), DataType.DT_UINT8, Placement.HOST)
     rng = np.random.default_rng(block_bytes)
     async with linked_pair(config=config("tcp")) as (prompt, decoder):
-        src = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 3))
-        dst = decoder.cache_manager.allocate_blocks_cache(desc)
+        theirs = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 3))
+        mine = decoder.cache_manager.allocate_blocks_cache(desc)
+        src, dst = (theirs, mine) if direction == "pull" else (mine, theirs)
         fill_pattern(src, 21)
+        move = decoder.cache_manager.pull_blocks if direction == "pull" else decoder.cache_manager.push_blocks
         begins = count_begins(decoder)
         lists = [(rng.choice(40, 40, replace=False).tolist(), list(range(40))),  # every destination block, merged
+                 (list(range(40)), rng.choice(40, 40, replace=False).tolist()),  # every source block, merged
                  (rng.choice(40, 9, replace=False).tolist(), list(range(31, 40))),  # the tail: merges into the next
                  (list(range(0, 40, 2)), rng.choice(40, 20, replace=False).tolist())]  # scattered on both sides
         lists += [(rng.choice(40, k, replace=False).tolist(), rng.choice(40, k, replace=False).tolist())
-                  for k in rng.integers(1, 41, 12).tolist()]
+                  for k in rng.integers(1, 41, 8).tolist()]
         for i, (s, d) in enumerate(lists):
             fill_pattern(dst, 100 + i)
             before = blocks(dst, list(range(40)))
-            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, s, d)
+            await move(BlocksCacheKey(1, 3), mine, s, d)  # block s[i] of the source -> block d[i] of the destination
             after = blocks(dst, list(range(40)))
             wanted = blocks(src, s)
             untouched = sorted(set(range(40)) - set(d))
             for t in range(desc.num_tensors):
-                assert np.array_equal(after[t][d], wanted[t]), f"pull {i}, tensor {t}"
-                assert np.array_equal(after[t][untouched], before[t][untouched]), f"pull {i}, tensor {t}"
-        assert begins[0] == 1  # the first pull resolved the key; every other one was a one-sided read
-        assert decoder._links.links[1].plane.conns.served_reads()[0] == 0  # (the reads are served by the owner)
-        assert prompt._links.links[2].plane.conns.served_reads()[0] == len(lists) - 1
+                assert np.array_equal(after[t][d], wanted[t]), f"{direction} {i}, tensor {t}"
+                assert np.array_equal(after[t][untouched], before[t][untouched]), f"{direction} {i}, tensor {t}"
+        assert begins[0] == 1  # the first transfer resolved the key; every other one was one-sided
+        served = prompt._links.links[2].plane.conns.served_one_sided()
+        assert served[0 if direction == "pull" else 3] >= len(lists) - 1
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -242,13 +246,13 @@ async def test_one_sided_reads_outside_the_cache_are_refused() -> None:
                     grid([first, end - 512], [0]),  # the second tensor's span straddles the end
                     grid([first], [0, 4 * DESC.size]),  # an offset past the end
                     grid([first], [0, 2**64 - 512])):  # an offset that wraps around
-            job = link.plane.conns.read(10_000, resolved.row, resolved.stamp, resolved.cache_id, None, bad,
+            job = link.plane.conns.read(10_000, resolved.row, resolved.stamp, resolved.cache_id, None, bad[:2], bad[2],
                                         local(len(bad[0]), len(bad[1])))
             with pytest.raises(LLMException) as info:
                 await link.plane.conns.wait(job)
             assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
         stale = link.plane.conns.read(10_001, resolved.row, resolved.stamp + 1, resolved.cache_id, None,
-                                      grid([first], [0, 1024]), local(1, 2))
+                                      grid([first], [0, 1024])[:2], np.full(2, 1024, np.uint64), local(1, 2))
         with pytest.raises(LLMException) as info:
             await link.plane.conns.wait(stale)
         assert info.value.status_code == NOT_EXIST

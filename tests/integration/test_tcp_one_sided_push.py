@@ -181,8 +181,11 @@ class Planes:
     def write(self, data: np.ndarray, offset: int, *, stamp: int | None = None, cache_id: int = 7,
               model: int | None = 3, at: int | None = None) -> Any:
         base = self.target.ctypes.data if at is None else at
+        zero = np.zeros(1, dtype=np.uint64)  # one run at offset 0 of one "tensor" on each side
         return self.requester.write(secrets.randbits(62), 0, self.stamp if stamp is None else stamp, cache_id, model,
-                                    ([base + offset], [data.nbytes]), ([data.ctypes.data], [data.nbytes]))
+                                    (np.array([base + offset], dtype=np.uint64), zero),
+                                    np.array([data.nbytes], dtype=np.uint64),
+                                    (np.array([data.ctypes.data], dtype=np.uint64), zero))
 
 
 @pytest.fixture

@@ -40,6 +40,8 @@ _ext: Any = native_extension()  # the one-sided calls and the reaping, without c
 __all__ = ["NativeConnections"]
 
 UInt64Array = npt.NDArray[np.uint64]
+Grid = tuple[UInt64Array, npt.NDArray[Any]]
+"""One side's runs of a transfer: its tensors' base addresses and the runs' offsets in them (8-byte integers)."""
 S = LLMStatusCode
 READ_BATCH = 16
 """Deferred READ frames after which a sender thread is woken without waiting for the end of the loop iteration.
@@ -164,20 +166,18 @@ class NativeConnections(WaitingMixin[TransferJob]):
                 self._net, job.handle, addr.ctypes.data, length.ctypes.data, len(addr)):
             raise LLMException("cannot start a TCP transfer: out of memory", status_code=S.LLM_OUT_OF_MEMORY)
 
-    def read(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None,
-             remote: tuple[UInt64Array, npt.NDArray[Any], npt.NDArray[Any]],
-             local: tuple[UInt64Array, npt.NDArray[Any]]) -> TransferJob:
+    def read(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None, remote: Grid,
+             lengths: npt.NDArray[Any], local: Grid) -> TransferJob:
         """One-sided pull: the owner's directory row ``(row, stamp, cache_id)`` (still answering to ``model_id``,
-        if given) holds the ``remote`` spans, a grid ``(bases, offsets, lengths)``: ``bases[t] + offsets[r]``,
-        ``lengths[r]`` for each tensor ``t`` then each run ``r`` (a plan's order; 8-byte integers, a few words on
-        the wire however many spans); they land in the ``local`` grid ``(bases, offsets)``: the same runs' lengths
-        at ``bases[t] + offsets[r]`` here (as many tensors and runs), which the helper walks itself.  Fails with the
-        owner's status if the cache was released or re-keyed, or a span is outside it."""
+        if given) holds the ``remote`` grid ``(bases, offsets)`` of runs of ``lengths``: ``bases[t] + offsets[r]``,
+        ``lengths[r]`` bytes for each tensor ``t`` then each run ``r`` (a plan's order; 8-byte integers, a few words
+        on the wire however many spans); they land in the ``local`` grid, the same runs here (as many tensors),
+        which the helper walks itself.  Fails with the owner's status if the cache was released or re-keyed, or a
+        span is outside it."""
         self._check_open()
-        bases, offsets, lengths = remote
         job = self._track("read", PULL, tid, _ext.net_read(
             self._net, PULL << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
-            ANY_MODEL if model_id is None else model_id, bases, offsets, lengths, local[0], local[1]))
+            ANY_MODEL if model_id is None else model_id, remote[0], remote[1], lengths, local[0], local[1]))
         # Concurrent reads of one iteration go out together: a sender thread is woken at the end of the
         # iteration (or every READ_BATCH reads), not once per read: each wake-up, and each READ the loop sent
         # itself (the kernel delivers a loopback segment and wakes the peer on the sending thread), took this
@@ -194,19 +194,18 @@ class NativeConnections(WaitingMixin[TransferJob]):
         if self._net is not None:
             self._lib.adt_net_flush(self._net)
 
-    def write(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None,
-              remote: tuple[UInt64Array, UInt64Array], local: tuple[UInt64Array, UInt64Array]) -> TransferJob:
-        """One-sided push: the ``local`` spans' bytes land at the ``remote`` spans of the owner's directory row
-        ``(row, stamp, cache_id)`` (still answering to ``model_id``, if given), validated and written by the owner's
-        I/O threads; the job completes once the owner acknowledged every byte.  Fails with the owner's status if
-        the cache was released or re-keyed, or a span is outside it.  A stopped one must be fenced
-        (:meth:`fence`) before its caller returns."""
+    def write(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None, remote: Grid,
+              lengths: npt.NDArray[Any], local: Grid) -> TransferJob:
+        """One-sided push: the bytes of the ``local`` grid (as :meth:`read`: runs of ``lengths`` at ``bases[t] +
+        offsets[r]``) land at the same runs of the ``remote`` grid in the owner's directory row ``(row, stamp,
+        cache_id)`` (still answering to ``model_id``, if given), validated and written by the owner's I/O threads
+        (each WRITE frame names its slice of the owner's spans); the job completes once the owner acknowledged every
+        byte.  Fails with the owner's status if the cache was released or re-keyed, or a span is outside it.  A
+        stopped one must be fenced (:meth:`fence`) before its caller returns."""
         self._check_open()
-        ra, rl = _u64(remote[0]), _u64(remote[1])
-        la, ll = _u64(local[0]), _u64(local[1])
         return self._track("write", PUSH, tid, _ext.net_write(
             self._net, PUSH << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
-            ANY_MODEL if model_id is None else model_id, ra, rl, la, ll))
+            ANY_MODEL if model_id is None else model_id, remote[0], remote[1], lengths, local[0], local[1]))
 
     def fence(self, flag: int, tid: int) -> TransferJob:
         """Fence transfer ``(flag, tid)`` this end sent and stopped (a cut-short push): the job settles once the

@@ -172,15 +172,16 @@ class NativeTcpPlane(TcpPlane):
     async def move_published(self, transfer: Transfer, resolved: Resolved) -> bool:
         conns, plan, descriptor, local = self.conns, transfer.plan, transfer.descriptor, transfer.local
         where = (resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id)
-        if transfer.pull:
-            runs = plan.runs  # both sides' spans as grids: a few words on the wire however many spans
-            grid = (descriptor.addrs[plan.src_tensor], np.ascontiguousarray(runs.src_offset),
-                    np.ascontiguousarray(runs.length))
-            job = conns.read(transfer.tid, *where, grid,
-                             (local.addrs[plan.dst_tensor], np.ascontiguousarray(runs.dst_offset)))
+        # Both sides as grids: a few words on the wire, and no span list built here, however many spans.
+        runs, pull = plan.runs, transfer.pull
+        src_addrs, dst_addrs = (descriptor.addrs, local.addrs) if pull else (local.addrs, descriptor.addrs)
+        src = (src_addrs[plan.src_tensor], np.ascontiguousarray(runs.src_offset))
+        dst = (dst_addrs[plan.dst_tensor], np.ascontiguousarray(runs.dst_offset))
+        lengths = np.ascontiguousarray(runs.length)
+        if pull:
+            job = conns.read(transfer.tid, *where, src, lengths, dst)
         else:
-            job = transfer.job = conns.write(transfer.tid, *where, plan_side_spans(plan, descriptor.addrs, "dst"),
-                                             plan_side_spans(plan, local.addrs, "src"))
+            job = transfer.job = conns.write(transfer.tid, *where, dst, lengths, src)
         self._track(transfer, job)
         try:
             if transfer.pull:
