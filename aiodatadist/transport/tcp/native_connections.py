@@ -174,10 +174,7 @@ class NativeConnections(WaitingMixin[TransferJob]):
         on the wire however many spans); they land in the ``local`` grid, the same runs here (as many tensors),
         which the helper walks itself.  Fails with the owner's status if the cache was released or re-keyed, or a
         span is outside it."""
-        self._check_open()
-        job = self._track("read", PULL, tid, _ext.net_read(
-            self._net, PULL << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
-            ANY_MODEL if model_id is None else model_id, remote[0], remote[1], lengths, local[0], local[1]))
+        job = self._one_sided("read", PULL, _ext.net_read, tid, row, stamp, cache_id, model_id, remote, lengths, local)
         # Concurrent reads of one iteration go out together: a sender thread is woken at the end of the
         # iteration (or every READ_BATCH reads), not once per read: each wake-up, and each READ the loop sent
         # itself (the kernel delivers a loopback segment and wakes the peer on the sending thread), took this
@@ -202,9 +199,16 @@ class NativeConnections(WaitingMixin[TransferJob]):
         (each WRITE frame names its slice of the owner's spans); the job completes once the owner acknowledged every
         byte.  Fails with the owner's status if the cache was released or re-keyed, or a span is outside it.  A
         stopped one must be fenced (:meth:`fence`) before its caller returns."""
+        return self._one_sided("write", PUSH, _ext.net_write, tid, row, stamp, cache_id, model_id, remote, lengths,
+                               local)
+
+    def _one_sided(self, kind: str, flag: int, start: Callable[..., int], tid: int, row: int, stamp: int,
+                   cache_id: int, model_id: int | None, remote: Grid, lengths: npt.NDArray[Any],
+                   local: Grid) -> TransferJob:
+        """Start a one-sided job (``start``: the helper's ``net_read`` or ``net_write``) and track it."""
         self._check_open()
-        return self._track("write", PUSH, tid, _ext.net_write(
-            self._net, PUSH << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
+        return self._track(kind, flag, tid, start(
+            self._net, flag << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
             ANY_MODEL if model_id is None else model_id, remote[0], remote[1], lengths, local[0], local[1]))
 
     def fence(self, flag: int, tid: int) -> TransferJob:
