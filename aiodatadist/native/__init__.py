@@ -83,7 +83,7 @@ def native_extension() -> Any:
         from . import _native  # type: ignore[attr-defined, unused-ignore]
     except ImportError:
         return None
-    return _native if hasattr(_native, "int_bounds") else None
+    return _native if hasattr(_native, "net_send") else None  # (its newest function)
 
 
 def _no_bounds(values: Any) -> None:

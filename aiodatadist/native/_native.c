@@ -1137,8 +1137,33 @@ void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_
 void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                     const uint64_t *remote_bases, size_t nt, const uint64_t *remote_offs, const uint64_t *lens,
                     size_t nr, const uint64_t *local_bases, const uint64_t *local_offs);
+void *adt_net_send(void *net, uint64_t key, const uint64_t *bases, size_t nt, const uint64_t *offs,
+                   const uint64_t *lens, size_t nr);
+int adt_net_set_destination(void *net, void *job, const uint64_t *bases, size_t nt, const uint64_t *offs,
+                            const uint64_t *lens, size_t nr);
 int adt_net_job_state(void *net, void *job, int *error, int *status);
 void adt_net_job_free(void *job);
+
+/* Take `count` grid arrays (C-contiguous, 8-byte items); -1 with an exception (none held then). */
+static int grid_buffers(PyObject *const *args, int count, Py_buffer *b)
+{
+    for (int i = 0; i < count; i++) {
+        if (PyObject_GetBuffer(args[i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 || b[i].itemsize != 8) {
+            if (!PyErr_Occurred()) {
+                PyBuffer_Release(&b[i]);
+                PyErr_SetString(PyExc_ValueError, "grid arrays hold 8-byte ints");
+            }
+            while (--i >= 0) PyBuffer_Release(&b[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_buffers(Py_buffer *b, int count)
+{
+    for (int i = 0; i < count; i++) PyBuffer_Release(&b[i]);
+}
 
 static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int write)
 {
@@ -1153,16 +1178,7 @@ static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int writ
     if (PyErr_Occurred()) return NULL;
     if (net == NULL) { PyErr_SetString(PyExc_ValueError, "no data plane"); return NULL; }
     Py_buffer b[5];   /* remote bases, remote offsets, lengths, local bases, local offsets */
-    for (int i = 0; i < 5; i++) {
-        if (PyObject_GetBuffer(args[6 + i], &b[i], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 || b[i].itemsize != 8) {
-            if (!PyErr_Occurred()) {
-                PyBuffer_Release(&b[i]);
-                PyErr_SetString(PyExc_ValueError, "grid arrays hold 8-byte ints");
-            }
-            while (--i >= 0) PyBuffer_Release(&b[i]);
-            return NULL;
-        }
-    }
+    if (grid_buffers(args + 6, 5, b) < 0) return NULL;
     size_t nt = (size_t)(b[0].len / 8), nr = (size_t)(b[1].len / 8);
     void *job = NULL;
     if ((size_t)(b[2].len / 8) != nr || (size_t)(b[3].len / 8) != nt || (size_t)(b[4].len / 8) != nr)
@@ -1173,9 +1189,46 @@ static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int writ
     else
         job = adt_net_read(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, nt, b[1].buf,
                            b[2].buf, nr, b[3].buf, b[4].buf, 1);
-    for (int i = 0; i < 5; i++) PyBuffer_Release(&b[i]);
+    release_buffers(b, 5);
     if (PyErr_Occurred()) return NULL;
     return PyLong_FromVoidPtr(job);
+}
+
+/* The two-sided calls, with one side as a grid (bases, offsets, lengths; see net_read):
+ * net_send(net, key, bases, offsets, lengths) -> job handle (0: out of memory), and
+ * net_set_destination(net, job, bases, offsets, lengths) -> 0 or ENOMEM. */
+static PyObject *net_two_sided(PyObject *const *args, Py_ssize_t nargs, int send)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, send ? "net_send takes 5 arguments" : "net_set_destination takes 5 arguments");
+        return NULL;
+    }
+    void *net = PyLong_AsVoidPtr(args[0]);
+    uint64_t key = send ? PyLong_AsUnsignedLongLongMask(args[1]) : 0;
+    void *job = send ? NULL : PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (net == NULL || (!send && job == NULL)) { PyErr_SetString(PyExc_ValueError, "no data plane or job"); return NULL; }
+    Py_buffer b[3];   /* bases, offsets, lengths */
+    if (grid_buffers(args + 2, 3, b) < 0) return NULL;
+    size_t nt = (size_t)(b[0].len / 8), nr = (size_t)(b[1].len / 8);
+    PyObject *out = NULL;
+    if ((size_t)(b[2].len / 8) != nr) PyErr_SetString(PyExc_ValueError, "grid arrays of different lengths");
+    else if (send) out = PyLong_FromVoidPtr(adt_net_send(net, key, b[0].buf, nt, b[1].buf, b[2].buf, nr));
+    else out = PyLong_FromLong(adt_net_set_destination(net, job, b[0].buf, nt, b[1].buf, b[2].buf, nr));
+    release_buffers(b, 3);
+    return out;
+}
+
+static PyObject *py_net_send(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return net_two_sided(args, nargs, 1);
+}
+
+static PyObject *py_net_set_destination(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return net_two_sided(args, nargs, 0);
 }
 
 static PyObject *py_net_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1211,6 +1264,9 @@ static PyMethodDef native_methods[] = {
     {"int_bounds", py_int_bounds, METH_O, "(min, max) of a list or tuple of int64 ints, else None."},
     {"net_read", (PyCFunction)(void (*)(void))py_net_read, METH_FASTCALL, "A one-sided TCP read (deferred)."},
     {"net_write", (PyCFunction)(void (*)(void))py_net_write, METH_FASTCALL, "A one-sided TCP write."},
+    {"net_send", (PyCFunction)(void (*)(void))py_net_send, METH_FASTCALL, "A two-sided TCP send of a grid."},
+    {"net_set_destination", (PyCFunction)(void (*)(void))py_net_set_destination, METH_FASTCALL,
+     "A two-sided TCP receive's destination grid."},
     {"net_reap", (PyCFunction)(void (*)(void))py_net_reap, METH_FASTCALL, "An ended TCP job's state, freeing it."},
     {NULL, NULL, 0, NULL},
 };

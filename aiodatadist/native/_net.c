@@ -225,16 +225,16 @@ static int grid_job(net_job *j, uint64_t *gmem, const uint64_t *bases, size_t nt
     return 0;
 }
 
-static const uint64_t zero_base = 0;
-
-/* A send job's source from a list of spans (copied: nothing of the caller's arrays is kept). */
-static int span_job(net_job *j, const uint64_t *addr, const uint64_t *len, size_t n, uint64_t frame, int nconns)
+/* A send job's source from a caller's grid (copied: nothing of the caller's arrays is kept). */
+static int copied_grid_job(net_job *j, const uint64_t *bases, size_t nt, const uint64_t *offs, const uint64_t *lens,
+                           size_t nr, uint64_t frame, int nconns)
 {
-    uint64_t *mem = malloc((2 * n + 1) * sizeof *mem);
-    if (!mem) return -1;
-    memcpy(mem, addr, n * sizeof *addr);
-    memcpy(mem + n, len, n * sizeof *len);
-    return grid_job(j, mem, &zero_base, 1, mem, mem + n, n, frame, nconns);
+    uint64_t *gmem = malloc((nt + 2 * nr + 1) * sizeof *gmem);
+    if (!gmem) return -1;
+    memcpy(gmem, bases, nt * 8);
+    memcpy(gmem + nt, offs, nr * 8);
+    memcpy(gmem + nt + nr, lens, nr * 8);
+    return grid_job(j, gmem, gmem, nt, gmem + nt, gmem + nt + nr, nr, frame, nconns);
 }
 
 static uint64_t frame_start(const net_job *j, size_t f) { return (uint64_t)f * j->frame_bytes; }
@@ -778,12 +778,14 @@ static void *start_send(adt_net *n, net_job *j)
     return j;
 }
 
-/* Two-sided send: the spans' bytes as transfer `key` (copied arrays). */
-void *adt_net_send(void *net, uint64_t key, const uint64_t *addr, const uint64_t *len, size_t count)
+/* Two-sided send: the bytes of a grid (run r of tensor t at bases[t] + offs[r], lens[r] bytes, tensor-major: a
+ * plan's order; a list of spans is a grid of one tensor at 0) as transfer `key` (copied arrays). */
+void *adt_net_send(void *net, uint64_t key, const uint64_t *bases, size_t nt, const uint64_t *offs,
+                   const uint64_t *lens, size_t nr)
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
-    if (!j || span_job(j, addr, len, count, n->frame, n->nconns)) { free_job(j); return NULL; }
+    if (!j || copied_grid_job(j, bases, nt, offs, lens, nr, n->frame, n->nconns)) { free_job(j); return NULL; }
     return start_send(n, j);
 }
 
@@ -819,16 +821,6 @@ static void install_destination(adt_net *n, net_job *j, uint64_t *a, uint64_t *l
     if (ann) end_job(n, j);
 }
 
-int adt_net_set_destination(void *net, void *job, const uint64_t *addr, const uint64_t *len, size_t count)
-{
-    uint64_t *a = malloc((count ? count : 1) * 8), *l = malloc((count ? count : 1) * 8), *e = malloc((count ? count : 1) * 8);
-    if (!a || !l || !e) { free(a); free(l); free(e); return ENOMEM; }
-    uint64_t total = 0;
-    for (size_t i = 0; i < count; i++) { a[i] = addr[i]; l[i] = len[i]; total += len[i]; e[i] = total; }
-    install_destination((adt_net *)net, (net_job *)job, a, l, e, count);
-    return 0;
-}
-
 /* A destination given as a grid: run r of tensor t at bases[t] + offs[r], lens[r] bytes, tensor-major (a plan's
  * order), as span arrays for install_destination, merged where the memory continues.  Walked in one pass, so that
  * the caller builds no span list (a new plan's 8192-span list took the event loop ~100 us).  0 or ENOMEM. */
@@ -851,6 +843,16 @@ static int grid_destination(const uint64_t *bases, size_t nt, const uint64_t *of
         }
     }
     *out = (dest_spans){a, l, e, k};
+    return 0;
+}
+
+/* Hand a receive job its destination, a grid as adt_net_send's (the arrays are read, not kept). 0 or ENOMEM. */
+int adt_net_set_destination(void *net, void *job, const uint64_t *bases, size_t nt, const uint64_t *offs,
+                            const uint64_t *lens, size_t nr)
+{
+    dest_spans dest;
+    if (grid_destination(bases, nt, offs, lens, nr, &dest)) return ENOMEM;
+    install_destination((adt_net *)net, (net_job *)job, dest.a, dest.l, dest.e, dest.n);
     return 0;
 }
 
@@ -952,12 +954,7 @@ void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
-    uint64_t *gmem = j ? malloc((nt + 2 * nr + 1) * sizeof *gmem) : NULL;   /* the local grid, the job's own */
-    if (!gmem) { free_job(j); return NULL; }
-    memcpy(gmem, local_bases, nt * 8);
-    memcpy(gmem + nt, local_offs, nr * 8);
-    memcpy(gmem + nt + nr, lens, nr * 8);
-    if (grid_job(j, gmem, gmem, nt, gmem + nt, gmem + nt + nr, nr, n->frame, n->nconns)) { free_job(j); return NULL; }
+    if (!j || copied_grid_job(j, local_bases, nt, local_offs, lens, nr, n->frame, n->nconns)) { free_job(j); return NULL; }
     j->wframe = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe);
     j->wframe_len = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe_len);
     int bad = !j->wframe || !j->wframe_len;

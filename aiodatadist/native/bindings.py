@@ -132,9 +132,10 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_dir_withdraw.argtypes, lib.adt_dir_withdraw.restype = [vp, i64], None
     lib.adt_net_new.argtypes, lib.adt_net_new.restype = [c_int, vp, sz, u64], vp
     lib.adt_net_attach.argtypes, lib.adt_net_attach.restype = [vp, c_int], c_int
-    lib.adt_net_send.argtypes, lib.adt_net_send.restype = [vp, u64, vp, vp, sz], vp
+    lib.adt_net_send.argtypes, lib.adt_net_send.restype = [vp, u64, vp, sz, vp, vp, sz], vp
     lib.adt_net_receive.argtypes, lib.adt_net_receive.restype = [vp, u64], vp
-    lib.adt_net_set_destination.argtypes, lib.adt_net_set_destination.restype = [vp, vp, vp, vp, sz], c_int
+    lib.adt_net_set_destination.argtypes = [vp, vp, vp, sz, vp, vp, sz]
+    lib.adt_net_set_destination.restype = c_int
     lib.adt_net_read.argtypes = [vp, u64, i64, u64, u64, i64, vp, sz, vp, vp, sz, vp, vp, c_int]
     lib.adt_net_write.argtypes = [vp, u64, i64, u64, u64, i64, vp, sz, vp, vp, sz, vp, vp]
     lib.adt_net_read.restype = lib.adt_net_write.restype = vp

@@ -11,17 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from .._aio import wait_through_cancellation
+from ..layout import CopyPlan
 from ..native import KEY_FLAG_SHIFT, StopFlag
 
-__all__ = ["PULL", "PUSH", "PlaneJob", "PythonTransferJob", "TransferJob", "WaitingMixin"]
+__all__ = ["PULL", "PUSH", "Grid", "PlaneJob", "PythonTransferJob", "TransferJob", "WaitingMixin", "grid_spans",
+           "plan_grid"]
 
 UInt64Array = npt.NDArray[np.uint64]
+Grid = tuple[npt.NDArray[Any], npt.NDArray[Any]]
+"""One side's runs of a transfer: its tensors' base addresses and the runs' offsets in them (8-byte integers, C
+order); with the runs' lengths, run ``r`` of tensor ``t`` is ``lengths[r]`` bytes at ``bases[t] + offsets[r]``, and
+a transfer's stream is every run of the first tensor, then of the next (a plan's order)."""
 PULL = 1  # frame flag: the transfer id is the receiver's own (the owner sends a pull)
 PUSH = 0  # the transfer id is the sender's (the requester sends a push)
 
@@ -104,3 +110,23 @@ class WaitingMixin(Generic[JobT]):
 def _retrieved(future: asyncio.Future[None]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def plan_grid(plan: CopyPlan, tensor_addrs: npt.NDArray[Any], src: bool) -> Grid:
+    """One side of ``plan`` as a :data:`Grid` (``src``: its source side) over tensors at ``tensor_addrs``; the
+    runs' lengths are ``plan.runs.length``.  A few small arrays, whatever the number of spans."""
+    tensors, offsets = (plan.src_tensor, plan.runs.src_offset) if src else (plan.dst_tensor, plan.runs.dst_offset)
+    return np.ascontiguousarray(tensor_addrs[tensors], dtype=np.uint64), np.ascontiguousarray(offsets)
+
+
+def grid_spans(grid: Grid, lengths: npt.NDArray[Any]) -> tuple[UInt64Array, UInt64Array]:
+    """A grid's spans in stream order (addresses, lengths), merged where the memory continues."""
+    bases, offsets = grid
+    start = (np.asarray(bases, dtype=np.uint64)[:, None] + offsets.astype(np.uint64)[None, :]).ravel()
+    length = np.broadcast_to(lengths.astype(np.uint64), (len(bases), len(lengths))).ravel()
+    if len(length) > 1:
+        cont = start[:-1] + length[:-1] == start[1:]
+        if cont.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+            return start[starts], np.add.reduceat(length, starts)
+    return start, np.ascontiguousarray(length)

@@ -37,6 +37,19 @@ def joined_helpers(frame: int, connections: int = 1) -> Iterator[tuple[Any, int,
         os.close(w)
 
 
+_ZERO_BASE = (ctypes.c_uint64 * 1)(0)
+
+
+def send_spans(lib: Any, net: int, key: int, addr: Any, length: Any) -> int:
+    """``adt_net_send`` of a list of spans (numpy uint64 arrays): a grid of one tensor at 0."""
+    return int(lib.adt_net_send(net, key, _ZERO_BASE, 1, addr.ctypes.data, length.ctypes.data, len(length)) or 0)
+
+
+def set_destination_spans(lib: Any, net: int, job: int, addr: Any, length: Any) -> int:
+    """``adt_net_set_destination`` of a list of spans (as :func:`send_spans`): 0 or an errno."""
+    return int(lib.adt_net_set_destination(net, job, _ZERO_BASE, 1, addr.ctypes.data, length.ctypes.data, len(length)))
+
+
 def job_state(lib: Any, net: int, job: int) -> int:
     err, status = ctypes.c_int(0), ctypes.c_int(0)
     return int(lib.adt_net_job_state(net, job, ctypes.byref(err), ctypes.byref(status)))

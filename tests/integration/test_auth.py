@@ -183,9 +183,9 @@ async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
         conns = link.plane.conns  # the TCP plane's data connections
         garbage = client.cache_manager.allocate_blocks_cache(big)
         fill_pattern(garbage, 7)
-        spans = (np.array(garbage.tensor_addrs, dtype=np.uint64), np.full(2, big.size, dtype=np.uint64))
+        grid = (np.array(garbage.tensor_addrs, dtype=np.uint64), np.zeros(1, dtype=np.uint64))  # each whole tensor
         for _ in range(4):
-            forged = [conns.send(PUSH, tid, *spans) for tid in range(1, 9)]
+            forged = [conns.send(PUSH, tid, grid, np.array([big.size], dtype=np.uint64)) for tid in range(1, 9)]
             await client.cache_manager.push_blocks(BlocksCacheKey(1, 0), src, list(range(64)), list(range(64)))
             for job in forged:
                 await conns.wait(job)

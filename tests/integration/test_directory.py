@@ -134,10 +134,32 @@ async def test_one_sided_tcp_transfers_move_every_byte_between_their_grids(block
     side's memory continues: consecutive blocks, and a tensor's last block with the next tensor's first, as
     allocated tensors lie back to back) and cuts into frames (a write's frames name the owner's spans of their
     bytes): every byte lands where the plan says, and nothing else is touched."""
+    await _every_byte_between_grids(block_bytes, direction, one_sided=True)
+
+
+@pytest.mark.parametrize("net", ["native", "python"])
+@pytest.mark.parametrize("direction", ["pull", "push"])
+@pytest.mark.parametrize("block_bytes", [64, 32768])
+async def test_tcp_transfers_through_the_owner_move_every_byte_between_their_grids(
+        block_bytes: int, direction: str, net: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transfers through the owner (its cache is caller memory outside any HostMemory, which no one-sided transfer
+    touches; or the Python I/O threads, which serve none) hand each end's side of the plan to the data connections
+    as a grid too (the native helper walks it into its frames or its destination, the Python threads expand it):
+    the same checks as the one-sided transfers."""
+    monkeypatch.setenv("AIODATADIST_NET", net)
+    await _every_byte_between_grids(block_bytes, direction, one_sided=False)
+
+
+async def _every_byte_between_grids(block_bytes: int, direction: str, *, one_sided: bool) -> None:
     desc = CacheDesc(6, (40, block_bytes), DataType.DT_UINT8, Placement.HOST)
     rng = np.random.default_rng(block_bytes)
     async with linked_pair(config=config("tcp")) as (prompt, decoder):
-        theirs = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 3))
+        if one_sided:
+            theirs = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 3))
+        else:  # caller memory, its tensors back to back as allocated ones
+            memory = np.zeros(desc.num_tensors * desc.size, dtype=np.uint8)
+            addrs = [memory.ctypes.data + t * desc.size for t in range(desc.num_tensors)]
+            theirs = prompt.cache_manager.register_blocks_cache(desc, addrs, BlocksCacheKey(1, 3))
         mine = decoder.cache_manager.allocate_blocks_cache(desc)
         src, dst = (theirs, mine) if direction == "pull" else (mine, theirs)
         fill_pattern(src, 21)
@@ -159,6 +181,9 @@ async def test_one_sided_tcp_transfers_move_every_byte_between_their_grids(block
             for t in range(desc.num_tensors):
                 assert np.array_equal(after[t][d], wanted[t]), f"{direction} {i}, tensor {t}"
                 assert np.array_equal(after[t][untouched], before[t][untouched]), f"{direction} {i}, tensor {t}"
+        if not one_sided:
+            assert begins[0] == len(lists)  # every transfer went through the owner
+            return
         assert begins[0] == 1  # the first transfer resolved the key; every other one was one-sided
         served = prompt._links.links[2].plane.conns.served_one_sided()
         assert served[0 if direction == "pull" else 3] >= len(lists) - 1

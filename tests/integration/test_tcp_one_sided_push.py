@@ -232,8 +232,8 @@ async def test_refused_writes_write_nothing(planes: Planes) -> None:
         assert caught.value.status_code == code, kwargs
         assert not planes.target.any(), kwargs
     # frames of a transfer nobody receives are dropped, and the connections stay in sync
-    plain = req.send(PUSH, secrets.randbits(62), np.array([data.ctypes.data], dtype=np.uint64),
-                     np.array([data.nbytes], dtype=np.uint64))
+    plain = req.send(PUSH, secrets.randbits(62), (np.array([data.ctypes.data], dtype=np.uint64),
+                                                  np.zeros(1, dtype=np.uint64)), np.array([data.nbytes], dtype=np.uint64))
     await req.wait(plain)
     # a fence of a transfer the owner never saw is acknowledged
     await req.wait(req.fence(PUSH, secrets.randbits(62)))

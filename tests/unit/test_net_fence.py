@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.native_net import job_state, joined_helpers, wait_job_state
+from helpers.native_net import job_state, joined_helpers, send_spans, set_destination_spans, wait_job_state
 
 from aiodatadist.native import JobState, native_pool
 
@@ -39,14 +39,14 @@ def test_a_cancelled_send_ends_fenced_and_nothing_lands_afterwards(nets: tuple[A
     dst = np.zeros_like(src)
     # The receiving end has no destination yet, so its thread holds the first frame: the send is mid-way.
     rx = lib.adt_net_receive(b, KEY)
-    tx = lib.adt_net_send(a, KEY, *(x.ctypes.data for x in _span(src)), 1)
+    tx = send_spans(lib, a, KEY, *_span(src))
     time.sleep(0.05)
     assert job_state(lib, a, tx) == JobState.RUNNING
     assert lib.adt_net_cancel(a, tx, CANCEL_FENCE) == 1  # armed
     time.sleep(0.05)
     assert job_state(lib, a, tx) == JobState.RUNNING  # not acknowledged while the receiver is held
     addr, length = _span(dst)
-    assert lib.adt_net_set_destination(b, rx, addr.ctypes.data, length.ctypes.data, 1) == 0
+    assert set_destination_spans(lib, b, rx, addr, length) == 0
     assert wait_job_state(lib, a, tx) == JobState.FENCED
     # The FENCE stopped the receiving end: what landed is a prefix of the source, and nothing lands any more.
     assert wait_job_state(lib, b, rx, within=1.0) == JobState.STOPPED
@@ -66,8 +66,8 @@ def test_a_send_that_ended_arms_no_fence(nets: tuple[Any, int, int]) -> None:
     dst = np.zeros_like(src)
     rx = lib.adt_net_receive(b, KEY)
     addr, length = _span(dst)
-    assert lib.adt_net_set_destination(b, rx, addr.ctypes.data, length.ctypes.data, 1) == 0
-    tx = lib.adt_net_send(a, KEY, *(x.ctypes.data for x in _span(src)), 1)
+    assert set_destination_spans(lib, b, rx, addr, length) == 0
+    tx = send_spans(lib, a, KEY, *_span(src))
     assert wait_job_state(lib, b, rx) == JobState.FINISHED
     assert wait_job_state(lib, a, tx) == JobState.FINISHED
     assert lib.adt_net_cancel(a, tx, CANCEL_FENCE) == 0

@@ -31,7 +31,7 @@ from ...native import (
     native_pool,
 )
 from ...stats import OneSided
-from ..base import PULL, PUSH, TransferJob, WaitingMixin
+from ..base import PULL, PUSH, Grid, TransferJob, WaitingMixin
 from .congestion import congestion_in_use, tune_congestion
 from .frames import FRAME_BYTES
 
@@ -40,8 +40,6 @@ _ext: Any = native_extension()  # the one-sided calls and the reaping, without c
 __all__ = ["NativeConnections"]
 
 UInt64Array = npt.NDArray[np.uint64]
-Grid = tuple[UInt64Array, npt.NDArray[Any]]
-"""One side's runs of a transfer: its tensors' base addresses and the runs' offsets in them (8-byte integers)."""
 S = LLMStatusCode
 READ_BATCH = 16
 """Deferred READ frames after which a sender thread is woken without waiting for the end of the loop iteration.
@@ -55,10 +53,6 @@ _OWNER_STATUS: dict[int, LLMStatusCode] = {
     OwnerStatus.OUT_OF_MEMORY: S.LLM_OUT_OF_MEMORY,
     OwnerStatus.OUT_OF_RANGE: S.LLM_PARAM_INVALID,
 }
-
-
-def _u64(values: Any) -> UInt64Array:
-    return np.ascontiguousarray(values, dtype=np.uint64)
 
 
 class NativeConnections(WaitingMixin[TransferJob]):
@@ -147,12 +141,12 @@ class NativeConnections(WaitingMixin[TransferJob]):
         if self.closed is not None:
             raise self.closed
 
-    def send(self, flag: int, tid: int, addr: UInt64Array, length: UInt64Array) -> TransferJob:
-        """Send the spans' bytes (in order) as transfer ``(flag, tid)``."""
+    def send(self, flag: int, tid: int, grid: Grid, lengths: npt.NDArray[Any]) -> TransferJob:
+        """Send the bytes of ``grid`` (runs of ``lengths`` at ``bases[t] + offsets[r]``, tensor-major: a plan's order)
+        as transfer ``(flag, tid)``."""
         self._check_open()
-        addr, length = _u64(addr), _u64(length)
-        return self._track("send", flag, tid, self._lib.adt_net_send(
-            self._net, flag << KEY_FLAG_SHIFT | tid, addr.ctypes.data, length.ctypes.data, len(addr)))
+        return self._track("send", flag, tid, _ext.net_send(self._net, flag << KEY_FLAG_SHIFT | tid, grid[0], grid[1],
+                                                             lengths))
 
     def receive(self, flag: int, tid: int) -> TransferJob:
         """Register the receiving end of ``(flag, tid)``; its frames wait for :meth:`set_destination`."""
@@ -160,10 +154,10 @@ class NativeConnections(WaitingMixin[TransferJob]):
         key = flag << KEY_FLAG_SHIFT | tid
         return self._track("receive", flag, tid, self._lib.adt_net_receive(self._net, key))
 
-    def set_destination(self, job: TransferJob, addr: UInt64Array, length: UInt64Array) -> None:
-        addr, length = _u64(addr), _u64(length)
-        if job.handle is not None and self._lib.adt_net_set_destination(
-                self._net, job.handle, addr.ctypes.data, length.ctypes.data, len(addr)):
+    def set_destination(self, job: TransferJob, grid: Grid, lengths: npt.NDArray[Any]) -> None:
+        """Where a receive job's stream lands: ``grid`` as :meth:`send`'s (the helper walks it into its spans)."""
+        if job.handle is not None and self._net is not None and _ext.net_set_destination(
+                self._net, job.handle, grid[0], grid[1], lengths):
             raise LLMException("cannot start a TCP transfer: out of memory", status_code=S.LLM_OUT_OF_MEMORY)
 
     def read(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None, remote: Grid,

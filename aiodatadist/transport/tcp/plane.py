@@ -23,13 +23,12 @@ from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...layout import CopyPlan
 from ...protocol.messages import Descriptor
 from ...stats import OneSided
-from ..base import PULL, PUSH, TransferJob
+from ..base import PULL, PUSH, TransferJob, plan_grid
 from ..directory import Resolved
 from ..plane import DataPlane, LocalCache, OnUntrusted, Route, Transfer, UInt64Array
 from ..same_host import PeerCapabilities
 from .native_connections import NativeConnections
 from .python_connections import PythonConnections
-from .side_spans import plan_side_spans
 
 __all__ = ["POLL_RATE", "STOP_ACK_TIMEOUT", "NativeTcpPlane", "TcpPlane"]
 
@@ -73,13 +72,15 @@ class TcpPlane(DataPlane):
         return self.conns.receive(PULL, tid) if pull else None
 
     async def move(self, transfer: Transfer) -> None:
-        conns, local = self.conns, transfer.local
+        conns, plan = self.conns, transfer.plan
+        # This side as a grid: the helper walks it into its frames or its destination, no span list built here.
+        grid, lengths = plan_grid(plan, transfer.local.addrs, not transfer.pull), np.ascontiguousarray(plan.runs.length)
         if transfer.pull:
             job = transfer.pending
             assert job is not None
-            conns.set_destination(job, *plan_side_spans(transfer.plan, local.addrs, "dst"))
+            conns.set_destination(job, grid, lengths)
         else:
-            job = transfer.job = conns.send(PUSH, transfer.tid, *plan_side_spans(transfer.plan, local.addrs, "src"))
+            job = transfer.job = conns.send(PUSH, transfer.tid, grid, lengths)
         self._track(transfer, job)
         try:
             await self._await(transfer, job)
@@ -114,10 +115,11 @@ class TcpPlane(DataPlane):
         return None
 
     def serve(self, tid: int, pull: bool, plan: CopyPlan, addrs: UInt64Array) -> TransferJob:
+        grid, lengths = plan_grid(plan, addrs, pull), np.ascontiguousarray(plan.runs.length)
         if pull:  # start sending now: the requester's receiving end already exists
-            return self.conns.send(PULL, tid, *plan_side_spans(plan, addrs, "src"))
+            return self.conns.send(PULL, tid, grid, lengths)
         job = self.conns.receive(PUSH, tid)
-        self.conns.set_destination(job, *plan_side_spans(plan, addrs, "dst"))
+        self.conns.set_destination(job, grid, lengths)
         return job
 
     async def finish_served(self, job: Any, complete: bool) -> None:
@@ -173,11 +175,10 @@ class NativeTcpPlane(TcpPlane):
         conns, plan, descriptor, local = self.conns, transfer.plan, transfer.descriptor, transfer.local
         where = (resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id)
         # Both sides as grids: a few words on the wire, and no span list built here, however many spans.
-        runs, pull = plan.runs, transfer.pull
+        pull = transfer.pull
         src_addrs, dst_addrs = (descriptor.addrs, local.addrs) if pull else (local.addrs, descriptor.addrs)
-        src = (src_addrs[plan.src_tensor], np.ascontiguousarray(runs.src_offset))
-        dst = (dst_addrs[plan.dst_tensor], np.ascontiguousarray(runs.dst_offset))
-        lengths = np.ascontiguousarray(runs.length)
+        src, dst = plan_grid(plan, src_addrs, True), plan_grid(plan, dst_addrs, False)
+        lengths = np.ascontiguousarray(plan.runs.length)
         if pull:
             job = conns.read(transfer.tid, *where, src, lengths, dst)
         else:

@@ -23,6 +23,7 @@ import socket
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,7 +34,7 @@ from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...layout import Spans
 from ...native import TID_MASK
 from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in _net.c)
-from ..base import PythonTransferJob, TransferJob, WaitingMixin
+from ..base import Grid, PythonTransferJob, TransferJob, WaitingMixin, grid_spans
 from .congestion import congestion_in_use, tune_congestion
 from .frames import (
     FRAME_BYTES,
@@ -115,9 +116,11 @@ class PythonConnections(WaitingMixin[TransferJob]):
             thread.start()
 
     # -- jobs (event loop thread) ----------------------------------------------------------------------------
-    def send(self, flag: int, tid: int, addr: UInt64Array, length: UInt64Array) -> PythonTransferJob:
-        """Queue the bytes of spans (in order) as transfer ``(flag, tid)``; await it with :meth:`wait`."""
+    def send(self, flag: int, tid: int, grid: Grid, lengths: npt.NDArray[Any]) -> PythonTransferJob:
+        """Queue the bytes of ``grid`` (:data:`~aiodatadist.transport.base.Grid`, in stream order) as transfer
+        ``(flag, tid)``; await it with :meth:`wait`."""
         job = PythonTransferJob("send", flag, tid, self._loop)
+        addr, length = grid_spans(grid, lengths)
         spans, bounds = split_spans(Spans(addr, addr, length), FRAME_BYTES)
         job.addr = np.ascontiguousarray(spans.src, dtype=np.uint64)
         job.length = np.ascontiguousarray(spans.length, dtype=np.uint64)
@@ -146,10 +149,10 @@ class PythonConnections(WaitingMixin[TransferJob]):
             self._jobs.add(job)
         return job
 
-    def set_destination(self, transfer_job: TransferJob, addr: UInt64Array, length: UInt64Array) -> None:
+    def set_destination(self, transfer_job: TransferJob, grid: Grid, lengths: npt.NDArray[Any]) -> None:
+        """Where a receive job's stream lands (``grid`` as :meth:`send`'s)."""
         job = _own(transfer_job)
-        job.addr = np.ascontiguousarray(addr, dtype=np.uint64)
-        job.length = np.ascontiguousarray(length, dtype=np.uint64)
+        job.addr, job.length = grid_spans(grid, lengths)
         job.ends = np.cumsum(job.length, dtype=np.uint64)
         with self._cv:
             job.total = int(job.ends[-1]) if len(job.ends) else 0
