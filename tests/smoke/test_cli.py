@@ -57,17 +57,23 @@ def test_bench_tcp_measures_against_a_plain_socket_stream(tmp_path: Path) -> Non
 
 def test_bench_calls_times_both_sizes_in_turn(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    result = run("-m", "aiodatadist", "bench", "calls", "--repeat", "1", "--transport", "shm", "--direction", "pull",
-                 "--json", str(out))
+    result = run("-m", "aiodatadist", "bench", "calls", "--repeat", "1", "--transport", "shm", "--direction",
+                 "pull,push", "--json", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [r for r in json.loads(out.read_text()) if r["workload"] == "calls"]
-    assert [(r["spans"], r.get("new_blocks", False), r.get("by_key", False)) for r in rows] == [
-        (64, False, False), (8192, False, False), (64, True, False), (8192, True, False), (64, False, True)]
+    each_way = [(64, False, False, False), (8192, False, False, False), (64, True, False, False),
+                (8192, True, False, False)]
+    assert [(r["direction"], r["spans"], r.get("new_blocks", False), r.get("by_key", False),
+             r.get("registered", False)) for r in rows] == [
+        *(("pull", *r) for r in each_way), ("pull", 64, False, True, False),
+        *(("push", *r) for r in each_way), ("push", 8192, True, False, True)]
     assert all(r["runs"] == 500 and 0 < r["p50_us"] <= r["p99_us"] for r in rows)
-    assert ["ns_per_extra_span" in r for r in rows] == [False, True, False, False, False]
+    assert ["ns_per_extra_span" in r for r in rows] == [False, True, False, False, False] * 2
     assert ("calls of 64 and 8192 spans, and of 64 and 8192 spans of other blocks each call, in turn x 500, then by "
             "request key") in result.stderr
+    assert "then into registered memory" in result.stderr
     assert "other blocks each call" in result.stdout and "pull_cache by CacheKey (through the owner)" in result.stdout
+    assert "other blocks each call, into memory the peer registered" in result.stdout
 
 
 def test_bench_rejects_unknown_workloads_and_transports() -> None:

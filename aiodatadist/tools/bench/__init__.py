@@ -19,7 +19,8 @@ Workloads:
   64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), then both sizes again with other
   blocks each call (a new plan each call, as a serving engine's requests have), called in turn, and, measured
   apart after them, for pulls, ``pull_cache`` of a 64 x 64-byte slot by ``CacheKey`` (a request key the owner
-  releases: two control round trips); per-call p50/p99, and the marginal cost of a span.
+  releases: two control round trips), for pushes, 128 other blocks each call into memory the peer registered (an
+  engine's KV: caller-owned, so through the owner on TCP); per-call p50/p99, and the marginal cost of a span.
 
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
 aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
@@ -247,6 +248,18 @@ class _Session:
             return cm.pull_cache(CacheKey(PROMPT, next(req_ids)), self.keyed, 0)
         return pull
 
+    async def registered_pushes(self, count: int, runs: int) -> Callable[[], Awaitable[None]]:
+        """A call per push: ``push_blocks`` of ``count`` other blocks each call (random, distinct on each side) into
+        a tiny blocks cache the peer registered from its own memory, as an engine's KV is: caller-owned, so that on
+        TCP every push goes through the owner (``BEGIN``, the bytes, ``END`` once they landed)."""
+        await self.peer.call("register", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, TINY_BYTES],
+                             blocks_key=[PROMPT, 2])
+        rng = np.random.default_rng(12)
+        picks = iter([(rng.choice(BLOCKS, count, replace=False).tolist(),
+                       rng.choice(BLOCKS, count, replace=False).tolist()) for _ in range(runs)])
+        cm, key = self.dd.cache_manager, BlocksCacheKey(PROMPT, 2)
+        return lambda: cm.push_blocks(key, self.tiny, *next(picks))
+
     def whole(self, direction: str) -> Awaitable[None]:
         key = CacheKeyByIdAndIndex(PROMPT, self.remote_slots, 0)
         if direction == "pull":
@@ -328,12 +341,13 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
     """Per-call latency of 64 and 8192 spans of 64 bytes, then of both sizes with other blocks each call (a new
     plan each time, as a serving engine's requests have: random blocks, distinct on each side), called in turn,
     then, for pulls, of ``pull_cache`` by ``CacheKey`` (a request key pulled once: through the owner, two round
-    trips); the 8192-span row also gives the marginal cost of a span (its p50 minus the 64-span p50, per extra
+    trips), for pushes, of 8192 spans of other blocks each call into memory the peer registered (on TCP through
+    the owner); the 8192-span row also gives the marginal cost of a span (its p50 minus the 64-span p50, per extra
     span)."""
     runs = max(500, repeat * 100)
     sizes = ' and '.join(map(str, CALL_SPANS))
     progress(f"{plane} {direction} calls of {sizes} spans, and of {sizes} spans of other blocks each call, in turn "
-             f"x {runs}" + (", then by request key" if direction == "pull" else ""))
+             f"x {runs}" + (", then by request key" if direction == "pull" else ", then into registered memory"))
     calls = [functools.partial(session.call, direction, blocks, blocks)
              for blocks in (list(range(0, 2 * (spans // TENSORS), 2)) for spans in CALL_SPANS)]  # no coalescing
     rng = np.random.default_rng(11)
@@ -356,6 +370,10 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
         # release, the END) would otherwise fall on the next call in turn
         keyed = await _times(await session.request_keys(runs + 20), runs, 20)
         rows.append({**_call_row(plane, direction, TENSORS, keyed), "by_key": True})
+    else:
+        spans = CALL_SPANS[-1]
+        registered = await _times(await session.registered_pushes(spans // TENSORS, runs + 20), runs, 20)
+        rows.append({**_call_row(plane, direction, spans, registered), "new_blocks": True, "registered": True})
     return rows
 
 
@@ -439,6 +457,8 @@ def _format(r: dict[str, Any]) -> str:
         text = f"{head} {r['spans']:>5} spans  p50 {r['p50_us']:7.1f} us  p99 {r['p99_us']:7.1f} us ({r['runs']} runs)"
         if r.get("new_blocks"):
             text += "   other blocks each call"
+        if r.get("registered"):
+            text += ", into memory the peer registered" + (" (through the owner)" if r["transport"] == "tcp" else "")
         if r.get("by_key"):
             text += "   pull_cache by CacheKey (through the owner)"
         if "ns_per_extra_span" in r:
