@@ -3,7 +3,8 @@
 An owner publishes each remote-accessible cache in a row of a small ``memfd`` table (its layout is the native
 helper's, :class:`~aiodatadist.native.DirWord`), read by same-host peers (:class:`~aiodatadist.transport.directory.
 DirectoryView`) and by this process's native TCP threads serving one-sided reads and writes.  A row holds the cache
-id, the ``model_id`` it answers to as a ``BlocksCacheKey`` (-1 if none), its memory span and a *stamp*: a random
+id, the ``model_id`` it answers to as a ``BlocksCacheKey`` (-1 if none), its memory (one span, or the exact
+extents of its tensors for memory the caller allocated) and a *stamp*: a random
 62-bit number drawn afresh each time a cache is published and 0 once it was released.  See
 :mod:`aiodatadist.transport.directory` for how requesters use it.
 """
@@ -23,6 +24,7 @@ __all__ = ["DIRECTORY_ROWS", "CacheDirectory"]
 DIRECTORY_ROWS = 4096
 _WORDS = DIR_WORDS
 _STAMP, _CACHE, _MODEL, _BASE, _SIZE = DirWord.STAMP, DirWord.CACHE, DirWord.MODEL, DirWord.BASE, DirWord.SIZE
+_TABLE, _TENSORS = DirWord.TABLE, DirWord.TENSORS
 
 
 class CacheDirectory:
@@ -32,6 +34,7 @@ class CacheDirectory:
         self.segment = SharedSegment(rows * _WORDS * 8, name="aiodatadist-directory")
         self._words = self.segment.array().view(np.int64)
         self._free = list(range(rows - 1, -1, -1))
+        self._tables: dict[int, np.ndarray] = {}  # row -> its tensor table, alive until the row is withdrawn
 
     @property
     def address(self) -> int:
@@ -42,9 +45,11 @@ class CacheDirectory:
     def rows(self) -> int:
         return len(self._words) // _WORDS
 
-    def publish(self, cache_id: int, model_id: int = -1, base: int = 0, size: int = 0) -> tuple[int, int] | None:
-        """Publish a live cache whose memory is ``[base, base + size)``; returns ``(row, stamp)``, or ``None``
-        when the table is full."""
+    def publish(self, cache_id: int, model_id: int = -1, base: int = 0, size: int = 0,
+                tensors: np.ndarray | None = None) -> tuple[int, int] | None:
+        """Publish a live cache whose memory is ``[base, base + size)``, or (``tensors``: ascending,
+        non-overlapping start addresses) tensors of ``size`` bytes at those addresses, nothing between them;
+        returns ``(row, stamp)``, or ``None`` when the table is full."""
         if not self._free:
             return None
         row = self._free.pop()
@@ -53,6 +58,13 @@ class CacheDirectory:
         self._words[base_word + _MODEL] = model_id
         self._words[base_word + _BASE] = base
         self._words[base_word + _SIZE] = size
+        if tensors is not None:
+            table = self._tables[row] = np.ascontiguousarray(tensors, dtype=np.uint64).copy()
+            self._words[base_word + _TABLE] = table.ctypes.data
+            self._words[base_word + _TENSORS] = len(table)
+        else:
+            self._words[base_word + _TABLE] = 0
+            self._words[base_word + _TENSORS] = 0
         stamp = secrets.randbits(62) + 1  # unguessable: a one-sided TCP read must present it
         self._words[base_word + _STAMP] = stamp  # last: a reader that sees the stamp sees the fields (x86 TSO)
         return row, stamp
@@ -68,6 +80,7 @@ class CacheDirectory:
             lib.adt_dir_withdraw(self._words.ctypes.data, row)
         else:
             self._words[row * _WORDS + _STAMP] = 0
+        self._tables.pop(row, None)  # no thread reads it any more
         self._free.append(row)
 
     @property

@@ -77,6 +77,7 @@ class CacheEntry:
     host_memory: HostMemory | None = None  # registered memory inside a HostMemory: mapped by same-host peers
     nixl: Any = None  # its registration with this instance's NIXL agent (aiodatadist.transport.nixl), if any
     on_idle: list[Callable[[], None]] = field(default_factory=list)  # told once, when its last lease ends
+    tcp_published: bool = False  # its directory row names its memory (one-sided TCP transfers may reach it)
 
     @property
     def shared_segment(self) -> SharedSegment | InPlaceSegment | None:
@@ -94,11 +95,8 @@ class CacheEntry:
 
     @property
     def tcp_readable(self) -> bool:
-        """True when its directory row serves one-sided TCP reads (its memory is aiodatadist's or a
-        HostMemory's; caller memory elsewhere, memory shared in place included (the span of its tensors may hold
-        other data of the process), goes through the owner's lease, device memory does not go over TCP)."""
-        memory = self.host_memory
-        return self.shared_segment is not None and not (memory is not None and memory.is_in_place)
+        """True when its directory row serves one-sided TCP reads and writes (see :meth:`CacheRegistry.add`)."""
+        return self.tcp_published
 
     @functools.cached_property
     def geometry(self) -> CacheGeometry:
@@ -114,6 +112,11 @@ class CacheEntry:
         return self.desc.placement == Placement.DEVICE
 
 
+
+
+def _apart(starts: npt.NDArray[np.uint64], size: int) -> bool:
+    """Whether tensors of ``size`` bytes at ascending ``starts`` do not overlap (a table row's condition)."""
+    return size > 0 and bool((np.diff(starts) >= np.uint64(size)).all())
 
 
 def not_exist(message: str) -> LLMException:
@@ -185,22 +188,33 @@ class CacheRegistry:
             self._by_model[blocks_key.model_id] = entry  # last wins, as in the reference
             model = blocks_key.model_id if blocks_key.model_id <= I64_MAX else -1
         if remote_accessible and self.directory is not None:
-            if segment is not None:
-                entry.published = self.directory.publish(cache_id, model, segment.address, segment.size)
-            elif host_memory is not None and not host_memory.is_in_place:  # the tensors' span, no more
-                low = int(entry.addrs.min())
-                entry.published = self.directory.publish(cache_id, model, low,
-                                                         int(entry.addrs.max()) + desc.size - low)
-            else:
-                # Device memory, or caller memory outside any HostMemory or shared in place: same-host peers only
-                # (CUDA IPC, process_vm_readv, the in-place segment), so no byte of it is served to one-sided TCP
-                # reads (size 0).
-                entry.published = self.directory.publish(cache_id, model, 0, 0)
+            self._publish(entry, model, segment, host_memory)
         if segment is None and device_memory is None:
             self._registered_addrs += len(addrs)
         if self.on_added is not None:
             self.on_added(entry)
         return entry
+
+    def _publish(self, entry: CacheEntry, model: int, segment: SharedSegment | None,
+                 host_memory: HostMemory | None) -> None:
+        """Publish a remote-accessible cache in the directory, with the memory one-sided TCP transfers may reach:
+        an allocated cache's segment; inside a HostMemory, the span of its tensors; other caller memory (in place
+        too: the span of its tensors may hold anything else of the process), each tensor's own bytes and nothing
+        between them (a table of their starts); device memory none (it does not go over TCP)."""
+        directory = self.directory
+        assert directory is not None
+        cache_id, size, addrs = entry.cache_id, entry.desc.size, entry.addrs
+        if segment is not None:
+            entry.published = directory.publish(cache_id, model, segment.address, segment.size)
+        elif host_memory is not None and not host_memory.is_in_place:
+            low = int(addrs.min())
+            entry.published = directory.publish(cache_id, model, low, int(addrs.max()) + size - low)
+        elif not entry.on_device and len(addrs) and _apart(starts := np.sort(addrs), size):
+            entry.published = directory.publish(cache_id, model, 0, size, tensors=starts)
+        else:  # same-host peers only (CUDA IPC, process_vm_readv): no byte of it is served over TCP
+            entry.published = directory.publish(cache_id, model, 0, 0)
+            return
+        entry.tcp_published = entry.published is not None
 
     # -- lookups ---------------------------------------------------------------------------------------------
     def by_id(self, cache_id: int) -> CacheEntry:

@@ -49,7 +49,7 @@ long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uin
 #define SCRATCH (1u << 20)
 #define STOP_POLL_MS 5       /* a receiver waiting mid-frame for a stalled peer looks at its job's stop this often */
 #define CTRL_BATCH 64        /* control frames a sender thread sends in one sendmsg */
-#define DIR_WORDS 8          /* directory row: stamp, cache id, model id, reserved, base, size, busy, reserved */
+#define DIR_WORDS 8          /* directory row: stamp, cache id, model id, tensor table, base, size, busy, tensors */
 
 /* A READ's payload: words model id (-1: any), ntensors, nruns, then the owner's tensor bases [ntensors], the runs'
  * offsets [nruns] and lengths [nruns].  Its spans, in stream order: base[t] + offset[r], length[r] for each t, then
@@ -293,6 +293,67 @@ static int dir_enter(adt_net *n, int64_t row, uint64_t stamp)
 
 static void dir_leave(adt_net *n, int64_t row) { __atomic_sub_fetch(&n->dir[row * DIR_WORDS + 6], 1, __ATOMIC_SEQ_CST); }
 
+/* What a live row's memory is.  Range rows (w[3] == 0): [base, base + size), one segment (w[4], w[5]).  Table rows
+ * (memory the caller allocated: the span of its tensors may hold anything else of the process): w[7] tensors of
+ * w[5] bytes each, at the ascending, non-overlapping start addresses the table at w[3] holds (the owner keeps it
+ * until the row is withdrawn, so it is read only under a reference on the row). */
+static const uint64_t *dir_table(const int64_t *w, uint64_t *count)
+{
+    *count = (uint64_t)w[7];
+    return (const uint64_t *)(uintptr_t)w[3];
+}
+
+/* Table rows: the index of the last tensor starting at or before `addr`, or -1. */
+static int64_t table_floor(const uint64_t *starts, uint64_t count, uint64_t addr)
+{
+    uint64_t lo = 0, hi = count;   /* first start > addr */
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (starts[mid] <= addr) lo = mid + 1; else hi = mid;
+    }
+    return (int64_t)lo - 1;
+}
+
+/* Whether [addr, addr + len) lies inside the row's memory (a table row's span may run from one tensor into the next
+ * where they touch, as merged spans do). */
+static int dir_covers(const int64_t *w, uint64_t addr, uint64_t len)
+{
+    uint64_t size = (uint64_t)w[5];
+    if (!w[3]) { uint64_t base = (uint64_t)w[4]; return addr >= base && len <= size && addr - base <= size - len; }
+    uint64_t count;
+    const uint64_t *starts = dir_table(w, &count);
+    int64_t i = table_floor(starts, count, addr);
+    if (i < 0 || addr - starts[i] >= size) return len == 0 && i >= 0 && addr - starts[i] == size;
+    uint64_t end = starts[i] + size, want;
+    if (__builtin_add_overflow(addr, len, &want)) return 0;
+    while (want > end) {   /* the span goes on past this tensor: only into one that starts right there */
+        if ((uint64_t)++i >= count || starts[i] != end) return 0;
+        end += size;
+    }
+    return 1;
+}
+
+/* Whether a READ's grid lies inside the row's memory: each tensor base inside it with the runs' furthest end
+ * (`furthest` bytes past the base); a table row wants each base to be one of its tensors' starts. */
+static int dir_holds_grid(const int64_t *w, const uint64_t *bases, uint64_t nt, uint64_t furthest)
+{
+    uint64_t size = (uint64_t)w[5];
+    if (furthest > size) return 0;
+    if (!w[3]) {
+        uint64_t base = (uint64_t)w[4];
+        for (uint64_t t = 0; t < nt; t++)
+            if (bases[t] < base || bases[t] - base > size - furthest) return 0;
+        return 1;
+    }
+    uint64_t count;
+    const uint64_t *starts = dir_table(w, &count);
+    for (uint64_t t = 0; t < nt; t++) {
+        int64_t i = table_floor(starts, count, bases[t]);
+        if (i < 0 || starts[i] != bases[t]) return 0;
+    }
+    return 1;
+}
+
 /* Owner side: a row's cache is released; returns once no serving thread reads its memory any more. */
 void adt_dir_withdraw(int64_t *words, int64_t row)
 {
@@ -352,17 +413,18 @@ static int serve_read(adt_net *n, const adt_hdr *h, uint64_t **payload_in, uint6
     int64_t *w = n->dir + row * DIR_WORDS;
     if ((uint64_t)w[0] != h->offset || (uint64_t)w[1] != h->b || h->offset == 0) return 1;
     if (model != -1 && w[2] != model) return 1;
-    /* Every span inside the cache: base + d + o + l <= base + size for each tensor at base + d and each run (o, l),
-     * so the runs' furthest end and each tensor's offset are checked, without overflow. */
-    uint64_t base = (uint64_t)w[4], size = (uint64_t)w[5], run_bytes = 0, furthest = 0, total;
+    /* Every span inside the cache: the runs' furthest end (checked without overflow) past each tensor base. */
+    uint64_t size = (uint64_t)w[5], run_bytes = 0, furthest = 0, total;
     for (uint64_t r = 0; r < nr; r++) {
         if (offs[r] > size || lens[r] > size - offs[r] || __builtin_add_overflow(run_bytes, lens[r], &run_bytes))
             return 3;
         if (offs[r] + lens[r] > furthest) furthest = offs[r] + lens[r];
     }
-    for (uint64_t t = 0; t < nt; t++)
-        if (bases[t] < base || bases[t] - base > size - furthest) return 3;
     if (__builtin_mul_overflow(nt, run_bytes, &total)) return 3;
+    if (!dir_enter(n, row, h->offset)) return 1;   /* a table is read only under a reference on the row */
+    int inside = dir_holds_grid(w, bases, nt, furthest);
+    dir_leave(n, row);
+    if (!inside) return 3;
     net_job *j = calloc(1, sizeof *j);
     if (!j) return 2;
     *payload_in = NULL;
@@ -409,14 +471,14 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
         if ((uint64_t)w[1] != h->b || (model != -1 && w[2] != model)) status = 1;
     }
     if (!status) {
-        int64_t *w = n->dir + row * DIR_WORDS;
-        uint64_t base = (uint64_t)w[4], size = (uint64_t)w[5], total = 0;
+        const int64_t *w = n->dir + row * DIR_WORDS;
+        uint64_t total = 0;
         addr = malloc((count ? count : 1) * 8); len = malloc((count ? count : 1) * 8); ends = malloc((count ? count : 1) * 8);
         if (!addr || !len || !ends) status = 2;
         for (uint64_t i = 0; !status && i < count; i++) {
             uint64_t a = spans[2 * i], l = spans[2 * i + 1];
-            if (a < base || l > size || a - base > size - l) status = 3;   /* outside the cache */
-            addr[i] = a; len[i] = l; total += l; ends[i] = total;
+            if (!dir_covers(w, a, l) || __builtin_add_overflow(total, l, &total)) status = 3;   /* outside the cache */
+            addr[i] = a; len[i] = l; ends[i] = total;
         }
         if (!status && total != data) status = 3;
     }

@@ -100,15 +100,19 @@ DIR_WORDS: Final = 8
 
 class DirWord(IntEnum):
     """The words of a cache directory row that ``_net.c`` reads (``w[0]``... in ``serve_read``, ``dir_enter``,
-    ``adt_dir_withdraw``); words 3 and 7 are reserved."""
+    ``adt_dir_withdraw``).  A row's memory is either one range, ``[BASE, BASE + SIZE)`` (``TABLE`` 0), or
+    ``TENSORS`` tensors of ``SIZE`` bytes each at the ascending, non-overlapping start addresses of the table
+    at address ``TABLE`` (kept alive by the owner until the row is withdrawn)."""
 
     STAMP = 0
     CACHE = 1
     MODEL = 2
+    TABLE = 3
     BASE = 4
     SIZE = 5
     BUSY = 6
     """Threads serving a read of the row (``dir_enter``/``dir_leave``); a release waits for 0."""
+    TENSORS = 7
 
 
 def bind(lib: ctypes.CDLL) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ctypes
 import mmap
+import os
 from typing import Any
 
 import numpy as np
@@ -127,14 +128,18 @@ async def test_repeated_pulls_ask_the_owner_once(directory: str, transport: str,
         assert begins[0] == (1 if directory == "on" else 3)
 
 
+@pytest.mark.parametrize("memory", ["allocated", "registered", "registered apart"])
 @pytest.mark.parametrize("direction", ["pull", "push"])
 @pytest.mark.parametrize("block_bytes", [64, 4096, 32768])  # bounce buffers; in place; frames cut inside runs
-async def test_one_sided_tcp_transfers_move_every_byte_between_their_grids(block_bytes: int, direction: str) -> None:
+async def test_one_sided_tcp_transfers_move_every_byte_between_their_grids(block_bytes: int, direction: str,
+                                                                           memory: str) -> None:
     """One-sided reads and writes name both sides as grids, which the helper walks into spans (merging where one
     side's memory continues: consecutive blocks, and a tensor's last block with the next tensor's first, as
     allocated tensors lie back to back) and cuts into frames (a write's frames name the owner's spans of their
-    bytes): every byte lands where the plan says, and nothing else is touched."""
-    await _every_byte_between_grids(block_bytes, direction, one_sided=True)
+    bytes): every byte lands where the plan says, and nothing else is touched.  Memory the owner registered
+    (its directory row names each tensor: spans merged across touching tensors pass, nothing between tensors
+    apart is reachable) goes one-sided as allocated memory does."""
+    await _every_byte_between_grids(block_bytes, direction, memory)
 
 
 @pytest.mark.parametrize("net", ["native", "python"])
@@ -142,24 +147,28 @@ async def test_one_sided_tcp_transfers_move_every_byte_between_their_grids(block
 @pytest.mark.parametrize("block_bytes", [64, 32768])
 async def test_tcp_transfers_through_the_owner_move_every_byte_between_their_grids(
         block_bytes: int, direction: str, net: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Transfers through the owner (its cache is caller memory outside any HostMemory, which no one-sided transfer
-    touches; or the Python I/O threads, which serve none) hand each end's side of the plan to the data connections
-    as a grid too (the native helper walks it into its frames or its destination, the Python threads expand it):
-    the same checks as the one-sided transfers."""
+    """Transfers through the owner (the first by each key: each list goes to the same memory registered under a
+    key of its own; or the Python I/O threads, which serve no one-sided transfer) hand each end's side of the plan
+    to the data connections as a grid too (the native helper walks it into its frames or its destination, the
+    Python threads expand it): the same checks as the one-sided transfers."""
     monkeypatch.setenv("AIODATADIST_NET", net)
-    await _every_byte_between_grids(block_bytes, direction, one_sided=False)
+    await _every_byte_between_grids(block_bytes, direction, "first by each key" if net == "native" else "allocated")
 
 
-async def _every_byte_between_grids(block_bytes: int, direction: str, *, one_sided: bool) -> None:
+async def _every_byte_between_grids(block_bytes: int, direction: str, memory: str) -> None:
     desc = CacheDesc(6, (40, block_bytes), DataType.DT_UINT8, Placement.HOST)
     rng = np.random.default_rng(block_bytes)
+    one_sided = memory != "first by each key" and os.environ.get("AIODATADIST_NET") != "python"
     async with linked_pair(config=config("tcp")) as (prompt, decoder):
-        if one_sided:
-            theirs = prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 3))
-        else:  # caller memory, its tensors back to back as allocated ones
-            memory = np.zeros(desc.num_tensors * desc.size, dtype=np.uint8)
-            addrs = [memory.ctypes.data + t * desc.size for t in range(desc.num_tensors)]
-            theirs = prompt.cache_manager.register_blocks_cache(desc, addrs, BlocksCacheKey(1, 3))
+        pcm = prompt.cache_manager
+        if memory == "allocated":
+            theirs = pcm.allocate_blocks_cache(desc, BlocksCacheKey(1, 3))
+        else:  # caller memory, its tensors back to back as allocated ones, or apart (other data between them)
+            pitch = desc.size + (4096 if memory == "registered apart" else 0)
+            buffer = np.full(desc.num_tensors * pitch, 0xEE, dtype=np.uint8)
+            addrs = [buffer.ctypes.data + t * pitch for t in range(desc.num_tensors)][::-1]  # any order
+            theirs = pcm.register_blocks_cache(desc, addrs, BlocksCacheKey(1, 3))
+            gaps = [buffer[a - buffer.ctypes.data + desc.size:a - buffer.ctypes.data + pitch] for a in addrs]
         mine = decoder.cache_manager.allocate_blocks_cache(desc)
         src, dst = (theirs, mine) if direction == "pull" else (mine, theirs)
         fill_pattern(src, 21)
@@ -174,13 +183,19 @@ async def _every_byte_between_grids(block_bytes: int, direction: str, *, one_sid
         for i, (s, d) in enumerate(lists):
             fill_pattern(dst, 100 + i)
             before = blocks(dst, list(range(40)))
-            await move(BlocksCacheKey(1, 3), mine, s, d)  # block s[i] of the source -> block d[i] of the destination
+            key = BlocksCacheKey(1, 3)
+            if memory == "first by each key":
+                key = BlocksCacheKey(1, 100 + i)
+                pcm.register_blocks_cache(desc, addrs, key)
+            await move(key, mine, s, d)  # block s[i] of the source -> block d[i] of the destination
             after = blocks(dst, list(range(40)))
             wanted = blocks(src, s)
             untouched = sorted(set(range(40)) - set(d))
             for t in range(desc.num_tensors):
                 assert np.array_equal(after[t][d], wanted[t]), f"{direction} {i}, tensor {t}"
                 assert np.array_equal(after[t][untouched], before[t][untouched]), f"{direction} {i}, tensor {t}"
+        if memory != "allocated":
+            assert all((gap == 0xEE).all() for gap in gaps)
         if not one_sided:
             assert begins[0] == len(lists)  # every transfer went through the owner
             return
@@ -294,10 +309,10 @@ def registered(cm: Any, desc: CacheDesc, key: BlocksCacheKey, seed: int) -> tupl
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-async def test_registered_memory_is_pulled_one_sided_on_one_host(transport: str) -> None:
-    """Caller-registered memory: same-host pulls and pushes by BlocksCacheKey ask the owner once, then read or
-    write it with process_vm_readv/writev on their own (an engine's busy Python thread is not on the path); over
-    TCP every transfer asks (its owner streams it under a lease).  Every byte is checked."""
+async def test_registered_memory_is_moved_one_sided(transport: str) -> None:
+    """Caller-registered memory: pulls and pushes by BlocksCacheKey ask the owner once, then read or write it on
+    their own (an engine's busy Python thread is not on the path): on one host with process_vm_readv/writev, over
+    TCP through the owner's I/O threads, which check every span against its tensors.  Every byte is checked."""
     async with linked_pair(config=config(transport)) as (prompt, decoder):
         src, arrays = registered(prompt.cache_manager, DESC, BlocksCacheKey(1, 3), 51)
         dst = decoder.cache_manager.allocate_blocks_cache(DESC)
@@ -307,11 +322,11 @@ async def test_registered_memory_is_pulled_one_sided_on_one_host(transport: str)
             await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, s, d)
             for want, got in zip(blocks(src, s), blocks(dst, d)):
                 assert np.array_equal(want, got), f"pull {i}"
-        assert begins[0] == (1 if transport == "shm" else 3)
+        assert begins[0] == 1
         for d in ([6], [2, 3]):
             await decoder.cache_manager.push_blocks(BlocksCacheKey(1, 3), dst, [0] * len(d), d)
             assert all(np.array_equal(want, got) for want, got in zip(blocks(dst, [0] * len(d)), blocks(src, d)))
-        assert begins[0] == (1 if transport == "shm" else 5)
+        assert begins[0] == 1
         assert arrays[0].ctypes.data == src.tensor_addrs[0]
 
 

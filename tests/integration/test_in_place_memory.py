@@ -7,6 +7,7 @@ go the unshared way (process_vm_*), never through the file's holes."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import mmap
 import os
 
@@ -27,6 +28,7 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.memory import in_place
+from aiodatadist.native import DIR_WORDS, DirWord
 from aiodatadist.testing import PeerProcess, linked_pair
 
 PAGE = mmap.PAGESIZE
@@ -84,7 +86,12 @@ async def test_sharing_keeps_the_memory_its_content_and_the_bytes_around_it(piec
         assert entry_window == (PAGE - HEAD, DESC.size - HEAD)
         cache = dd.cache_manager.register_blocks_cache(DESC, [t.ctypes.data for t in tensors], BlocksCacheKey(1, 0))
         entry = registry_of(dd.cache_manager).by_id(cache.cache_id)
-        assert entry.host_memory is memory and entry.shared_window == entry_window and not entry.tcp_readable
+        assert entry.host_memory is memory and entry.shared_window == entry_window
+        # Over TCP its row names each tensor, not the span of them all (which holds other data of the process).
+        row = registry_of(dd.cache_manager).directory._words.reshape(-1, DIR_WORDS)[entry.published[0]]
+        assert entry.tcp_readable and row[DirWord.SIZE] == DESC.size and row[DirWord.TENSORS] == len(tensors)
+        table = np.frombuffer((ctypes.c_uint64 * len(tensors)).from_address(int(row[DirWord.TABLE])), np.uint64)
+        assert table.tolist() == sorted(t.ctypes.data for t in tensors)
         # A cache outside the ranges is plain registered memory.
         other_tensors = [np.ones(DESC.size, dtype=np.uint8) for _ in range(4)]
         plain = dd.cache_manager.register_blocks_cache(DESC, [t.ctypes.data for t in other_tensors])

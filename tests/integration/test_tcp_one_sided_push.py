@@ -3,9 +3,10 @@ the owner's I/O threads validate against its cache directory and write, with no 
 
 Checked between two real processes: the bytes land exactly; a push to a re-keyed cache writes nothing into the
 old one and lands in the new one (through the owner again); a push to a released cache fails with
-LLM_KV_CACHE_NOT_EXIST; a caller-owned cache always goes through the owner.  Checked on two data planes in one
-process: refused WRITE frames (stale stamp, wrong cache, outside the cache, withdrawn row) and frames of an
-unknown transfer write nothing, and the connection stays in sync.
+LLM_KV_CACHE_NOT_EXIST; a caller-owned cache goes one-sided too, until it is unregistered.  Checked on two data
+planes in one process: refused WRITE frames (stale stamp, wrong cache, outside the cache, between the tensors of
+caller memory, withdrawn row) and frames of an unknown transfer write nothing, refused READs send nothing, and the
+connection stays in sync.
 """
 
 from __future__ import annotations
@@ -154,16 +155,30 @@ async def test_push_to_a_released_cache_fails_and_writes_nothing(pair: Pair) -> 
     assert await pair.block(other, 7) == [_expected(5, t, 6) for t in range(TENSORS)]
 
 
-async def test_caller_owned_cache_goes_through_the_owner(pair: Pair) -> None:
+@pytest.mark.parametrize("where", ["host_memory", "in_place", "own"])
+async def test_caller_owned_cache_goes_one_sided_until_unregistered(pair: Pair, where: str) -> None:
+    """Memory the owner registered (inside a HostMemory, shared in place, or its own numpy arrays) takes one-sided
+    writes after the first push (its directory row names its tensors); once the owner unregistered it (which
+    returns only when no write lands any more), a push fails with LLM_KV_CACHE_NOT_EXIST and the link goes on."""
     made = await pair.peer.call("register", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
-                                blocks_key=[PROMPT, 0], host_memory=True)
+                                blocks_key=[PROMPT, 0], **{where: True} if where != "own" else {})
+    remote = int(made["cache_id"])
     cache = pair.dd.cache_manager.allocate_blocks_cache(_desc())
     fill_pattern(cache, 4)
     key = BlocksCacheKey(PROMPT, 0)
     for b in range(3):
         await pair.dd.cache_manager.push_blocks(key, cache, [b], [b])
-    assert pair.one_sided == []
-    assert await pair.block(int(made["cache_id"]), 2) == [_expected(4, t, 2) for t in range(TENSORS)]
+    assert pair.one_sided == [True, True]  # the first push resolved the key through the owner
+    for b in range(3):
+        assert await pair.block(remote, b) == [_expected(4, t, b) for t in range(TENSORS)]
+    assert await pair.block(remote, 3) == [bytes(BLOCK)] * TENSORS
+    await pair.peer.call("release", cache_id=remote)
+    with pytest.raises(LLMException) as caught:
+        await pair.dd.cache_manager.push_blocks(key, cache, [5], [5])
+    assert caught.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+    other = await pair.allocate()
+    await pair.dd.cache_manager.push_blocks(key, cache, [6], [7])
+    assert await pair.block(other, 7) == [_expected(4, t, 6) for t in range(TENSORS)]
 
 
 # -- two data planes in this process, connected over loopback TCP ------------------------------------------------
@@ -249,3 +264,60 @@ async def test_refused_writes_write_nothing(planes: Planes) -> None:
     assert req.closed is None and planes.owner.closed is None
     accepted, nbytes, refused = planes.owner.served_writes()  # counted per WRITE frame by the owner's threads
     assert nbytes == data.nbytes and accepted >= 1 and refused >= 6
+
+
+async def test_a_row_of_caller_memory_reaches_its_tensors_and_nothing_between(planes: Planes) -> None:
+    """A directory row of memory the caller allocated names each tensor (a table of their starts, all of one size):
+    WRITE spans inside a tensor, or running on into a tensor that starts right where it ends, land; spans that
+    reach between tensors, before the first or past the last are refused and write nothing; a READ must name
+    tensor starts and stay within a tensor's size, else it is refused and sends nothing."""
+    size = 64 << 10
+    target = planes.target
+    at = target.ctypes.data
+    starts = np.array([at, at + size, at + 4 * size, at + 8 * size], dtype=np.uint64)  # 0-1 touch, then gaps
+    table = starts.copy()
+    row = planes.words[:DIR_WORDS]
+    row[DirWord.STAMP] = 0
+    row[DirWord.BASE], row[DirWord.SIZE] = 0, size
+    row[DirWord.TABLE], row[DirWord.TENSORS] = table.ctypes.data, len(table)
+    row[DirWord.STAMP] = planes.stamp
+    req = planes.requester
+    data = np.random.default_rng(3).integers(1, 256, 3 * size, dtype=np.uint8)
+    landed = [(0, size // 2), (size // 2, size), (4 * size + 100, 1000), (8 * size, size)]  # offset, bytes
+    for offset, n in landed:
+        await req.wait(planes.write(data[:n], offset, at=at))
+        assert np.array_equal(target[offset:offset + n], data[:n]), offset
+    expected = target.copy()
+    refused = [(size + size // 2, size),  # runs past tensor 1 into the gap
+               (2 * size, 10),  # in the gap
+               (4 * size - 1, 2),  # from the gap into tensor 2
+               (8 * size + size - 4, 8)]  # past the last tensor
+    for offset, n in refused:
+        with pytest.raises(LLMException) as caught:
+            await req.wait(planes.write(data[:n], offset, at=at))
+        assert caught.value.status_code == S.LLM_PARAM_INVALID, offset
+        assert np.array_equal(target, expected), offset
+    with pytest.raises(LLMException) as caught:  # before the first tensor
+        await req.wait(planes.write(data[:8], 0, at=at - 4))
+    assert caught.value.status_code == S.LLM_PARAM_INVALID
+    assert np.array_equal(target, expected)
+
+    async def read(bases: list[int], offset: int, n: int) -> np.ndarray:
+        into = np.zeros(max(n, 1), dtype=np.uint8)
+        zero = np.zeros(1, dtype=np.uint64)
+        job = req.read(secrets.randbits(62), 0, planes.stamp, 7, 3, (np.array(bases, dtype=np.uint64),
+                       np.array([offset], dtype=np.uint64)), np.array([n], dtype=np.uint64),
+                       (np.full(len(bases), into.ctypes.data, dtype=np.uint64), zero))
+        await req.wait(job)
+        return into
+
+    got = await read([int(starts[2])], 100, 1000)
+    assert np.array_equal(got, target[4 * size + 100:4 * size + 1100])
+    for bases, offset, n in [([int(starts[0]) + 64], 0, 64),  # not a tensor's start
+                             ([int(starts[1])], size - 8, 16),  # past the tensor's size
+                             ([at + 2 * size], 0, 64),  # a gap
+                             ([int(starts[0]), at + 5 * size], 0, 64)]:  # one good base, one in a gap
+        with pytest.raises(LLMException) as caught:
+            await read(bases, offset, n)
+        assert caught.value.status_code == S.LLM_PARAM_INVALID, bases
+    assert req.closed is None and planes.owner.closed is None

@@ -164,9 +164,9 @@ class NativeTcpPlane(TcpPlane):
             return Route.OWNER
         if pull:
             return Route.ONE_SIDED
-        # A push goes one-sided into aiodatadist's memory only: a caller-owned cache goes through the owner, so
-        # that unregistering it stops the push.
-        return Route.ONE_SIDED if not descriptor.borrowed and self._fenceable() else Route.OWNER
+        # Into caller-owned memory too: unregistering it withdraws its row (no WRITE frame lands afterwards) and
+        # WITHDRAWs this side's running writes first, as on one host.
+        return Route.ONE_SIDED if self._fenceable() else Route.OWNER
 
     def remembers(self, model_id: int) -> bool:
         return model_id <= I64_MAX
