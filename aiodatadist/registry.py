@@ -77,7 +77,7 @@ class CacheEntry:
     host_memory: HostMemory | None = None  # registered memory inside a HostMemory: mapped by same-host peers
     nixl: Any = None  # its registration with this instance's NIXL agent (aiodatadist.transport.nixl), if any
     on_idle: list[Callable[[], None]] = field(default_factory=list)  # told once, when its last lease ends
-    tcp_published: bool = False  # its directory row names its memory (one-sided TCP transfers may reach it)
+    tcp_readable: bool = False  # its directory row names its memory: one-sided TCP transfers may reach it
 
     @property
     def shared_segment(self) -> SharedSegment | InPlaceSegment | None:
@@ -92,11 +92,6 @@ class CacheEntry:
         """The bytes ``[low, high)`` of each tensor that :attr:`shared_segment` holds (None: all of them)."""
         memory = self.host_memory
         return memory.window(self.addrs, self.desc.size) if memory is not None and self.segment is None else None
-
-    @property
-    def tcp_readable(self) -> bool:
-        """True when its directory row serves one-sided TCP reads and writes (see :meth:`CacheRegistry.add`)."""
-        return self.tcp_published
 
     @functools.cached_property
     def geometry(self) -> CacheGeometry:
@@ -214,7 +209,7 @@ class CacheRegistry:
         else:  # same-host peers only (CUDA IPC, process_vm_readv): no byte of it is served over TCP
             entry.published = directory.publish(cache_id, model, 0, 0)
             return
-        entry.tcp_published = entry.published is not None
+        entry.tcp_readable = entry.published is not None
 
     # -- lookups ---------------------------------------------------------------------------------------------
     def by_id(self, cache_id: int) -> CacheEntry:

@@ -315,14 +315,17 @@ static int64_t table_floor(const uint64_t *starts, uint64_t count, uint64_t addr
 }
 
 /* Whether [addr, addr + len) lies inside the row's memory (a table row's span may run from one tensor into the next
- * where they touch, as merged spans do). */
-static int dir_covers(const int64_t *w, uint64_t addr, uint64_t len)
+ * where they touch, as merged spans do).  `hint`: the tensor the last span was found in (-1 at first): a frame's
+ * spans come tensor by tensor, so most need no search. */
+static int dir_covers(const int64_t *w, uint64_t addr, uint64_t len, int64_t *hint)
 {
     uint64_t size = (uint64_t)w[5];
     if (!w[3]) { uint64_t base = (uint64_t)w[4]; return addr >= base && len <= size && addr - base <= size - len; }
     uint64_t count;
     const uint64_t *starts = dir_table(w, &count);
-    int64_t i = table_floor(starts, count, addr);
+    int64_t i = *hint;
+    if (i < 0 || (uint64_t)i >= count || addr < starts[i] || addr - starts[i] >= size)
+        i = *hint = table_floor(starts, count, addr);
     if (i < 0 || addr - starts[i] >= size) return len == 0 && i >= 0 && addr - starts[i] == size;
     uint64_t end = starts[i] + size, want;
     if (__builtin_add_overflow(addr, len, &want)) return 0;
@@ -473,11 +476,12 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
     if (!status) {
         const int64_t *w = n->dir + row * DIR_WORDS;
         uint64_t total = 0;
+        int64_t hint = -1;
         addr = malloc((count ? count : 1) * 8); len = malloc((count ? count : 1) * 8); ends = malloc((count ? count : 1) * 8);
         if (!addr || !len || !ends) status = 2;
         for (uint64_t i = 0; !status && i < count; i++) {
             uint64_t a = spans[2 * i], l = spans[2 * i + 1];
-            if (!dir_covers(w, a, l) || __builtin_add_overflow(total, l, &total)) status = 3;   /* outside the cache */
+            if (!dir_covers(w, a, l, &hint) || __builtin_add_overflow(total, l, &total)) status = 3;   /* outside it */
             addr[i] = a; len[i] = l; ends[i] = total;
         }
         if (!status && total != data) status = 3;

@@ -202,8 +202,8 @@ class DataPlane:
         return True
 
     def publishes(self, tcp_readable: bool) -> bool:
-        """Whether the requester may go one-sided on a published cache (``tcp_readable``: its memory is
-        aiodatadist's or a HostMemory's)."""
+        """Whether the requester may go one-sided on a published cache (``tcp_readable``: its directory row
+        names its memory, so that the owner's I/O threads can check a one-sided TCP transfer's spans)."""
         return True
 
     def reach(self, entry: Any) -> NixlReach | None:

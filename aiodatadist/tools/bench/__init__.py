@@ -20,7 +20,8 @@ Workloads:
   blocks each call (a new plan each call, as a serving engine's requests have), called in turn, and, measured
   apart after them, for pulls, ``pull_cache`` of a 64 x 64-byte slot by ``CacheKey`` (a request key the owner
   releases: two control round trips), for pushes, 128 other blocks each call into memory the peer registered (an
-  engine's KV: caller-owned, so through the owner on TCP); per-call p50/p99, and the marginal cost of a span.
+  engine's KV: caller-owned, its directory row a table of its tensors); per-call p50/p99, and the marginal cost of
+  a span.
 
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
 aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
@@ -250,8 +251,7 @@ class _Session:
 
     async def registered_pushes(self, count: int, runs: int) -> Callable[[], Awaitable[None]]:
         """A call per push: ``push_blocks`` of ``count`` other blocks each call (random, distinct on each side) into
-        a tiny blocks cache the peer registered from its own memory, as an engine's KV is: caller-owned, so that on
-        TCP every push goes through the owner (``BEGIN``, the bytes, ``END`` once they landed)."""
+        a tiny blocks cache the peer registered from its own memory (numpy arrays), as an engine's KV is."""
         await self.peer.call("register", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, TINY_BYTES],
                              blocks_key=[PROMPT, 2])
         rng = np.random.default_rng(12)
@@ -341,8 +341,7 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
     """Per-call latency of 64 and 8192 spans of 64 bytes, then of both sizes with other blocks each call (a new
     plan each time, as a serving engine's requests have: random blocks, distinct on each side), called in turn,
     then, for pulls, of ``pull_cache`` by ``CacheKey`` (a request key pulled once: through the owner, two round
-    trips), for pushes, of 8192 spans of other blocks each call into memory the peer registered (on TCP through
-    the owner); the 8192-span row also gives the marginal cost of a span (its p50 minus the 64-span p50, per extra
+    trips), for pushes, of 8192 spans of other blocks each call into memory the peer registered; the 8192-span row also gives the marginal cost of a span (its p50 minus the 64-span p50, per extra
     span)."""
     runs = max(500, repeat * 100)
     sizes = ' and '.join(map(str, CALL_SPANS))
@@ -458,7 +457,7 @@ def _format(r: dict[str, Any]) -> str:
         if r.get("new_blocks"):
             text += "   other blocks each call"
         if r.get("registered"):
-            text += ", into memory the peer registered" + (" (through the owner)" if r["transport"] == "tcp" else "")
+            text += ", into memory the peer registered"
         if r.get("by_key"):
             text += "   pull_cache by CacheKey (through the owner)"
         if "ns_per_extra_span" in r:
