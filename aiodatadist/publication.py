@@ -11,6 +11,7 @@ extents of its tensors for memory the caller allocated) and a *stamp*: a random
 
 from __future__ import annotations
 
+import logging
 import secrets
 
 import numpy as np
@@ -22,6 +23,10 @@ from .segment_identity import SegmentIdentity
 __all__ = ["DIRECTORY_ROWS", "CacheDirectory"]
 
 DIRECTORY_ROWS = 4096
+WITHDRAW_BOUND_MS = 5000
+"""How long a release waits for the native threads serving a peer's frame from the row (each holds it for one
+frame; one held up by a peer that stalled mid-frame is given up on, logged, as a copy that does not stop is)."""
+log = logging.getLogger("aiodatadist.cache")
 _WORDS = DIR_WORDS
 _STAMP, _CACHE, _MODEL, _BASE, _SIZE = DirWord.STAMP, DirWord.CACHE, DirWord.MODEL, DirWord.BASE, DirWord.SIZE
 _TABLE, _TENSORS = DirWord.TABLE, DirWord.TENSORS
@@ -73,13 +78,16 @@ class CacheDirectory:
         self._words[row * _WORDS + _MODEL] = model_id
 
     def withdraw(self, row: int) -> None:
-        """The cache was released: its row stops matching any stamp at once, and this returns only once no
-        native thread serving a peer's one-sided read still reads its memory (at most one frame)."""
+        """The cache was released: its row stops matching any stamp at once, and this returns once no native
+        thread serving a peer's one-sided read or write still touches its memory (at most one frame each), or,
+        past :data:`WITHDRAW_BOUND_MS`, with an error logged and the row never used again."""
         lib = native_pool()
-        if lib is not None:
-            lib.adt_dir_withdraw(self._words.ctypes.data, row)
-        else:
-            self._words[row * _WORDS + _STAMP] = 0
+        if lib is not None and lib.adt_dir_withdraw(self._words.ctypes.data, row, WITHDRAW_BOUND_MS):
+            # A thread may still read the row (and its table) and the memory: neither is used again.
+            log.error("a one-sided TCP transfer of a released cache did not stop within %d ms (a peer stalled "
+                      "mid-frame); its memory may still be read or written until it does", WITHDRAW_BOUND_MS)
+            return
+        self._words[row * _WORDS + _STAMP] = 0
         self._tables.pop(row, None)  # no thread reads it any more
         self._free.append(row)
 

@@ -357,12 +357,17 @@ static int dir_holds_grid(const int64_t *w, const uint64_t *bases, uint64_t nt, 
     return 1;
 }
 
-/* Owner side: a row's cache is released; returns once no serving thread reads its memory any more. */
-void adt_dir_withdraw(int64_t *words, int64_t row)
+/* Owner side: a row's cache is released; returns 0 once no serving thread touches its memory any more, or 1 if one
+ * still does after `bound_ms` (a frame held up by a peer that stopped sending or reading mid-frame). */
+int adt_dir_withdraw(int64_t *words, int64_t row, int bound_ms)
 {
     int64_t *w = words + row * DIR_WORDS;
     __atomic_store_n(&w[0], 0, __ATOMIC_SEQ_CST);
-    while (__atomic_load_n(&w[6], __ATOMIC_SEQ_CST) > 0) usleep(50);
+    for (long waited_us = 0; __atomic_load_n(&w[6], __ATOMIC_SEQ_CST) > 0; waited_us += 50) {
+        if (waited_us >= 1000L * bound_ms) return 1;
+        usleep(50);
+    }
+    return 0;
 }
 
 /* ---- I/O threads ---- */

@@ -133,7 +133,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_send_grid.restype = c_int
     lib.adt_recv_frame.argtypes = [c_int, vp, vp, vp, sz, u64, u64, vp, vp, sz, c_int, vp]
     lib.adt_recv_frame.restype = ctypes.c_long
-    lib.adt_dir_withdraw.argtypes, lib.adt_dir_withdraw.restype = [vp, i64], None
+    lib.adt_dir_withdraw.argtypes, lib.adt_dir_withdraw.restype = [vp, i64, c_int], c_int
     lib.adt_net_new.argtypes, lib.adt_net_new.restype = [c_int, vp, sz, u64], vp
     lib.adt_net_attach.argtypes, lib.adt_net_attach.restype = [vp, c_int], c_int
     lib.adt_net_send.argtypes, lib.adt_net_send.restype = [vp, u64, vp, sz, vp, vp, sz], vp

@@ -256,7 +256,7 @@ async def test_refused_writes_write_nothing(planes: Planes) -> None:
     # a withdrawn row (the cache was released) takes nothing any more
     lib = native_pool()
     assert lib is not None
-    lib.adt_dir_withdraw(planes.words.ctypes.data, 0)
+    assert lib.adt_dir_withdraw(planes.words.ctypes.data, 0, 1000) == 0
     with pytest.raises(LLMException) as caught:
         await req.wait(planes.write(data, 0))
     assert caught.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
@@ -321,3 +321,47 @@ async def test_a_row_of_caller_memory_reaches_its_tensors_and_nothing_between(pl
             await read(bases, offset, n)
         assert caught.value.status_code == S.LLM_PARAM_INVALID, bases
     assert req.closed is None and planes.owner.closed is None
+
+
+def test_a_withdrawal_held_up_by_a_frame_is_bounded_and_retires_the_row(caplog: pytest.LogCaptureFixture) -> None:
+    """A row some I/O thread still holds (a frame of a peer that stalled mid-frame) is withdrawn within the bound:
+    its stamp is cleared at once, the call gives up after the bound with an error logged, and the row (with its
+    table) is never published again; a row nobody holds is withdrawn at once and reused."""
+    import time
+
+    from aiodatadist.publication import CacheDirectory
+
+    lib = native_pool()
+    assert lib is not None
+    words = np.zeros(2 * DIR_WORDS, dtype=np.int64)
+    words[DirWord.STAMP], words[DirWord.BUSY] = 5, 1
+    started = time.monotonic()
+    assert lib.adt_dir_withdraw(words.ctypes.data, 0, 50) == 1
+    assert 0.04 < time.monotonic() - started < 2.0 and words[DirWord.STAMP] == 0
+    words[DirWord.BUSY] = 0
+    assert lib.adt_dir_withdraw(words.ctypes.data, 0, 50) == 0
+
+    directory = CacheDirectory(rows=2)
+    try:
+        tensors = np.array([1 << 20, 2 << 20], dtype=np.uint64)
+        published = directory.publish(7, -1, 0, 4096, tensors=tensors)
+        assert published is not None
+        row, _ = published
+        rows = directory._words.reshape(-1, DIR_WORDS)
+        rows[row, DirWord.BUSY] = 1  # an I/O thread in the row
+        from aiodatadist import publication
+        bound, publication.WITHDRAW_BOUND_MS = publication.WITHDRAW_BOUND_MS, 20
+        try:
+            with caplog.at_level("ERROR", logger="aiodatadist.cache"):
+                directory.withdraw(row)
+        finally:
+            publication.WITHDRAW_BOUND_MS = bound
+        assert "did not stop within 20 ms" in caplog.text
+        assert rows[row, DirWord.STAMP] == 0 and rows[row, DirWord.TABLE] != 0  # its table stays alive
+        other = directory.publish(8)
+        assert other is not None and other[0] != row
+        assert directory.publish(9) is None  # the held row is not handed out again
+        directory.withdraw(other[0])  # nobody holds it: at once, and free again
+        assert directory.publish(10) is not None
+    finally:
+        directory.close()
