@@ -64,7 +64,7 @@ class CacheDirectory:
         self._words[base_word + _BASE] = base
         self._words[base_word + _SIZE] = size
         if tensors is not None:
-            table = self._tables[row] = np.ascontiguousarray(tensors, dtype=np.uint64).copy()
+            table = self._tables[row] = np.array(tensors, dtype=np.uint64)  # its own copy
             self._words[base_word + _TABLE] = table.ctypes.data
             self._words[base_word + _TENSORS] = len(table)
         else:

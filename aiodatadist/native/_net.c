@@ -11,9 +11,9 @@
  *   - a one-sided READ (pull by a resolved key) registers a receive job and queues a READ frame naming the
  *     owner's spans as a grid (the owner's tensor bases, the runs' offsets and lengths: a few words however many
  *     spans); the owner's receiver thread validates every span against its cache directory (live
- *     stamp, spans inside the cache's segment) and queues a *serve* job that sends them back as DATA frames, with no Python
+ *     stamp, spans inside the cache's memory: its segment, or each of its tensors) and queues a *serve* job that sends them back as DATA frames, with no Python
  *     and no control-plane round trip on the owner.  A serve job re-checks the stamp before each frame and
- *     marks the row busy while reading it, so a release (adt_dir_withdraw) waits for at most one frame.
+ *     marks the row busy while reading it, so a release (adt_dir_withdraw) waits for at most one frame (bounded).
  * A job's end is announced by writing its address to the link's notify pipe (as for the copy pool).
  */
 #include <errno.h>
@@ -1025,7 +1025,10 @@ void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
-    if (!j || copied_grid_job(j, local_bases, nt, local_offs, lens, nr, n->frame, n->nconns)) { free_job(j); return NULL; }
+    if (!j || copied_grid_job(j, local_bases, nt, local_offs, lens, nr, n->frame, n->nconns)) {
+        free_job(j);
+        return NULL;
+    }
     j->wframe = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe);
     j->wframe_len = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe_len);
     int bad = !j->wframe || !j->wframe_len;

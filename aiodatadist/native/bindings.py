@@ -111,7 +111,7 @@ class DirWord(IntEnum):
     BASE = 4
     SIZE = 5
     BUSY = 6
-    """Threads serving a read of the row (``dir_enter``/``dir_leave``); a release waits for 0."""
+    """Threads serving a frame of the row (``dir_enter``/``dir_leave``); a release waits for 0, bounded."""
     TENSORS = 7
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._aio import wait_through_cancellation
-from ..layout import CopyPlan
+from ..layout import CopyPlan, coalesce
 from ..native import KEY_FLAG_SHIFT, StopFlag
 
 __all__ = ["PULL", "PUSH", "Grid", "PlaneJob", "PythonTransferJob", "TransferJob", "WaitingMixin", "grid_spans",
@@ -124,9 +124,5 @@ def grid_spans(grid: Grid, lengths: npt.NDArray[Any]) -> tuple[UInt64Array, UInt
     bases, offsets = grid
     start = (np.asarray(bases, dtype=np.uint64)[:, None] + offsets.astype(np.uint64)[None, :]).ravel()
     length = np.broadcast_to(lengths.astype(np.uint64), (len(bases), len(lengths))).ravel()
-    if len(length) > 1:
-        cont = start[:-1] + length[:-1] == start[1:]
-        if cont.any():
-            starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-            return start[starts], np.add.reduceat(length, starts)
-    return start, np.ascontiguousarray(length)
+    merged, _, merged_length = coalesce(start, start, length)  # both "sides" this end: merged where it continues
+    return merged.astype(np.uint64, copy=False), np.ascontiguousarray(merged_length, dtype=np.uint64)

@@ -341,8 +341,8 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
     """Per-call latency of 64 and 8192 spans of 64 bytes, then of both sizes with other blocks each call (a new
     plan each time, as a serving engine's requests have: random blocks, distinct on each side), called in turn,
     then, for pulls, of ``pull_cache`` by ``CacheKey`` (a request key pulled once: through the owner, two round
-    trips), for pushes, of 8192 spans of other blocks each call into memory the peer registered; the 8192-span row also gives the marginal cost of a span (its p50 minus the 64-span p50, per extra
-    span)."""
+    trips), for pushes, of 8192 spans of other blocks each call into memory the peer registered; the 8192-span
+    row also gives the marginal cost of a span (its p50 minus the 64-span p50, per extra span)."""
     runs = max(500, repeat * 100)
     sizes = ' and '.join(map(str, CALL_SPANS))
     progress(f"{plane} {direction} calls of {sizes} spans, and of {sizes} spans of other blocks each call, in turn "
