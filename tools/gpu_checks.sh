@@ -5,7 +5,7 @@
 # The lent machines have no network and no pyzmq; fetch the wheels first, on a machine with one, into the
 # (git-ignored) folder the device tool carries:
 #   pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --no-deps \
-#       -d .gpuwheels pyzmq==27.3.0 pytest-asyncio==1.5.0
+#       -d .gpuwheels pyzmq==27.3.0 pytest-asyncio==1.5.0 pytest-timeout
 # then, with the device tool: run(command="bash tools/gpu_checks.sh $OUT", carry=[".gpuwheels"], timeout_s=420)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,10 +19,15 @@ PY=${PYTHON:-python3}
 } > "$OUTDIR/env.txt" 2>&1
 if [ -d "$WHEELS" ]; then
   $PY -m pip install -q --no-index --find-links "$WHEELS" pyzmq pytest-asyncio >> "$OUTDIR/env.txt" 2>&1
+  $PY -m pip install -q --no-index --find-links "$WHEELS" pytest-timeout >> "$OUTDIR/env.txt" 2>&1
 fi
+# A hung test must not eat the machine's time; pytest-timeout is optional there.
+PER_TEST=()
+if $PY -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout 100); fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . >> "$OUTDIR/env.txt" 2>&1
 $PY -m aiodatadist info >> "$OUTDIR/env.txt" 2>&1
-timeout 240 $PY -m pytest -q -p no:cacheprovider -rs --timeout 100 tests/gpu tests/unit/test_device_cpu.py tests/unit/test_cuda_cpu.py tests/integration/test_device_refused.py \
+timeout 240 $PY -m pytest -q -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} tests/gpu tests/unit/test_device_cpu.py \
+  tests/unit/test_cuda_cpu.py tests/integration/test_device_refused.py tests/unit/test_torch.py \
   > "$OUTDIR/gpu-tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUTDIR/gpu-tests.txt"
 timeout 150 $PY -m aiodatadist bench --device --repeat 9 --json "$OUTDIR/bench-device.json" \

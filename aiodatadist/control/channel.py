@@ -82,6 +82,10 @@ class TaskSet:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # A task leaves the set in its done callback, which runs in a later loop iteration; and from Python
+            # 3.12 a gather of tasks that have all ended returns without yielding to the loop, so without this
+            # the loop would spin here forever on a task that ended just before.
+            await asyncio.sleep(0)
         failures, self._failures = self._failures, []
         if failures:
             raise BaseExceptionGroup("background tasks failed", failures)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import anyio
 import pytest
@@ -148,3 +151,36 @@ async def test_taskset_close_without_failures_returns() -> None:
     tasks.spawn(asyncio.sleep(0), name="quick")
     await asyncio.sleep(0.01)
     await tasks.close()
+
+
+_ENDED_JUST_BEFORE = """
+import asyncio
+from aiodatadist.control.channel import TaskSet
+
+async def main():
+    tasks = TaskSet()
+    gate = asyncio.get_running_loop().create_future()
+    async def waits() -> None:
+        await gate
+
+    ended = tasks.spawn(waits(), name="ends-just-before")
+    await asyncio.sleep(0)  # it runs up to the gate
+    gate.set_result(None)
+    await asyncio.sleep(0)  # the task ends in this iteration; its done callback runs in the next one
+    assert ended.done() and ended in tasks._tasks
+    await tasks.close()
+    assert not tasks._tasks
+
+asyncio.run(main())
+print("closed")
+"""
+
+
+def test_taskset_close_returns_when_a_task_ended_just_before_it() -> None:
+    """A task that ended but whose done callback has not run yet is still in the set: close() must let the loop
+    run that callback (from Python 3.12 a gather of ended tasks returns without yielding, and close() spun
+    forever).  In a child process, so that a spinning loop fails the test instead of hanging it."""
+    done = subprocess.run([sys.executable, "-c", _ENDED_JUST_BEFORE], check=False, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "closed"
