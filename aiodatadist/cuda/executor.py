@@ -8,7 +8,8 @@ kept on the device after its first copy: a repeated transfer is one ``cuLaunchKe
 
 How the event loop learns that the GPU is done: an event recorded after the copy, which the loop itself queries
 (``cuEventQuery``, well under a microsecond).  A copy expected to take 2.5 ms or more (its bytes at the rate this
-executor has seen) first sleeps on a loop timer for most of that time (:data:`POLL_AT`; the loop's timers round
+executor has seen for copies of its kind: within device memory, or over the bus to page-locked host memory) first
+sleeps on a loop timer for most of that time (:data:`POLL_AT`; the loop's timers round
 up to a millisecond, so shorter copies never use one); then the loop queries the event once per iteration,
 yielding to every other task, and a copy still running :data:`POLL_FOR_S` past its expected end is waited for in
 a thread (``cuEventSynchronize``).  A copy found complete at the first query after a timer may have ended long
@@ -55,7 +56,11 @@ POLL_AT: Final = 0.8  # a job's event is first queried after this share of its e
 POLL_FOR_S: Final = 0.002  # then queried every loop iteration until this long past the expected end
 TIMER_MIN_S: Final = 0.002  # shorter waits poll from the next iteration: the loop's timers round up to 1 ms
 TIMER_SLACK_S: Final = 0.001  # (epoll's timeout is in milliseconds, rounded up)
-FIRST_RATE: Final = 20e9  # bytes/s expected before the executor has seen a copy end
+FIRST_RATES: Final = (1e12, 20e9)  # bytes/s expected, by kind (DEVICE_ONLY, OVER_THE_BUS), before a copy ended
+RATE_MIN_S: Final = 200e-6  # copies that end sooner say more about the launch's latency than about the rate
+DEVICE_ONLY: Final = 0  # a copy's kind: both ends in device memory
+OVER_THE_BUS: Final = 1  # either end in page-locked host memory (its bus is 10-50x slower than device memory)
+KINDS_KEPT: Final = 4096  # address pairs whose kind an executor remembers (forgotten all at once past that)
 MAX_RATE: Final = 5e12  # bytes/s: no copy is expected to be faster
 LAUNCH_CACHE: Final = 64  # prepared launches kept per executor (least recently used first out)
 LAUNCH_CACHE_MAX_SPANS: Final = 16384  # plans with more spans are prepared at every call
@@ -71,11 +76,12 @@ class _Launch:
     ``cuLaunchKernel``.  ``last_seq``: the latest job that launched with it (its buffer is reused only once the
     stream is past that job)."""
 
-    __slots__ = ("block", "cached", "grid", "last_seq", "n", "nbytes", "resident", "single", "table")
+    __slots__ = ("block", "cached", "grid", "kind", "last_seq", "n", "nbytes", "resident", "single", "table")
 
     def __init__(self, nbytes: int, single: tuple[int, int, int] | None = None, table: np.ndarray | None = None,
                  grid: int = 0, block: int = 0) -> None:
         self.nbytes = nbytes
+        self.kind = DEVICE_ONLY  # what its copy's duration is expected from (see CudaExecutor._rates)
         self.single = single
         self.table = table
         self.n = 0 if table is None else len(table) // 3
@@ -268,7 +274,11 @@ class CudaExecutor(ExecutorBase):
         self._done_seq = 0  # the stream is past every job up to this one
         self._retired: list[tuple[_Descriptors, int]] = []  # tables of evicted launches, until the stream is past
         self._resident_spans = 0  # descriptor capacity held by resident tables (at most RESIDENT_SPANS)
-        self._rate = FIRST_RATE  # bytes/s: how fast this executor's copies have ended (a moving average)
+        # bytes/s: how fast this executor's copies of each kind have ended (moving averages); kept apart, as a
+        # copy over the bus expected at device speed would be polled for long, and the reverse would sleep on a
+        # timer for many times its duration
+        self._rates = list(FIRST_RATES)
+        self._kinds: dict[tuple[int, int], int] = {}  # (first source, first destination address) -> kind
         self.last_job: CudaJob | None = None  # the latest awaitable copy (its timestamps, for `bench --device`)
         drv = device.driver
         device.make_current()
@@ -300,7 +310,10 @@ class CudaExecutor(ExecutorBase):
         (``LLM_DEVICE_MEM_ERROR``, or ``LLM_DEVICE_OUT_OF_MEMORY``).
         """
         job = CudaJob(asyncio.get_running_loop())
-        self._submit(self._prepare(spans), job)
+        launch = self._prepare(spans)
+        if len(spans.src):
+            launch.kind = self._kind(int(spans.src[0]), int(spans.dst[0]))
+        self._submit(launch, job)
         return job
 
     def start_plan(self, plan: CopyPlan, src_addrs: np.ndarray, dst_addrs: np.ndarray, copier: object = None, *,
@@ -316,12 +329,32 @@ class CudaExecutor(ExecutorBase):
 
         def prepare() -> _Launch:
             launch = self._prepare_plan(plan, src_addrs, dst_addrs)
-            launch.cached = True
+            if len(src_addrs) and len(dst_addrs):
+                launch.kind = self._kind(int(src_addrs[0]), int(dst_addrs[0]))
             return launch
 
         if plan.num_spans > LAUNCH_CACHE_MAX_SPANS:
-            return self._prepare_plan(plan, src_addrs, dst_addrs)
-        return self._launches.get_or_make(plan, (src_addrs.tobytes(), dst_addrs.tobytes()), prepare)
+            return prepare()
+
+        def prepare_cached() -> _Launch:
+            launch = prepare()
+            launch.cached = True
+            return launch
+
+        return self._launches.get_or_make(plan, (src_addrs.tobytes(), dst_addrs.tobytes()), prepare_cached)
+
+    def _kind(self, src: int, dst: int) -> int:
+        """Whether a copy from ``src`` to ``dst`` (a tensor's address at each end) stays in device memory or
+        crosses the bus, remembered per pair (an address freed and reused for the other kind only misleads the
+        expected duration of its copies for a while, never what they copy)."""
+        kind = self._kinds.get((src, dst))
+        if kind is None:
+            device = self.device.is_device_pointer(src) and self.device.is_device_pointer(dst)
+            kind = DEVICE_ONLY if device else OVER_THE_BUS
+            if len(self._kinds) >= KINDS_KEPT:
+                self._kinds.clear()
+            self._kinds[(src, dst)] = kind
+        return kind
 
     def _prepare_plan(self, plan: CopyPlan, src_addrs: np.ndarray, dst_addrs: np.ndarray) -> _Launch:
         """:meth:`_prepare` of a plan's spans: the native helper walks the plan's grid into the descriptor table
@@ -407,7 +440,7 @@ class CudaExecutor(ExecutorBase):
         if isinstance(work, CudaJob):
             work.enqueued_at = time.perf_counter()
             self.last_job = work
-            if self._watch(work, launch.nbytes, start):
+            if self._watch(work, launch, start):
                 return
         if start is not None:
             self._timed_events.append(start)
@@ -475,7 +508,7 @@ class CudaExecutor(ExecutorBase):
             return None
         return event
 
-    def _watch(self, job: CudaJob, nbytes: int, start: ctypes.c_void_p | None = None) -> bool:
+    def _watch(self, job: CudaJob, launch: _Launch, start: ctypes.c_void_p | None = None) -> bool:
         """Record an event after ``job``'s copy and have its loop poll it (see the module's docstring); False
         if the event cannot be recorded (the caller adds a stream callback instead).  ``start``: a timed event
         recorded before the copy (the one after it is timed too)."""
@@ -483,21 +516,24 @@ class CudaExecutor(ExecutorBase):
         if event is None:
             log.debug("no event after a copy: a stream callback completes it")
             return False
-        _EventWatch(self, job, event, nbytes, start)
+        _EventWatch(self, job, event, launch.nbytes, launch.kind, start)
         return True
 
     def _event_done(self, event: ctypes.c_void_p, nbytes: int, took: float, at_first_query: bool,
-                    timed: bool = False) -> None:
+                    timed: bool = False, kind: int = DEVICE_ONLY) -> None:
         """``took``: from the enqueue to the query that saw the event complete.  Done at the first query after a
         timer, the copy may have ended long before: its rate is only a lower bound, so the expectation is halved
-        (the next timer is shorter), never lowered by it."""
+        (the next timer is shorter), never lowered by it.  Copies of less than 1 MiB or :data:`RATE_MIN_S`
+        teach nothing: their time is mostly the launch's latency (2 MiB between device buffers take ~1 us of
+        the ~20 us to the loop seeing them), and counting them would make large copies sleep on timers."""
         (self._timed_events if timed else self._events).append(event)
-        if nbytes < 1 << 20 or took <= 0:  # small copies say more about latency than about the rate
+        if nbytes < 1 << 20 or took <= 0 or (took < RATE_MIN_S and not at_first_query):
             return
+        rates = self._rates
         if at_first_query:
-            self._rate = min(MAX_RATE, max(self._rate * 2, nbytes / took))
+            rates[kind] = min(MAX_RATE, max(rates[kind] * 2, nbytes / took))
         else:
-            self._rate = min(MAX_RATE, 0.8 * self._rate + 0.2 * (nbytes / took))
+            rates[kind] = min(MAX_RATE, 0.8 * rates[kind] + 0.2 * (nbytes / took))
 
     # -- descriptor buffers -------------------------------------------------------------------------------
 
@@ -594,14 +630,15 @@ class _EventWatch:
     """The loop's side of a job's completion event: a timer for most of the expected duration, then a query per
     loop iteration, then (a copy far past its expected end) a thread blocked in ``cuEventSynchronize``."""
 
-    __slots__ = ("event", "executor", "job", "nbytes", "queries", "slept", "start", "started", "until")
+    __slots__ = ("event", "executor", "job", "kind", "nbytes", "queries", "slept", "start", "started", "until")
 
-    def __init__(self, executor: CudaExecutor, job: CudaJob, event: ctypes.c_void_p, nbytes: int,
+    def __init__(self, executor: CudaExecutor, job: CudaJob, event: ctypes.c_void_p, nbytes: int, kind: int,
                  start: ctypes.c_void_p | None = None) -> None:
         self.executor, self.job, self.event, self.nbytes, self.start = executor, job, event, nbytes, start
+        self.kind = kind
         self.started = time.perf_counter()
         self.queries = 0
-        expected = nbytes / executor._rate
+        expected = nbytes / executor._rates[kind]
         self.until = self.started + expected + POLL_FOR_S
         delay = expected * POLL_AT
         self.slept = delay >= TIMER_MIN_S
@@ -646,5 +683,6 @@ class _EventWatch:
                                                                                        self.start, self.event):
                 self.job.gpu_seconds = elapsed.value / 1e3
             executor._timed_events.append(self.start)
-        executor._event_done(self.event, self.nbytes, took, self.slept and self.queries == 1, self.start is not None)
+        executor._event_done(self.event, self.nbytes, took, self.slept and self.queries == 1, self.start is not None,
+                             self.kind)
         self.job._gpu_done_here(status)

@@ -849,7 +849,7 @@ async def test_the_loop_learns_the_end_from_an_event(dev: Device, executor: Cuda
         assert not executor_module._pending  # no callback is waiting for the driver's thread
         await executor.wait(job)
         assert job.stopped.is_set() and len(executor._events) == 1
-        assert executor._rate != executor_module.FIRST_RATE
+        assert executor._rates != list(executor_module.FIRST_RATES)
         monkeypatch.delenv("FAKE_CUDA_DELAY_US")
         for i in range(4):  # back to back: the same event each time
             await executor.run(arena.spans([i * 1000, 10_000 + i], [3 << 20, (3 << 20) + 8192], [1000, 3000]))
@@ -888,16 +888,41 @@ def test_the_expected_rate_is_only_raised_by_copies_found_done_after_a_timer(exe
     from aiodatadist.cuda import executor as executor_module
 
     event = ctypes.c_void_p(0)
-    executor._rate = 10e9
+    executor._rates[0] = 10e9
     executor._event_done(event, 256 << 20, 0.1, True)  # apparent 2.7 GB/s, slower than expected: no lowering
-    assert executor._rate == 20e9
+    assert executor._rates[0] == 20e9
     executor._event_done(event, 256 << 20, (256 << 20) / 1e12, True)
-    assert executor._rate == pytest.approx(1e12)
+    assert executor._rates[0] == pytest.approx(1e12)
     executor._event_done(event, 256 << 20, (256 << 20) / 0.5e12, False)  # polled: an honest measurement
-    assert executor._rate == pytest.approx(0.8 * 1e12 + 0.2 * 0.5e12)
+    assert executor._rates[0] == pytest.approx(0.8 * 1e12 + 0.2 * 0.5e12)
     executor._event_done(event, 4096, 1e-9, False)  # small: says nothing about the rate
-    assert executor._rate == pytest.approx(0.9e12)
+    assert executor._rates[0] == pytest.approx(0.9e12)
     for _ in range(10):
         executor._event_done(event, 256 << 20, 1e-9, True)
-    assert executor._rate == executor_module.MAX_RATE
+    assert executor._rates[0] == executor_module.MAX_RATE
     executor._events.clear()  # (the null event handles above are not the executor's)
+
+
+def test_latency_bound_copies_and_copies_over_the_bus_leave_the_device_rate_alone(dev: Device,
+                                                                                 executor: CudaExecutor) -> None:
+    """A 2 MiB copy seen ~20 us after its enqueue measures the launch's latency, not the rate (counting it made
+    the next 256 MiB copy sleep on a timer for 7x its duration); copies to or from page-locked host memory keep
+    a rate of their own, so a swap never makes a device copy sleep for a bus copy's time, nor the reverse."""
+    from aiodatadist.cuda import executor as executor_module
+
+    event = ctypes.c_void_p(0)
+    executor._rates[:] = [2e12, 50e9]
+    for _ in range(50):
+        executor._event_done(event, 2 << 20, 20e-6, False)
+    assert executor._rates == [2e12, 50e9]
+    executor._event_done(event, 256 << 20, (256 << 20) / 40e9, False, kind=executor_module.OVER_THE_BUS)
+    assert executor._rates == [2e12, pytest.approx(0.8 * 50e9 + 0.2 * 40e9)]
+    executor._events.clear()
+    a, b, pinned = dev.alloc(4096), dev.alloc(4096), dev.alloc_pinned(4096)
+    try:
+        assert executor._kind(a, b) == executor_module.DEVICE_ONLY
+        assert executor._kind(pinned, b) == executor._kind(a, pinned) == executor_module.OVER_THE_BUS
+    finally:
+        dev.free(a)
+        dev.free(b)
+        dev.free_pinned(pinned)

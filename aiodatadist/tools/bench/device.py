@@ -11,6 +11,10 @@
   from the prompt's device cache, p50/p99 over ``max(200, 20 x repeat)`` calls, and where its time goes (phases);
   ``d2d pull 2 MiB, new blocks``: the same with other blocks each call, as a serving engine's requests have (a
   new plan and launch every call).
+* ``d2d pull`` / ``d2d push: kernel alone``: the same 256 MiB calls with timed events around the copy: the
+  kernel's own rate against ``cuMemcpyDtoD``, and the phases of the call around it.
+* ``kernel T x N/SM``: the copy kernel alone on 8192 scattered 32 KiB spans, one launch at a time, with T threads
+  per CTA and N CTAs per SM (the first row is the shipped geometry).
 
 GB/s = bytes copied / second; medians over ``--repeat``.  Every transfer is checked byte-exact once.
 """
@@ -18,13 +22,14 @@ GB/s = bytes copied / second; medians over ``--repeat``.  Every transfer is chec
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import hashlib
 import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -159,6 +164,9 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
             row("d2d push", _gbps(MOVED_BYTES, await _median_async(push, repeat)), "d2d")
             await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
 
+            rows.extend(await _big_phases(cm, lambda: pull(0), "d2d pull", repeat, base["d2d"]))
+            rows.extend(await _big_phases(cm, push, "d2d push", repeat, base["d2d"]))
+
             mapping = dict(zip(src_blocks, dst_blocks))
             reverse = dict(zip(dst_blocks, src_blocks))
             progress("swap_blocks between a host blocks cache and a device blocks cache")
@@ -168,6 +176,8 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
                                                                    repeat)), "d2h")
             row("host->dev pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(1), repeat)), "h2d")
             await _check(prompt, host_src, dst, src_blocks, dst_blocks)
+            progress("the copy kernel alone, 8192 scattered 32 KiB spans, by launch geometry")
+            rows.extend(await asyncio.to_thread(kernel_sweep, cm._engine.device().executor, repeat, base["d2d"]))
         await prompt.call("finalize")
     finally:
         await prompt.close()
@@ -206,6 +216,82 @@ async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int, label:
         executor.time_copies = False
     return [{"name": name, "p50_us": statistics.median(v), "p99_us": sorted(v)[max(0, int(len(v) * 0.99) - 1)],
              "runs": len(v)} for name, v in phases.items() if v]
+
+
+async def _big_phases(cm: Any, call: Callable[[], Awaitable[Any]], label: str, repeat: int,
+                      d2d_gbps: float) -> list[dict[str, Any]]:
+    """The 256 MiB row ``label`` again with timed copies: the kernel's own rate (its time between events on the
+    GPU, against ``cuMemcpyDtoD``) and the phases of the call around it (see :func:`_phases`)."""
+    executor = cm._engine.device().executor
+    kernel: list[float] = []
+    executor.time_copies = True
+    try:
+        for _ in range(max(repeat, 5)):
+            await call()
+            job = executor.last_job
+            if job is not None and job.gpu_seconds:
+                kernel.append(job.gpu_seconds)
+    finally:
+        executor.time_copies = False
+    rows: list[dict[str, Any]] = []
+    if kernel:
+        gbps = _gbps(MOVED_BYTES, statistics.median(kernel))
+        rows.append({"name": f"{label}: kernel alone", "gbps": gbps, "baseline": "d2d", "baseline_gbps": d2d_gbps,
+                     "ratio": gbps / d2d_gbps})
+    return rows + await _phases(cm, call, max(repeat, 5), label)
+
+
+SWEEP: Final = ((256, 8), (256, 4), (256, 2), (128, 16), (128, 8), (64, 32), (64, 16))
+"""(threads per CTA, CTAs per SM) tried by :func:`kernel_sweep`; the first is what ``launch_geometry`` picks for
+32 KiB spans on an sm_80/sm_90 GPU."""
+
+
+def kernel_sweep(executor: Any, repeat: int, d2d_gbps: float) -> list[dict[str, Any]]:
+    """The pointer-list kernel alone on 8192 scattered 32 KiB spans (256 MiB) between two device buffers, one
+    launch per geometry of :data:`SWEEP` at a time, timed by events around it on the GPU (no host time in it):
+    whether the shipped geometry reaches the device's copy limit, and how far the others are."""
+    from ...cuda.executor import _Work
+
+    device = executor.device
+    drv = device.driver
+    rng = np.random.default_rng(2)
+    spans = TENSORS * MOVED
+    area = spans * 2 * BLOCK_BYTES  # room for the spans, scattered over twice their size
+    src, dst = device.alloc(area), device.alloc(area)
+    start, end = executor._record_event(timed=True), executor._record_event(timed=True)
+    rows: list[dict[str, Any]] = []
+    try:
+        device.memset(src, 5, area)
+        slots = 2 * spans
+        table = np.concatenate((
+            np.uint64(src) + rng.permutation(slots)[:spans].astype(np.uint64) * np.uint64(BLOCK_BYTES),
+            np.uint64(dst) + rng.permutation(slots)[:spans].astype(np.uint64) * np.uint64(BLOCK_BYTES),
+            np.full(spans, BLOCK_BYTES, dtype=np.uint64)))
+        for threads, per_sm in SWEEP:
+            launch = executor._table_launch(MOVED_BYTES, table.copy(), spans, BLOCK_BYTES)
+            launch.block, launch.grid = threads, min(spans, per_sm * device.sm_count)
+            times = []
+            for _ in range(max(repeat, 5) + 1):
+                work = _Work()
+                drv.call("cuEventRecord", start, executor._stream)
+                executor._submit(launch, work)
+                drv.call("cuEventRecord", end, executor._stream)
+                work.stopped.wait()
+                drv.call("cuEventSynchronize", end)
+                elapsed = ctypes.c_float()
+                drv.call("cuEventElapsedTime_v2", ctypes.byref(elapsed), start, end)
+                times.append(elapsed.value / 1e3)
+            gbps = _gbps(MOVED_BYTES, statistics.median(times[1:]))  # the first stages the table
+            rows.append({"name": f"kernel {threads} x {per_sm}/SM", "gbps": gbps, "baseline": "d2d",
+                         "baseline_gbps": d2d_gbps, "ratio": gbps / d2d_gbps})
+    finally:
+        device.synchronize()
+        device.free(src)
+        device.free(dst)
+        for event in (start, end):
+            if event is not None:
+                executor._timed_events.append(event)
+    return rows
 
 
 async def _check(prompt: PeerProcess, cache_id: int, dst: Any, src_blocks: list[int], dst_blocks: list[int]) -> None:
