@@ -34,6 +34,7 @@ from .layout import (
     swap_blocks_runs,
 )
 from .memory import HostMemory, SharedSegment
+from .native import int_bounds
 from .notifications import check_notification
 from .registry import CacheEntry, CacheRegistry, geometry_of
 from .transfer import validate
@@ -415,8 +416,12 @@ class CacheManager:
         src_entry = self._swap_entry("src_cache", src_cache)
         dst_entry = self._swap_entry("dst_cache", dst_cache)
         check_isinstance("src_to_dst", src_to_dst, dict)
-        mapping = {check_int("src_to_dst key", k, "uint64"): check_int("src_to_dst value", v, "uint64")
-                   for k, v in src_to_dst.items()}
+        keys, values = int_bounds(list(src_to_dst)), int_bounds(list(src_to_dst.values()))
+        if keys is not None and values is not None and keys[0] >= 0 and values[0] >= 0:  # plain ints: one C pass
+            mapping = src_to_dst
+        else:
+            mapping = {check_int("src_to_dst key", k, "uint64"): check_int("src_to_dst value", v, "uint64")
+                       for k, v in src_to_dst.items()}
         require(src_entry.is_blocks and dst_entry.is_blocks, "swap_blocks needs two blocks caches.")
         if src_entry is dst_entry or np.array_equal(src_entry.addrs, dst_entry.addrs):
             # within one cache (or two handles of the same memory) the result must not depend on copy order

@@ -49,7 +49,8 @@ log = logging.getLogger("aiodatadist.cuda")
 
 _grid_table: Callable[..., tuple[int, int, int]] | None = getattr(native_extension(), "grid_table", None)
 
-MIN_DESCRIPTORS: Final = 4096  # spans a descriptor buffer holds at least (96 KiB device + pinned host)
+MIN_DESCRIPTORS: Final = 256  # spans a descriptor buffer holds at least (6 KiB device + pinned host: small, as
+# a kept launch keeps its buffer, and 64 kept launches of small transfers must leave RESIDENT_SPANS room for large ones)
 MAX_SPANS: Final = 2**32 - 1  # the kernel's span count is an unsigned int
 CUDA_ERROR_NOT_READY: Final = 600
 POLL_AT: Final = 0.8  # a job's event is first queried after this share of its expected duration
