@@ -1,6 +1,8 @@
 """Generic asyncio helpers of the package (a leaf: it imports nothing of the package).
 
 * :func:`settle`: settle a job's future from its outcome, once (a late or repeated completion is a no-op);
+* :func:`in_thread`: ``asyncio.to_thread``, or the call itself while the interpreter is exiting (:func:`exiting`:
+  from Python 3.12 it refuses to start a thread in exit hooks too, where unfinalized instances are finalized);
 * :func:`wait_through_cancellation`: await something to its end even if the caller is cancelled meanwhile,
   then re-raise the cancellation.  Used where the end means "no thread touches this memory any more" (or "the
   peer confirmed that"): returning earlier would let a cancelled caller free or reuse memory that is still
@@ -12,10 +14,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-__all__ = ["settle", "wait_through_cancellation"]
+__all__ = ["exiting", "in_thread", "settle", "wait_through_cancellation"]
 
 T = TypeVar("T")
 
@@ -29,6 +33,21 @@ def settle(future: asyncio.Future[None], error: BaseException | None = None) -> 
         future.set_exception(error)
     else:
         future.set_result(None)
+
+
+def exiting() -> bool:
+    """Whether the interpreter is shutting down its threads (exit hooks run then): from Python 3.12 it refuses to
+    start a thread at that point, and an executor's ``submit`` that fails to start its worker has already queued
+    the call, which a worker may run later (twice, with a fallback): so ask first."""
+    return bool(getattr(threading, "_SHUTTING_DOWN", False)) or sys.is_finalizing()
+
+
+async def in_thread(fn: Callable[..., T], /, *args: Any) -> T:
+    """``await asyncio.to_thread(fn, *args)``; while the interpreter is exiting (:func:`exiting`), ``fn`` runs here
+    instead, blocking the loop: the process is then finalizing what is left, and nothing else waits on the loop."""
+    if exiting():
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 async def wait_through_cancellation(awaitable: Awaitable[T]) -> T:

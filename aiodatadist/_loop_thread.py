@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol, TypeVar
 
+from ._aio import exiting
 from .errors import LLMException, LLMStatusCode
 
 __all__ = ["EXIT_TIMEOUT_S", "RUNNER", "THREAD_NAME", "Finalizable", "LoopThread", "Runner", "TransferFuture",
@@ -89,7 +90,12 @@ class LoopThread:
                 if tasks:
                     loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
                 loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.run_until_complete(loop.shutdown_default_executor())
+                if not exiting():
+                    loop.run_until_complete(loop.shutdown_default_executor())
+                else:  # that joins the executor from a new thread, which an exiting Python 3.12+ refuses
+                    executor = getattr(loop, "_default_executor", None)
+                    if executor is not None:
+                        executor.shutdown(wait=True)
             finally:
                 asyncio.set_event_loop(None)
                 loop.close()

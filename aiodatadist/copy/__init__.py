@@ -12,9 +12,9 @@ This module picks one (:func:`make_executor`) and holds the one every instance o
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
+from .._aio import in_thread
 from .._env_knobs import env_knobs
 from ..native import native_pool as native_helper  # not `native_pool`: that name is our submodule here
 from .native_pool import NativeExecutor
@@ -53,4 +53,4 @@ async def release_shared_executor() -> None:
         if _users > 0 or _shared is None:
             return
         executor, _shared = _shared, None
-    await asyncio.to_thread(executor.shutdown)
+    await in_thread(executor.shutdown)

@@ -17,7 +17,7 @@ from typing import Any, NoReturn, Protocol, cast
 import zmq
 import zmq.asyncio
 
-from .._aio import wait_through_cancellation
+from .._aio import in_thread, wait_through_cancellation
 from .._settings import Settings
 from ..control.channel import Channel, TaskSet
 from ..control.loop_socket import LoopSocket
@@ -832,7 +832,7 @@ class LinkManager:
                     log.debug("closing a socket left open at finalize: %r", sock)
                     sock.close(linger=LINGER_MS)
             # Closed sockets linger briefly so that the BYEs reach the peers; term() waits for that, off the loop.
-            await asyncio.to_thread(self._ctx.term)
+            await in_thread(self._ctx.term)
             self._abandoned.detach()
             if self._fds is not None:
                 self._fds.close()

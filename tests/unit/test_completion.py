@@ -184,3 +184,24 @@ def test_taskset_close_returns_when_a_task_ended_just_before_it() -> None:
                           timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "closed"
+
+
+async def test_in_thread_runs_off_the_loop_until_the_interpreter_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Teardown work goes to a thread, except while the interpreter shuts its threads down (exit hooks), when
+    Python 3.12+ refuses to start one: then it runs on the loop's own thread, once."""
+    import threading
+
+    from aiodatadist import _aio
+
+    calls: list[int] = []
+
+    def work(tag: int) -> int:
+        calls.append(threading.get_ident())
+        return tag * 2
+
+    assert await _aio.in_thread(work, 21) == 42
+    assert calls == [calls[0]] and calls[0] != threading.get_ident()
+    monkeypatch.setattr(threading, "_SHUTTING_DOWN", True, raising=False)
+    assert _aio.exiting()
+    assert await _aio.in_thread(work, 5) == 10
+    assert calls[1:] == [threading.get_ident()]

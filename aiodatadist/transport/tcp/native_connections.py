@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..._aio import settle
+from ..._aio import in_thread, settle
 from ...copy.completion import NotifyPipe
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...native import (
@@ -271,5 +271,5 @@ class NativeConnections(WaitingMixin[TransferJob]):
             await self.wait_stopped(job)
         self._served = self._counts()  # kept: the link's statistics outlive it
         net, self._net = self._net, None
-        await asyncio.to_thread(self._lib.adt_net_free, net)
+        await in_thread(self._lib.adt_net_free, net)
         self._notify.close()

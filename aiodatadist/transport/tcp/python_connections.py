@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..._aio import settle
+from ..._aio import in_thread, settle
 from ...copy.spans import split_spans
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...layout import Spans
@@ -299,7 +299,7 @@ class PythonConnections(WaitingMixin[TransferJob]):
             await self.wait_stopped(job)
         threads = [t for t in self._threads if t is not threading.current_thread()]
         if threads:
-            await asyncio.to_thread(_join, threads)
+            await in_thread(_join, threads)
         for sock in self._socks:
             sock.close()
 
