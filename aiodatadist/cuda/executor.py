@@ -31,11 +31,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Final, Self
+from typing import Any, Final, Self
 
 import numpy as np
 
-from ..copy.base import ExecutorBase, resolve_job
+from ..copy.base import ExecutorBase, resolve_job, wait_stopped
 from ..copy.spans import as_u64
 from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, PlanCache, Spans, plan_to_spans
@@ -178,6 +178,7 @@ class CudaJob(_Work):
         self.enqueued_at = 0.0
         self.gpu_seconds = 0.0  # the copy's time on the GPU, with CudaExecutor.time_copies on (else 0.0)
         self.seen_at = 0.0
+        self.watch: _EventWatch | None = None  # the loop's side of its completion event, if it has one
 
     def _notify(self) -> None:
         try:
@@ -517,8 +518,25 @@ class CudaExecutor(ExecutorBase):
         if event is None:
             log.debug("no event after a copy: a stream callback completes it")
             return False
-        _EventWatch(self, job, event, launch.nbytes, launch.kind, start)
+        job.watch = _EventWatch(self, job, event, launch.nbytes, launch.kind, start)
         return True
+
+    async def wait(self, job: Any) -> None:
+        """Await a job; a cancelled caller returns (raises) only once the GPU finished it.
+
+        While its event is queried every loop iteration, the waiting task queries it too, between yields: the
+        call then goes on in the iteration that saw the end, not in the next one, as it would once woken by the
+        job's future (the loop's own query goes on too: it completes the job if the task is not there to)."""
+        watch: _EventWatch | None = getattr(job, "watch", None)
+        if watch is not None:
+            try:
+                while watch.polled_each_iteration() and not watch.query():
+                    await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                self.cancel(job)
+                await wait_stopped(job)
+                raise
+        await super().wait(job)
 
     def _event_done(self, event: ctypes.c_void_p, nbytes: int, took: float, at_first_query: bool,
                     timed: bool = False, kind: int = DEVICE_ONLY) -> None:
@@ -631,7 +649,8 @@ class _EventWatch:
     """The loop's side of a job's completion event: a timer for most of the expected duration, then a query per
     loop iteration, then (a copy far past its expected end) a thread blocked in ``cuEventSynchronize``."""
 
-    __slots__ = ("event", "executor", "job", "kind", "nbytes", "queries", "slept", "start", "started", "until")
+    __slots__ = ("done", "event", "executor", "job", "kind", "nbytes", "queries", "slept", "start", "started",
+                 "until")
 
     def __init__(self, executor: CudaExecutor, job: CudaJob, event: ctypes.c_void_p, nbytes: int, kind: int,
                  start: ctypes.c_void_p | None = None) -> None:
@@ -639,6 +658,7 @@ class _EventWatch:
         self.kind = kind
         self.started = time.perf_counter()
         self.queries = 0
+        self.done = False
         expected = nbytes / executor._rates[kind]
         self.until = self.started + expected + POLL_FOR_S
         delay = expected * POLL_AT
@@ -648,18 +668,33 @@ class _EventWatch:
         else:  # shorter ones are polled from the next loop iteration on
             job._loop.call_soon(self._poll)
 
-    def _poll(self) -> None:
+    def polled_each_iteration(self) -> bool:
+        """Whether the loop queries the event every iteration now (not sleeping on a timer first, not yet handed
+        to a thread)."""
+        return not self.done and (not self.slept or self.queries > 0) and time.perf_counter() < self.until
+
+    def query(self) -> bool:
+        """Query the event once: True (the job completed) once the copy is done or the query failed (then a thread
+        waits for it and completes the job)."""
+        if self.done:
+            return True
         self.queries += 1
         try:
             self.executor.device.make_current()
             result = int(self.executor.device.driver.fn("cuEventQuery")(self.event))
         except Exception as exc:  # noqa: BLE001 - e.g. the device was released: wait in a thread instead
             log.debug("cuEventQuery: %s", exc)
-            result = CUDA_ERROR_NOT_READY
             self.until = 0.0
-        if result != CUDA_ERROR_NOT_READY:
-            self._done(result)
-        elif time.perf_counter() < self.until:
+            return False
+        if result == CUDA_ERROR_NOT_READY:
+            return False
+        self._done(result)
+        return True
+
+    def _poll(self) -> None:
+        if self.query():
+            return
+        if time.perf_counter() < self.until:
             self.job._loop.call_soon(self._poll)
         else:
             waited = self.job._loop.run_in_executor(None, self._synchronize)
@@ -675,6 +710,9 @@ class _EventWatch:
             return 999  # CUDA_ERROR_UNKNOWN
 
     def _done(self, status: int) -> None:
+        if self.done:
+            return
+        self.done = True
         self.job.seen_at = now = time.perf_counter()
         took = now - self.started
         executor = self.executor

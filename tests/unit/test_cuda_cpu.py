@@ -859,6 +859,36 @@ async def test_the_loop_learns_the_end_from_an_event(dev: Device, executor: Cuda
         arena.free()
 
 
+async def test_the_waiting_task_polls_the_event_and_a_cancelled_one_still_waits_for_the_gpu(
+        dev: Device, executor: CudaExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a job's event is queried every loop iteration, the awaiting task queries it too (it goes on in the
+    iteration that saw the end); cancelled there, it raises only once the GPU is done, and the bytes landed."""
+    arena = Arena(dev, 1 << 20, 15)
+    try:
+        monkeypatch.setenv("FAKE_CUDA_DELAY_US", "20000")  # the emulated copy takes 20 ms
+        job = executor.start(arena.spans([0, 5000], [100, 9000], [3000, 4000]))
+        waiter = asyncio.create_task(executor.wait(job))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        watch = job.watch
+        assert watch is not None and watch.polled_each_iteration() and not job.stopped.is_set()
+        polled = watch.queries
+        await asyncio.sleep(0)
+        assert watch.queries >= polled + 2  # the loop's query and the waiting task's, each iteration
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert job.stopped.is_set() and watch.done
+        arena.check()
+        monkeypatch.delenv("FAKE_CUDA_DELAY_US")
+        job = executor.start(arena.spans([10], [20_000], [100]))
+        await executor.wait(job)
+        assert job.stopped.is_set() and job.watch is not None and job.watch.done
+        arena.check()
+    finally:
+        arena.free()
+
+
 async def test_timed_copies_know_their_gpu_time(dev: Device, executor: CudaExecutor,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``time_copies`` a copy runs between two timed events: its job learns the GPU's time for it (the
