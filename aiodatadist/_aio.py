@@ -3,6 +3,8 @@
 * :func:`settle`: settle a job's future from its outcome, once (a late or repeated completion is a no-op);
 * :func:`in_thread`: ``asyncio.to_thread``, or the call itself while the interpreter is exiting (:func:`exiting`:
   from Python 3.12 it refuses to start a thread in exit hooks too, where unfinalized instances are finalized);
+* :func:`drop_cancellation`: a done callback for long-lived tasks: a cancelled one lets go of its
+  ``CancelledError`` (and so of the frames of whoever cancelled it);
 * :func:`wait_through_cancellation`: await something to its end even if the caller is cancelled meanwhile,
   then re-raise the cancellation.  Used where the end means "no thread touches this memory any more" (or "the
   peer confirmed that"): returning earlier would let a cancelled caller free or reuse memory that is still
@@ -14,12 +16,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-__all__ = ["exiting", "in_thread", "settle", "wait_through_cancellation"]
+__all__ = ["drop_cancellation", "exiting", "in_thread", "settle", "wait_through_cancellation"]
 
 T = TypeVar("T")
 
@@ -33,6 +36,15 @@ def settle(future: asyncio.Future[None], error: BaseException | None = None) -> 
         future.set_exception(error)
     else:
         future.set_result(None)
+
+
+def drop_cancellation(task: asyncio.Future[Any]) -> None:
+    """Done callback: a cancelled task keeps the ``CancelledError`` it ended with until someone asks for it, and
+    with it its traceback's frames, those of whoever cancelled it (``asyncio.run``'s cancel-all holds every task
+    of the loop): anything that keeps the task would keep all of that alive.  Asking for it hands it over."""
+    if task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            task.result()
 
 
 def exiting() -> bool:

@@ -16,6 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
+from .._aio import drop_cancellation
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
 from ..protocol.codec import Kind, ProtocolError, encode_batch
 from ..protocol.messages import Reply, Request, reply_to_wire, request_to_wire
@@ -60,6 +61,7 @@ class TaskSet:
     def _done(self, on_error: Callable[[BaseException], object] | None, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if task.cancelled():
+            drop_cancellation(task)  # (its owner may keep the task: not the frames of whoever cancelled it)
             return
         error = task.exception()
         if error is None:

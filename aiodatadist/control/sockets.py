@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.z85
 
+from .._aio import drop_cancellation
 from .._curve_keys import CurveKeys
 from ..errors import LLMLinkError, LLMStatusCode
 from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode
@@ -318,7 +319,9 @@ class ZapHandler:
 def _zap_ended(task: asyncio.Future[None]) -> None:
     """The ZAP handler's task ended: cancelled when its socket closed, else a failure (clients are refused from now
     on: CURVE servers enforce the ZAP domain)."""
-    if not task.cancelled() and task.exception() is not None:
+    if task.cancelled():
+        drop_cancellation(task)
+    elif task.exception() is not None:
         log.error("the CURVE ZAP handler failed; no client is admitted any more", exc_info=task.exception())
 
 

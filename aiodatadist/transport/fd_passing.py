@@ -26,6 +26,7 @@ import socket
 import struct
 from collections.abc import Callable
 
+from .._aio import drop_cancellation
 from ..protocol.messages import FD_TOKEN_BYTES, FDS_PREFIX
 
 __all__ = ["PROBE", "SEGMENT", "FdServer", "request_fd"]
@@ -54,6 +55,7 @@ class FdServer:
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._serve())
+        self._task.add_done_callback(drop_cancellation)
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()

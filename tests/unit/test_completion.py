@@ -205,3 +205,36 @@ async def test_in_thread_runs_off_the_loop_until_the_interpreter_exits(monkeypat
     assert _aio.exiting()
     assert await _aio.in_thread(work, 5) == 10
     assert calls[1:] == [threading.get_ident()]
+
+
+def test_a_cancelled_background_task_lets_go_of_the_frames_that_ran_it() -> None:
+    """A task cancelled and kept (its owner's attribute) must not keep the frames of whoever ran the loop when it
+    ended: their locals may hold anything (asyncio.run's cancel-all holds every task of the loop, so one
+    unfinalized instance kept every other one alive).  The task's ``CancelledError`` is handed over at its end.
+    (Python 3.11 does not keep them: this fails without that only on 3.12+.)"""
+    import gc
+    import weakref
+
+    from aiodatadist.control.channel import TaskSet
+
+    class Held:
+        pass
+
+    def run_and_cancel() -> tuple[asyncio.Task[object], weakref.ref[Held]]:
+        held = Held()  # a local of the frame that runs the loop when the task ends
+        loop = asyncio.new_event_loop()
+        tasks = TaskSet()
+
+        async def start() -> asyncio.Task[object]:
+            return tasks.spawn(asyncio.Event().wait(), name="kept")
+
+        task = loop.run_until_complete(start())
+        task.cancel()
+        loop.run_until_complete(asyncio.sleep(0.01))
+        loop.close()
+        return task, weakref.ref(held)
+
+    task, held = run_and_cancel()
+    gc.collect()
+    assert task.cancelled()
+    assert held() is None
