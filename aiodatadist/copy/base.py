@@ -141,8 +141,13 @@ class ExecutorBase:
     async def wait(self, job: Any) -> None:
         """Await a job; if the caller is cancelled, stop the job and wait until its workers are done."""
         try:
-            await job.future  # a cancellation of the caller cancels this future too: the job ends on its own
+            await self._ended(job)
         except asyncio.CancelledError:
             self.cancel(job)
             await wait_stopped(job)
             raise
+
+    async def _ended(self, job: Any) -> None:
+        """Return once ``job`` ended (its error raised); a cancellation of the caller cancels its future too, and
+        the job ends on its own."""
+        await job.future

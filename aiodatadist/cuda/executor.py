@@ -35,7 +35,7 @@ from typing import Any, Final, Self
 
 import numpy as np
 
-from ..copy.base import ExecutorBase, resolve_job, wait_stopped
+from ..copy.base import ExecutorBase, resolve_job
 from ..copy.spans import as_u64
 from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, PlanCache, Spans, plan_to_spans
@@ -521,22 +521,15 @@ class CudaExecutor(ExecutorBase):
         job.watch = _EventWatch(self, job, event, launch.nbytes, launch.kind, start)
         return True
 
-    async def wait(self, job: Any) -> None:
-        """Await a job; a cancelled caller returns (raises) only once the GPU finished it.
-
-        While its event is queried every loop iteration, the waiting task queries it too, between yields: the
-        call then goes on in the iteration that saw the end, not in the next one, as it would once woken by the
-        job's future (the loop's own query goes on too: it completes the job if the task is not there to)."""
+    async def _ended(self, job: Any) -> None:
+        """While the job's event is queried every loop iteration, the waiting task queries it too, between yields:
+        the call then goes on in the iteration that saw the end, not in the next one, as it would once woken by
+        the job's future (the loop's own query goes on too: it completes the job if the task is not there to)."""
         watch: _EventWatch | None = getattr(job, "watch", None)
         if watch is not None:
-            try:
-                while watch.polled_each_iteration() and not watch.query():
-                    await asyncio.sleep(0)
-            except asyncio.CancelledError:
-                self.cancel(job)
-                await wait_stopped(job)
-                raise
-        await super().wait(job)
+            while watch.polled_each_iteration() and not watch.query():
+                await asyncio.sleep(0)
+        await job.future
 
     def _event_done(self, event: ctypes.c_void_p, nbytes: int, took: float, at_first_query: bool,
                     timed: bool = False, kind: int = DEVICE_ONLY) -> None:
@@ -674,8 +667,8 @@ class _EventWatch:
         return not self.done and (not self.slept or self.queries > 0) and time.perf_counter() < self.until
 
     def query(self) -> bool:
-        """Query the event once: True (the job completed) once the copy is done or the query failed (then a thread
-        waits for it and completes the job)."""
+        """Query the event once: True once the job completed; False while the copy runs, or when the query failed
+        (a thread then waits for the copy and completes the job)."""
         if self.done:
             return True
         self.queries += 1
