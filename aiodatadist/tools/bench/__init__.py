@@ -19,9 +19,9 @@ Workloads:
   64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), then both sizes again with other
   blocks each call (a new plan each call, as a serving engine's requests have), called in turn, and, measured
   apart after them, for pulls, ``pull_cache`` of a 64 x 64-byte slot by ``CacheKey`` (a request key the owner
-  releases: two control round trips), for pushes, 128 other blocks each call into memory the peer registered (an
-  engine's KV: caller-owned, its directory row a table of its tensors); per-call p50/p99, and the marginal cost of
-  a span.
+  releases: two control round trips), then, both ways, 128 other blocks each call of memory the peer registered
+  (an engine's KV: caller-owned, reached with ``process_vm_readv``/``writev`` on one host, its directory row a
+  table of its tensors); per-call p50/p99, and the marginal cost of a span.
 
 ``--peers`` also runs NIXL (extra ``peers``) on the same workloads in the same run and prints the ratio
 aiodatadist / NIXL: ``shm`` against NIXL's default UCX backend, ``tcp`` against UCX restricted to TCP.
@@ -168,6 +168,7 @@ class _Session:
         self.buffers = buffers  # registered memory (nixl): alive as long as the caches
         self.make = make  # how the peer makes its caches: "allocate", or "register" (nixl)
         self._next_req_id = 0  # request keys bound so far (pulls by CacheKey)
+        self._registered = False  # the peer registered its tiny blocks cache of its own memory
 
     @classmethod
     async def start(cls, transport: str) -> _Session:
@@ -249,15 +250,19 @@ class _Session:
             return cm.pull_cache(CacheKey(PROMPT, next(req_ids)), self.keyed, 0)
         return pull
 
-    async def registered_pushes(self, count: int, runs: int) -> Callable[[], Awaitable[None]]:
-        """A call per push: ``push_blocks`` of ``count`` other blocks each call (random, distinct on each side) into
-        a tiny blocks cache the peer registered from its own memory (numpy arrays), as an engine's KV is."""
-        await self.peer.call("register", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, TINY_BYTES],
-                             blocks_key=[PROMPT, 2])
+    async def registered_calls(self, direction: str, count: int, runs: int) -> Callable[[], Awaitable[None]]:
+        """A call per pull or push of ``count`` other blocks each call (random, distinct on each side) of a tiny
+        blocks cache the peer registered from its own memory (numpy arrays), as an engine's KV is."""
+        if not self._registered:
+            await self.peer.call("register", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, TINY_BYTES],
+                                 blocks_key=[PROMPT, 2])
+            self._registered = True
         rng = np.random.default_rng(12)
         picks = iter([(rng.choice(BLOCKS, count, replace=False).tolist(),
                        rng.choice(BLOCKS, count, replace=False).tolist()) for _ in range(runs)])
         cm, key = self.dd.cache_manager, BlocksCacheKey(PROMPT, 2)
+        if direction == "pull":
+            return lambda: cm.pull_blocks(key, self.tiny, *next(picks))
         return lambda: cm.push_blocks(key, self.tiny, *next(picks))
 
     def whole(self, direction: str) -> Awaitable[None]:
@@ -341,12 +346,12 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
     """Per-call latency of 64 and 8192 spans of 64 bytes, then of both sizes with other blocks each call (a new
     plan each time, as a serving engine's requests have: random blocks, distinct on each side), called in turn,
     then, for pulls, of ``pull_cache`` by ``CacheKey`` (a request key pulled once: through the owner, two round
-    trips), for pushes, of 8192 spans of other blocks each call into memory the peer registered; the 8192-span
-    row also gives the marginal cost of a span (its p50 minus the 64-span p50, per extra span)."""
+    trips), then of 8192 spans of other blocks each call of memory the peer registered; the 8192-span row also
+    gives the marginal cost of a span (its p50 minus the 64-span p50, per extra span)."""
     runs = max(500, repeat * 100)
     sizes = ' and '.join(map(str, CALL_SPANS))
     progress(f"{plane} {direction} calls of {sizes} spans, and of {sizes} spans of other blocks each call, in turn "
-             f"x {runs}" + (", then by request key" if direction == "pull" else ", then into registered memory"))
+             f"x {runs}" + (", then by request key" if direction == "pull" else "") + ", then of registered memory")
     calls = [functools.partial(session.call, direction, blocks, blocks)
              for blocks in (list(range(0, 2 * (spans // TENSORS), 2)) for spans in CALL_SPANS)]  # no coalescing
     rng = np.random.default_rng(11)
@@ -369,10 +374,9 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
         # release, the END) would otherwise fall on the next call in turn
         keyed = await _times(await session.request_keys(runs + 20), runs, 20)
         rows.append({**_call_row(plane, direction, TENSORS, keyed), "by_key": True})
-    else:
-        spans = CALL_SPANS[-1]
-        registered = await _times(await session.registered_pushes(spans // TENSORS, runs + 20), runs, 20)
-        rows.append({**_call_row(plane, direction, spans, registered), "new_blocks": True, "registered": True})
+    spans = CALL_SPANS[-1]
+    registered = await _times(await session.registered_calls(direction, spans // TENSORS, runs + 20), runs, 20)
+    rows.append({**_call_row(plane, direction, spans, registered), "new_blocks": True, "registered": True})
     return rows
 
 
@@ -457,7 +461,7 @@ def _format(r: dict[str, Any]) -> str:
         if r.get("new_blocks"):
             text += "   other blocks each call"
         if r.get("registered"):
-            text += ", into memory the peer registered"
+            text += ", memory the peer registered"
         if r.get("by_key"):
             text += "   pull_cache by CacheKey (through the owner)"
         if "ns_per_extra_span" in r:
