@@ -40,6 +40,7 @@ from ..copy.spans import as_u64
 from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, PlanCache, Spans, plan_to_spans
 from ..native import native_extension
+from .copy_calls import CTX_FAILED, CopyCalls
 from .driver import CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device
 from .kernels import KERNEL_NAME, choose_piece, launch_geometry, ptx_text, split_long_spans
 
@@ -219,12 +220,13 @@ _STREAM_DONE = STREAM_CALLBACK(_on_stream_done)
 class _Descriptors:
     """A job's span descriptors: page-locked staging memory and the device copy the kernel reads."""
 
-    __slots__ = ("_args", "_params", "capacity", "dev", "host", "view")
+    __slots__ = ("_args", "_params", "_params_at", "capacity", "dev", "host", "view")
 
     def __init__(self, device: Device, capacity: int) -> None:
         self.capacity = capacity
         self._args: tuple[ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32] | None = None
         self._params: ctypes.Array[ctypes.c_void_p] | None = None
+        self._params_at = 0
         self.host = device.alloc_pinned(24 * capacity)
         try:
             self.dev = device.alloc(24 * capacity)
@@ -233,16 +235,16 @@ class _Descriptors:
             raise
         self.view = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * capacity)).from_address(self.host))
 
-    def params(self, n: int) -> ctypes.Array[ctypes.c_void_p]:
-        """The kernel's parameters for a table of ``n`` spans in this buffer (the last ones built are kept: the
-        driver copies parameters at the launch, so one array serves every launch)."""
+    def params(self, n: int) -> int:
+        """The address of the kernel's parameters for a table of ``n`` spans in this buffer (the last ones built
+        are kept: the driver copies parameters at the launch, so one array serves every launch)."""
         args = self._args
         if args is None or args[3].value != n:
             args = self._args = (ctypes.c_uint64(self.dev), ctypes.c_uint64(self.dev + 8 * n),
                                  ctypes.c_uint64(self.dev + 16 * n), ctypes.c_uint32(n))
             self._params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-        assert self._params is not None
-        return self._params
+            self._params_at = ctypes.addressof(self._params)
+        return self._params_at
 
     def free(self, device: Device) -> None:
         device.free(self.dev)
@@ -301,6 +303,9 @@ class CudaExecutor(ExecutorBase):
             drv.fn("cuStreamDestroy_v2")(self._stream)
             raise
         self._function = ctypes.c_void_p(function.value)
+        self._calls = CopyCalls(device)  # the launch, its event's record and queries, as plain ints
+        self._stream_at = stream.value or 0
+        self._function_at = function.value or 0
 
     # -- jobs ---------------------------------------------------------------------------------------------
 
@@ -454,12 +459,13 @@ class CudaExecutor(ExecutorBase):
         drv = self.device.driver
         staged = False
         try:
-            self.device.make_current()
             if launch.single is not None:
+                self.device.make_current()
                 drv.call("cuMemcpyAsync", *launch.single, self._stream)
                 return staged
             desc = launch.resident
             if desc is None:
+                self.device.make_current()
                 desc = work._desc = self._acquire(launch.n)
                 desc.view[:3 * launch.n] = launch.table
                 drv.call("cuMemcpyHtoDAsync_v2", desc.dev, desc.host, 24 * launch.n, self._stream)
@@ -467,8 +473,10 @@ class CudaExecutor(ExecutorBase):
                 if self._keep_resident(launch, desc):  # the launch's from now on, not the job's
                     launch.resident, work._desc = desc, None
             launch.last_seq = self._seq
-            drv.call("cuLaunchKernel", self._function, launch.grid, 1, 1, launch.block, 1, 1, 0, self._stream,
-                     desc.params(launch.n), None)
+            result = self._calls.launch(self._function_at, launch.grid, launch.block, self._stream_at,
+                                        desc.params(launch.n))
+            if result:
+                raise self._calls.error("cuLaunchKernel", result)
         except CudaError as exc:
             work.error = exc
         return staged
@@ -498,11 +506,13 @@ class CudaExecutor(ExecutorBase):
         drv = self.device.driver
         event = pool.pop() if pool else None
         try:
-            self.device.make_current()
             if event is None:
+                self.device.make_current()
                 event = ctypes.c_void_p()
                 drv.call("cuEventCreate", ctypes.byref(event), 0 if timed else CU_EVENT_DISABLE_TIMING)
-            drv.call("cuEventRecord", event, self._stream)
+            result = self._calls.record(event.value or 0, self._stream_at)
+            if result:
+                raise self._calls.error("cuEventRecord", result)
         except CudaError as exc:
             log.debug("cannot record an event (%s)", exc)
             if event is not None and event.value:
@@ -642,12 +652,14 @@ class _EventWatch:
     """The loop's side of a job's completion event: a timer for most of the expected duration, then a query per
     loop iteration, then (a copy far past its expected end) a thread blocked in ``cuEventSynchronize``."""
 
-    __slots__ = ("done", "event", "executor", "job", "kind", "nbytes", "queries", "slept", "start", "started",
-                 "until")
+    __slots__ = ("_query", "done", "event", "event_at", "executor", "job", "kind", "nbytes", "queries", "slept",
+                 "start", "started", "until")
 
     def __init__(self, executor: CudaExecutor, job: CudaJob, event: ctypes.c_void_p, nbytes: int, kind: int,
                  start: ctypes.c_void_p | None = None) -> None:
         self.executor, self.job, self.event, self.nbytes, self.start = executor, job, event, nbytes, start
+        self.event_at = event.value or 0
+        self._query = executor._calls.query
         self.kind = kind
         self.started = time.perf_counter()
         self.queries = 0
@@ -672,14 +684,12 @@ class _EventWatch:
         if self.done:
             return True
         self.queries += 1
-        try:
-            self.executor.device.make_current()
-            result = int(self.executor.device.driver.fn("cuEventQuery")(self.event))
-        except Exception as exc:  # noqa: BLE001 - e.g. the device was released: wait in a thread instead
-            log.debug("cuEventQuery: %s", exc)
-            self.until = 0.0
-            return False
+        result = self._query(self.event_at)
         if result == CUDA_ERROR_NOT_READY:
+            return False
+        if result & CTX_FAILED:  # e.g. the device was released: wait in a thread instead
+            log.debug("cuEventQuery: %s", self.executor._calls.error("cuEventQuery", result))
+            self.until = 0.0
             return False
         self._done(result)
         return True

@@ -1422,6 +1422,120 @@ static PyObject *py_net_reap(PyObject *self, PyObject *const *args, Py_ssize_t n
     return Py_BuildValue("(iii)", state, err, status);
 }
 
+/* ---------------------------------------------------------------------------------------------------------
+ * CUDA driver calls of a GPU copy's launch and completion, made here instead of through ctypes: the driver's
+ * functions (found by ctypes in the loaded libcuda) are called with the arguments as plain ints, and the device's
+ * context made current first when it is not (what Device.make_current does).  Each returns the CUresult, plus
+ * CTX_FAILED when setting the context failed (then nothing else was called).
+ * --------------------------------------------------------------------------------------------------------- */
+typedef int (*cu_ctx_get_fn)(void **);
+typedef int (*cu_ctx_set_fn)(void *);
+typedef int (*cu_launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                            void **, void **);
+typedef int (*cu_record_fn)(void *, void *);
+typedef int (*cu_query_fn)(void *);
+
+typedef struct {
+    cu_ctx_get_fn get_current;
+    cu_ctx_set_fn set_current;
+    cu_launch_fn launch;
+    cu_record_fn record;
+    cu_query_fn query;
+} cuda_fns;
+
+#define CTX_FAILED (1L << 20)
+#define CUDA_FNS "aiodatadist.cuda_fns"
+
+static void cuda_fns_free(PyObject *capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, CUDA_FNS)); }
+
+/* cuda_bind(cuCtxGetCurrent, cuCtxSetCurrent, cuLaunchKernel, cuEventRecord, cuEventQuery) -> a capsule. */
+static PyObject *py_cuda_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "cuda_bind takes 5 function addresses"); return NULL; }
+    void *f[5];
+    for (int i = 0; i < 5; i++) {
+        f[i] = PyLong_AsVoidPtr(args[i]);
+        if (!f[i]) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a CUDA function address is NULL");
+            return NULL;
+        }
+    }
+    cuda_fns *fns = PyMem_Malloc(sizeof *fns);
+    if (!fns) return PyErr_NoMemory();
+    fns->get_current = (cu_ctx_get_fn)f[0]; fns->set_current = (cu_ctx_set_fn)f[1];
+    fns->launch = (cu_launch_fn)f[2]; fns->record = (cu_record_fn)f[3]; fns->query = (cu_query_fn)f[4];
+    PyObject *capsule = PyCapsule_New(fns, CUDA_FNS, cuda_fns_free);
+    if (!capsule) PyMem_Free(fns);
+    return capsule;
+}
+
+/* The driver functions of a capsule and the context, after making the context current on this thread. */
+static cuda_fns *cuda_enter(PyObject *const *args, long *failed)
+{
+    cuda_fns *fns = PyCapsule_GetPointer(args[0], CUDA_FNS);
+    if (!fns) return NULL;
+    void *ctx = PyLong_AsVoidPtr(args[1]), *current = NULL;
+    if (!ctx && PyErr_Occurred()) return NULL;
+    *failed = 0;
+    if (fns->get_current(&current) != 0 || current != ctx) {
+        int r = fns->set_current(ctx);
+        if (r) *failed = CTX_FAILED | r;
+    }
+    return fns;
+}
+
+static int as_uint(PyObject *o, unsigned *out)
+{
+    unsigned long v = PyLong_AsUnsignedLong(o);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) return -1;
+    if (v > 0xffffffffUL) { PyErr_SetString(PyExc_OverflowError, "launch dimension out of range"); return -1; }
+    *out = (unsigned)v;
+    return 0;
+}
+
+/* cuda_launch(fns, ctx, function, grid, block, stream, params) -> CUresult: cuLaunchKernel of a 1-D grid. */
+static PyObject *py_cuda_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7) { PyErr_SetString(PyExc_TypeError, "cuda_launch takes 7 arguments"); return NULL; }
+    unsigned grid, block;
+    void *function = PyLong_AsVoidPtr(args[2]), *stream = PyLong_AsVoidPtr(args[5]);
+    void **params = (void **)PyLong_AsVoidPtr(args[6]);
+    if (PyErr_Occurred() || as_uint(args[3], &grid) || as_uint(args[4], &block)) return NULL;
+    long failed;
+    cuda_fns *fns = cuda_enter(args, &failed);
+    if (!fns) return NULL;
+    if (failed) return PyLong_FromLong(failed);
+    return PyLong_FromLong(fns->launch(function, grid, 1, 1, block, 1, 1, 0, stream, params, NULL));
+}
+
+/* cuda_record(fns, ctx, event, stream) -> CUresult of cuEventRecord. */
+static PyObject *py_cuda_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "cuda_record takes 4 arguments"); return NULL; }
+    void *event = PyLong_AsVoidPtr(args[2]), *stream = PyLong_AsVoidPtr(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    long failed;
+    cuda_fns *fns = cuda_enter(args, &failed);
+    if (!fns) return NULL;
+    return PyLong_FromLong(failed ? failed : fns->record(event, stream));
+}
+
+/* cuda_query(fns, ctx, event) -> CUresult of cuEventQuery (CUDA_ERROR_NOT_READY while the work before it runs). */
+static PyObject *py_cuda_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "cuda_query takes 3 arguments"); return NULL; }
+    void *event = PyLong_AsVoidPtr(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    long failed;
+    cuda_fns *fns = cuda_enter(args, &failed);
+    if (!fns) return NULL;
+    return PyLong_FromLong(failed ? failed : fns->query(event));
+}
+
 static PyMethodDef native_methods[] = {
     {"copy_grid", (PyCFunction)(void (*)(void))py_copy_grid, METH_FASTCALL, "A small plan copied on this thread."},
     {"submit_grid", (PyCFunction)(void (*)(void))py_submit_grid, METH_FASTCALL, "A plan queued in a copy pool."},
@@ -1434,6 +1548,10 @@ static PyMethodDef native_methods[] = {
     {"net_set_destination", (PyCFunction)(void (*)(void))py_net_set_destination, METH_FASTCALL,
      "A two-sided TCP receive's destination grid."},
     {"net_reap", (PyCFunction)(void (*)(void))py_net_reap, METH_FASTCALL, "An ended TCP job's state, freeing it."},
+    {"cuda_bind", (PyCFunction)(void (*)(void))py_cuda_bind, METH_FASTCALL, "CUDA driver functions, bound."},
+    {"cuda_launch", (PyCFunction)(void (*)(void))py_cuda_launch, METH_FASTCALL, "cuLaunchKernel of a 1-D grid."},
+    {"cuda_record", (PyCFunction)(void (*)(void))py_cuda_record, METH_FASTCALL, "cuEventRecord."},
+    {"cuda_query", (PyCFunction)(void (*)(void))py_cuda_query, METH_FASTCALL, "cuEventQuery."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -159,7 +159,10 @@ CUresult cuDeviceGetName(char *name, int len, int dev) { snprintf(name, len, "Fa
 CUresult cuDeviceGetAttribute(int *v, int attr, int dev) { *v = attr == 16 ? 4 : attr == 75 ? 9 : attr == 76 ? 0 : 1; return 0; }
 CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { *ctx = (void *)(uintptr_t)(0x1000 + dev); return 0; }
 CUresult cuDevicePrimaryCtxRelease_v2(int dev) { return 0; }
-CUresult cuCtxSetCurrent(void *ctx) { cur = ctx; fake_set_current_calls++; return 0; }
+CUresult cuCtxSetCurrent(void *ctx) {
+    if (env_int("FAKE_CUDA_FAIL_SET_CURRENT", 0)) return 201;
+    cur = ctx; fake_set_current_calls++; return 0;
+}
 CUresult cuCtxGetCurrent(void **ctx) { *ctx = cur; return 0; }
 CUresult cuCtxSynchronize(void) {
     NEED_CTX;

@@ -374,6 +374,51 @@ def test_context_made_current_once_per_thread(dev: Device, drv: CudaDriver) -> N
     dev.free(result[0])
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "ctypes"])
+def test_copy_calls_make_the_context_current_and_say_what_failed(dev: Device, drv: CudaDriver,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 native: bool) -> None:
+    """The launch path's driver calls (native, or through ctypes without the helper) make the device's context
+    current when another one is (and only then), return the driver's result, and a context that cannot be made
+    current fails the call as ``cuCtxSetCurrent``, calling nothing else."""
+    from aiodatadist.cuda import copy_calls
+
+    if not native:
+        monkeypatch.setattr(copy_calls, "native_extension", lambda: None)
+    elif getattr(copy_calls.native_extension(), "cuda_bind", None) is None:
+        pytest.skip("the native helper is not built")
+    calls = copy_calls.CopyCalls(dev)
+    switches = ctypes.c_int.in_dll(drv.lib, "fake_set_current_calls")
+    dev.make_current()
+    stream, event = ctypes.c_void_p(), ctypes.c_void_p()
+    drv.call("cuStreamCreate", ctypes.byref(stream), 1)
+    drv.call("cuEventCreate", ctypes.byref(event), 2)
+    try:
+        drv.call("cuCtxSetCurrent", None)  # another context current on this thread
+        before = switches.value
+        assert calls.record(event.value, stream.value) == 0
+        assert calls.record(event.value, stream.value) == 0
+        assert switches.value == before + 1  # made current once
+        deadline = time.monotonic() + 10
+        while (result := calls.query(event.value)) == 600:  # CUDA_ERROR_NOT_READY
+            assert time.monotonic() < deadline
+        assert result == 0
+        drv.call("cuCtxSetCurrent", None)
+        monkeypatch.setenv("FAKE_CUDA_FAIL_SET_CURRENT", "1")
+        failed = calls.query(event.value)
+        assert failed == copy_calls.CTX_FAILED | 201
+        error = calls.error("cuEventQuery", failed)
+        assert (error.function, error.result) == ("cuCtxSetCurrent", 201)
+        assert str(error) == "cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT (invalid device context)"
+        assert calls.error("cuLaunchKernel", 1).function == "cuLaunchKernel"
+    finally:
+        monkeypatch.delenv("FAKE_CUDA_FAIL_SET_CURRENT", raising=False)
+        dev.make_current()
+        drv.call("cuStreamSynchronize", stream)
+        drv.call("cuEventDestroy_v2", event)
+        drv.call("cuStreamDestroy_v2", stream)
+
+
 def test_host_memory(dev: Device) -> None:
     host = np.zeros(1 << 20, dtype=np.uint8)
     dptr = dev.register_host(host.ctypes.data, host.nbytes)
@@ -713,6 +758,14 @@ async def test_launch_errors_fail_the_job_without_leaking(dev: Device, executor:
         for spans in (arena.spans([0, 10], [100, 200], [10, 10]), arena.spans([0], [300], [10])):
             await executor.run(spans)  # without an event, completed by the stream callback
         monkeypatch.delenv("FAKE_CUDA_FAIL_EVENT")
+        drv = dev.driver
+        drv.call("cuCtxSetCurrent", None)
+        monkeypatch.setenv("FAKE_CUDA_FAIL_SET_CURRENT", "1")  # the launch cannot make its context current
+        with pytest.raises(CudaError, match="cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT"):
+            await executor.run(arena.spans([0, 10], [100, 200], [10, 10]))
+        monkeypatch.delenv("FAKE_CUDA_FAIL_SET_CURRENT")
+        assert len(executor._free) == len(executor._all) == 1
+        await executor.run(arena.spans([0, 10], [100, 200], [10, 10]))
         with pytest.raises(CudaError, match="cuLaunchKernel"):
             monkeypatch.setenv("FAKE_CUDA_FAIL_LAUNCH", "1")
             executor.run_sync(arena.spans([0, 10], [100, 200], [10, 10]))
