@@ -15,25 +15,34 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..native import native_extension
 from .driver import CudaError
 
 if TYPE_CHECKING:
     from .driver import Device
 
-__all__ = ["CTX_FAILED", "CopyCalls"]
+__all__ = ["CTX_FAILED", "STAGE_FAILED", "CopyCalls"]
 
 CTX_FAILED = 1 << 20
 """Added to the ``CUresult`` of ``cuCtxSetCurrent`` when making the device's context current failed (the call
 itself was then not made)."""
+STAGE_FAILED = 1 << 21
+"""Added to the ``CUresult`` of ``cuMemcpyHtoDAsync_v2`` when a launch's table could not be staged (nothing was
+launched)."""
 
-_BOUND = ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuLaunchKernel", "cuEventRecord", "cuEventQuery")
+_BOUND = ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuLaunchKernel", "cuEventRecord", "cuEventQuery",
+          "cuMemcpyHtoDAsync_v2")
 
 
 class CopyCalls:
-    """``launch(function, grid, block, stream, params)``, ``record(event, stream)`` and ``query(event)`` on
-    ``device``, handles and addresses as ints; each returns the ``CUresult`` (0: success), or
-    :data:`CTX_FAILED` plus that of ``cuCtxSetCurrent``.  :meth:`error` turns a failure into its exception."""
+    """``launch(function, grid, block, stream, params[, table, nbytes, host, dev])``, ``record(event, stream)`` and
+    ``query(event)`` on ``device``, handles and addresses as ints; each returns the ``CUresult`` (0: success), or
+    :data:`CTX_FAILED` plus that of ``cuCtxSetCurrent``.  A launch given a table (a C-contiguous array) first copies
+    its first ``nbytes`` to the page-locked staging buffer at ``host``, then to the device at ``dev`` on the stream
+    (:data:`STAGE_FAILED` plus the ``CUresult`` of that copy if it failed).  :meth:`error` turns a failure into its
+    exception."""
 
     __slots__ = ("_device", "launch", "query", "record")
 
@@ -41,7 +50,7 @@ class CopyCalls:
         self._device = device
         ext = native_extension()
         bind = getattr(ext, "cuda_bind", None)
-        self.launch: Callable[[int, int, int, int, int], int]
+        self.launch: Callable[..., int]
         self.record: Callable[[int, int], int]
         self.query: Callable[[int], int]
         if bind is not None:
@@ -56,6 +65,8 @@ class CopyCalls:
         """The exception of ``name`` having returned ``result``."""
         if result & CTX_FAILED:
             return self._device.driver.error("cuCtxSetCurrent", result & ~CTX_FAILED)
+        if result & STAGE_FAILED:
+            return self._device.driver.error("cuMemcpyHtoDAsync_v2", result & ~STAGE_FAILED)
         return self._device.driver.error(name, result)
 
     def _current(self) -> int:
@@ -65,9 +76,24 @@ class CopyCalls:
             return CTX_FAILED | exc.result
         return 0
 
-    def _ctypes_launch(self, function: int, grid: int, block: int, stream: int, params: int) -> int:
-        return self._current() or int(self._device.driver.fn("cuLaunchKernel")(
-            function, grid, 1, 1, block, 1, 1, 0, stream, ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p)), None))
+    def _ctypes_launch(self, function: int, grid: int, block: int, stream: int, params: int,
+                       table: np.ndarray | None = None, nbytes: int = 0, host: int = 0, dev: int = 0) -> int:
+        if nbytes and not host:
+            raise ValueError("a table to stage needs a staging buffer")
+        if nbytes and (table is None or table.nbytes < nbytes):
+            raise ValueError("the table is shorter than the bytes to stage")
+        failed = self._current()
+        if failed:
+            return failed
+        fn = self._device.driver.fn
+        if nbytes:
+            assert table is not None
+            ctypes.memmove(host, table.ctypes.data, nbytes)
+            result = int(fn("cuMemcpyHtoDAsync_v2")(dev, host, nbytes, stream))
+            if result:
+                return STAGE_FAILED | result
+        return int(fn("cuLaunchKernel")(function, grid, 1, 1, block, 1, 1, 0, stream,
+                                        ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p)), None))
 
     def _ctypes_record(self, event: int, stream: int) -> int:
         return self._current() or int(self._device.driver.fn("cuEventRecord")(event, stream))

@@ -40,7 +40,7 @@ from ..copy.spans import as_u64
 from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, PlanCache, Spans, plan_to_spans
 from ..native import native_extension
-from .copy_calls import CTX_FAILED, CopyCalls
+from .copy_calls import CTX_FAILED, STAGE_FAILED, CopyCalls
 from .driver import CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device
 from .kernels import KERNEL_NAME, choose_piece, launch_geometry, ptx_text, split_long_spans
 
@@ -456,25 +456,24 @@ class CudaExecutor(ExecutorBase):
     def _enqueue(self, launch: _Launch, work: _Work) -> bool:
         """Enqueue ``launch``'s copy for ``work``; whether the stream may still read a staging buffer.  A driver
         error becomes the job's error: the job still completes through the stream, after whatever was enqueued."""
-        drv = self.device.driver
         staged = False
         try:
             if launch.single is not None:
                 self.device.make_current()
-                drv.call("cuMemcpyAsync", *launch.single, self._stream)
+                self.device.driver.call("cuMemcpyAsync", *launch.single, self._stream)
                 return staged
             desc = launch.resident
-            if desc is None:
-                self.device.make_current()
+            stage: tuple[Any, ...] = ()
+            if desc is None:  # its table goes to a descriptor buffer first, in the same call
                 desc = work._desc = self._acquire(launch.n)
-                desc.view[:3 * launch.n] = launch.table
-                drv.call("cuMemcpyHtoDAsync_v2", desc.dev, desc.host, 24 * launch.n, self._stream)
+                stage = (launch.table, 24 * launch.n, desc.host, desc.dev)
+            launch.last_seq = self._seq
+            result = self._calls.launch(self._function_at, launch.grid, launch.block, self._stream_at,
+                                        desc.params(launch.n), *stage)
+            if stage and not result & (CTX_FAILED | STAGE_FAILED):
                 staged = True
                 if self._keep_resident(launch, desc):  # the launch's from now on, not the job's
                     launch.resident, work._desc = desc, None
-            launch.last_seq = self._seq
-            result = self._calls.launch(self._function_at, launch.grid, launch.block, self._stream_at,
-                                        desc.params(launch.n))
             if result:
                 raise self._calls.error("cuLaunchKernel", result)
         except CudaError as exc:

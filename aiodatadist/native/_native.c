@@ -1434,6 +1434,7 @@ typedef int (*cu_launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsi
                             void **, void **);
 typedef int (*cu_record_fn)(void *, void *);
 typedef int (*cu_query_fn)(void *);
+typedef int (*cu_htod_fn)(uint64_t, const void *, size_t, void *);
 
 typedef struct {
     cu_ctx_get_fn get_current;
@@ -1441,20 +1442,23 @@ typedef struct {
     cu_launch_fn launch;
     cu_record_fn record;
     cu_query_fn query;
+    cu_htod_fn htod;
 } cuda_fns;
 
 #define CTX_FAILED (1L << 20)
+#define STAGE_FAILED (1L << 21)
 #define CUDA_FNS "aiodatadist.cuda_fns"
 
 static void cuda_fns_free(PyObject *capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, CUDA_FNS)); }
 
-/* cuda_bind(cuCtxGetCurrent, cuCtxSetCurrent, cuLaunchKernel, cuEventRecord, cuEventQuery) -> a capsule. */
+/* cuda_bind(cuCtxGetCurrent, cuCtxSetCurrent, cuLaunchKernel, cuEventRecord, cuEventQuery, cuMemcpyHtoDAsync_v2)
+ * -> a capsule. */
 static PyObject *py_cuda_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 5) { PyErr_SetString(PyExc_TypeError, "cuda_bind takes 5 function addresses"); return NULL; }
-    void *f[5];
-    for (int i = 0; i < 5; i++) {
+    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "cuda_bind takes 6 function addresses"); return NULL; }
+    void *f[6];
+    for (int i = 0; i < 6; i++) {
         f[i] = PyLong_AsVoidPtr(args[i]);
         if (!f[i]) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a CUDA function address is NULL");
@@ -1465,6 +1469,7 @@ static PyObject *py_cuda_bind(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (!fns) return PyErr_NoMemory();
     fns->get_current = (cu_ctx_get_fn)f[0]; fns->set_current = (cu_ctx_set_fn)f[1];
     fns->launch = (cu_launch_fn)f[2]; fns->record = (cu_record_fn)f[3]; fns->query = (cu_query_fn)f[4];
+    fns->htod = (cu_htod_fn)f[5];
     PyObject *capsule = PyCapsule_New(fns, CUDA_FNS, cuda_fns_free);
     if (!capsule) PyMem_Free(fns);
     return capsule;
@@ -1494,20 +1499,50 @@ static int as_uint(PyObject *o, unsigned *out)
     return 0;
 }
 
-/* cuda_launch(fns, ctx, function, grid, block, stream, params) -> CUresult: cuLaunchKernel of a 1-D grid. */
+/* cuda_launch(fns, ctx, function, grid, block, stream, params[, table, nbytes, host, dev]) -> CUresult:
+ * cuLaunchKernel of a 1-D grid; with a table (an object with the buffer protocol, e.g. a C-contiguous array), its
+ * first nbytes are copied to the page-locked staging buffer at host and from there to the device at dev, on the
+ * stream (cuMemcpyHtoDAsync_v2; STAGE_FAILED plus its CUresult when that failed, and nothing was launched). */
 static PyObject *py_cuda_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 7) { PyErr_SetString(PyExc_TypeError, "cuda_launch takes 7 arguments"); return NULL; }
+    if (nargs != 7 && nargs != 11) { PyErr_SetString(PyExc_TypeError, "cuda_launch takes 7 or 11 arguments"); return NULL; }
     unsigned grid, block;
     void *function = PyLong_AsVoidPtr(args[2]), *stream = PyLong_AsVoidPtr(args[5]);
     void **params = (void **)PyLong_AsVoidPtr(args[6]);
+    void *host = NULL;
+    size_t nbytes = 0;
+    uint64_t dev = 0;
+    if (nargs == 11) {
+        nbytes = PyLong_AsSize_t(args[8]);
+        host = PyLong_AsVoidPtr(args[9]);
+        dev = (uint64_t)PyLong_AsUnsignedLongLong(args[10]);
+    }
     if (PyErr_Occurred() || as_uint(args[3], &grid) || as_uint(args[4], &block)) return NULL;
-    long failed;
+    Py_buffer table = {0};
+    if (nbytes) {
+        if (!host) { PyErr_SetString(PyExc_ValueError, "a table to stage needs a staging buffer"); return NULL; }
+        if (PyObject_GetBuffer(args[7], &table, PyBUF_SIMPLE) < 0) return NULL;
+        if ((size_t)table.len < nbytes) {
+            PyBuffer_Release(&table);
+            PyErr_SetString(PyExc_ValueError, "the table is shorter than the bytes to stage");
+            return NULL;
+        }
+    }
+    long failed, result;
     cuda_fns *fns = cuda_enter(args, &failed);
-    if (!fns) return NULL;
-    if (failed) return PyLong_FromLong(failed);
-    return PyLong_FromLong(fns->launch(function, grid, 1, 1, block, 1, 1, 0, stream, params, NULL));
+    if (!fns) result = -1;
+    else if (failed) result = failed;
+    else {
+        int r = 0;
+        if (nbytes) {
+            memcpy(host, table.buf, nbytes);
+            r = fns->htod(dev, host, nbytes, stream);
+        }
+        result = r ? STAGE_FAILED | r : fns->launch(function, grid, 1, 1, block, 1, 1, 0, stream, params, NULL);
+    }
+    if (nbytes) PyBuffer_Release(&table);
+    return result == -1 ? NULL : PyLong_FromLong(result);
 }
 
 /* cuda_record(fns, ctx, event, stream) -> CUresult of cuEventRecord. */

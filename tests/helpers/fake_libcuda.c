@@ -200,6 +200,7 @@ CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { NEED_CTX; if 
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, void *st) { NEED_CTX; return enqueue(st, OP_COPY, d, s, n, 0, 0, 0); }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, void *st) {
     NEED_CTX;
+    if (env_int("FAKE_CUDA_FAIL_HTOD", 0)) return 1;
     pthread_mutex_lock(&amu);
     int ok = find(d, 2) >= 0 && find((uintptr_t)s, 1) >= 0; /* the executor stages descriptors in pinned memory */
     pthread_mutex_unlock(&amu);

@@ -411,6 +411,31 @@ def test_copy_calls_make_the_context_current_and_say_what_failed(dev: Device, dr
         assert (error.function, error.result) == ("cuCtxSetCurrent", 201)
         assert str(error) == "cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT (invalid device context)"
         assert calls.error("cuLaunchKernel", 1).function == "cuLaunchKernel"
+        monkeypatch.delenv("FAKE_CUDA_FAIL_SET_CURRENT")
+        monkeypatch.setenv("FAKE_CUDA_FAIL_HTOD", "1")  # a table that cannot be staged: nothing is launched
+        staged = np.arange(3, dtype=np.uint64)
+        host, device_buffer = dev.alloc_pinned(staged.nbytes), dev.alloc(staged.nbytes)
+        try:
+            with pytest.raises(ValueError, match="needs a staging buffer"):
+                calls.launch(0, 1, 1, stream.value, 0, staged, staged.nbytes, 0, device_buffer)
+            with pytest.raises(ValueError, match="shorter than the bytes"):
+                calls.launch(0, 1, 1, stream.value, 0, staged[:2], staged.nbytes, host, device_buffer)
+            failed = calls.launch(0, 1, 1, stream.value, 0, staged, staged.nbytes, host, device_buffer)
+        finally:
+            dev.free_pinned(host)
+            dev.free(device_buffer)
+        assert failed == copy_calls.STAGE_FAILED | 1
+        assert calls.error("cuLaunchKernel", failed).function == "cuMemcpyHtoDAsync_v2"
+        monkeypatch.delenv("FAKE_CUDA_FAIL_HTOD")
+        executor = CudaExecutor(dev)  # its launches stage their tables through these calls
+        arena = Arena(dev, 1 << 20, 12)
+        try:
+            for offsets in ([0, 10, 5000], [70, 9000, 100]):
+                executor.run_sync(arena.spans(offsets, [100, 300, 20000], [40, 1000, 3000]))
+            arena.check()
+        finally:
+            arena.free()
+            executor.close()
     finally:
         monkeypatch.delenv("FAKE_CUDA_FAIL_SET_CURRENT", raising=False)
         dev.make_current()
@@ -764,6 +789,11 @@ async def test_launch_errors_fail_the_job_without_leaking(dev: Device, executor:
         with pytest.raises(CudaError, match="cuCtxSetCurrent failed: CUDA_ERROR_INVALID_CONTEXT"):
             await executor.run(arena.spans([0, 10], [100, 200], [10, 10]))
         monkeypatch.delenv("FAKE_CUDA_FAIL_SET_CURRENT")
+        assert len(executor._free) == len(executor._all) == 1
+        monkeypatch.setenv("FAKE_CUDA_FAIL_HTOD", "1")  # the table cannot be staged: nothing is launched
+        with pytest.raises(CudaError, match="cuMemcpyHtoDAsync_v2 failed: CUDA_ERROR_INVALID_VALUE"):
+            await executor.run(arena.spans([0, 10], [100, 200], [10, 10]))
+        monkeypatch.delenv("FAKE_CUDA_FAIL_HTOD")
         assert len(executor._free) == len(executor._all) == 1
         await executor.run(arena.spans([0, 10], [100, 200], [10, 10]))
         with pytest.raises(CudaError, match="cuLaunchKernel"):
