@@ -515,19 +515,30 @@ static inline int next_tensor(const grid *g, size_t *r, size_t *t, uint64_t *sb,
     return 1;
 }
 
+/* Where byte b0 (< total) of a grid's stream is: tensor *t, run *r, *off bytes into it; that tensor's source and
+ * destination bases (deltas added) in *sb and *db. */
+static inline void grid_locate(const grid *g, uint64_t b0, size_t *t, size_t *r, uint64_t *off, uint64_t *sb,
+                               uint64_t *db)
+{
+    *t = (size_t)(b0 / g->per_tensor);
+    uint64_t rem = b0 - (uint64_t)*t * g->per_tensor;
+    *r = run_at(g->prefix, g->nr, rem);
+    *off = rem - g->prefix[*r];
+    *sb = g->src_base[*t] + g->src_delta;
+    *db = g->dst_base[*t] + g->dst_delta;
+}
+
 /* Copy bytes [b0, b1) of the grid's stream: 0, an errno, or -1 when stopped. */
 static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
 {
     if (b0 >= b1 || g->per_tensor == 0) return 0;
-    size_t t = (size_t)(b0 / g->per_tensor);
-    uint64_t rem = b0 - (uint64_t)t * g->per_tensor;
-    size_t r = run_at(g->prefix, g->nr, rem);
-    uint64_t off = rem - g->prefix[r], pos = b0, cs = 0, cd = 0, cl = 0;
+    size_t t, r;
+    uint64_t off, sb, db, pos = b0, cs = 0, cd = 0, cl = 0;
+    grid_locate(g, b0, &t, &r, &off, &sb, &db);
     /* Locals, not g->...: the copies in between may alias anything, so the compiler would reload every field. */
     const uint64_t *run_src = g->run_src, *run_dst = g->run_dst, *run_len = g->run_len;
     const size_t nr = g->nr;
     const uint64_t piece = g->piece;
-    uint64_t sb = g->src_base[t] + g->src_delta, db = g->dst_base[t] + g->dst_delta;
     const volatile int32_t *stop = c->stop;
     const int local = c->mode == 0;
     int err = 0;
@@ -685,11 +696,9 @@ static int cover_flush(cover_batch *cb, const grid *g, uint64_t b1, int pid)
 static int grid_read_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
 {
     if (b0 >= b1 || g->per_tensor == 0) return 0;
-    size_t t = (size_t)(b0 / g->per_tensor);
-    uint64_t rem = b0 - (uint64_t)t * g->per_tensor;
-    size_t r = run_at(g->prefix, g->nr, rem);
-    uint64_t off = rem - g->prefix[r], pos = b0, cs = 0, cd = 0, cl = 0;
-    uint64_t sb = g->src_base[t] + g->src_delta, db = g->dst_base[t] + g->dst_delta;
+    size_t t, r;
+    uint64_t off, sb, db, pos = b0, cs = 0, cd = 0, cl = 0;
+    grid_locate(g, b0, &t, &r, &off, &sb, &db);
     cover_batch *cb = NULL;
     int err = 0;
     while (pos < b1 && !err) {
