@@ -220,7 +220,7 @@ _STREAM_DONE = STREAM_CALLBACK(_on_stream_done)
 class _Descriptors:
     """A job's span descriptors: page-locked staging memory and the device copy the kernel reads."""
 
-    __slots__ = ("_args", "_params", "_params_at", "capacity", "dev", "host", "view")
+    __slots__ = ("_args", "_params", "_params_at", "capacity", "dev", "host")
 
     def __init__(self, device: Device, capacity: int) -> None:
         self.capacity = capacity
@@ -233,7 +233,6 @@ class _Descriptors:
         except BaseException:
             device.free_pinned(self.host)
             raise
-        self.view = np.ctypeslib.as_array((ctypes.c_uint64 * (3 * capacity)).from_address(self.host))
 
     def params(self, n: int) -> int:
         """The address of the kernel's parameters for a table of ``n`` spans in this buffer (the last ones built
