@@ -670,13 +670,12 @@ static cover_batch *cover_batch_of_thread(void)
 /* Read the batched covering ranges with one call, then copy each group's spans out of the bounce buffer. */
 static int cover_flush(cover_batch *cb, const grid *g, uint64_t b1, int pid)
 {
-    if (cb->n == 0) return 0;
-    ssize_t got = process_vm_readv(pid, cb->local, cb->n, cb->remote, cb->n, 0);
-    size_t n = cb->n;
-    cb->n = 0;
+    size_t n = cb->n, used = cb->used;
+    cb->n = cb->used = 0;   /* empty again, whatever the read gives */
+    if (n == 0) return 0;
+    ssize_t got = process_vm_readv(pid, cb->local, n, cb->remote, n, 0);
     if (got < 0) return errno ? errno : EIO;
-    if ((size_t)got != cb->used) return EFAULT;   /* the owner's range is not mapped (any more) */
-    cb->used = 0;
+    if ((size_t)got != used) return EFAULT;   /* the owner's range is not mapped (any more) */
     for (size_t i = 0; i < n; i++) {
         const char *from = (const char *)cb->local[i].iov_base;
         uint64_t off = cb->group[i].off, pos = cb->group[i].pos, lo = cb->group[i].lo, db = cb->group[i].db;
@@ -732,7 +731,7 @@ static int grid_read_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
         if (r == g->nr && !next_tensor(g, &r, &t, &sb, &db)) break;
     }
     if (!err && cb) err = cover_flush(cb, g, b1, c->pid);
-    if (cb) cb->n = cb->used = 0;   /* (after an error: nothing of it is left for the thread's next call) */
+    if (cb) cb->n = cb->used = 0;   /* (reads left unflushed by an error are not the thread's next call's) */
     if (!err && cl) err = copy_span(c, cs, cd, cl, g->piece);
     if (!err && (c->stop == NULL || !*c->stop)) err = pvm_flush(c);
     return err;
