@@ -415,33 +415,56 @@ class PlanCache(OrderedDict[tuple[Any, ...], tuple["CopyPlan", V]]):
     first out.  Keyed by the plan's ``id`` and the caller's parts (the tensors' addresses, as bytes): an entry keeps
     its plan alive, so the ``id`` still names it, and a hit checks that it is that plan.  Memory re-registered
     elsewhere has other addresses, hence other entries.  Thread-safe: instances on event loops of several threads
-    share one."""
+    share one.
+
+    A value is kept only from its key's second sight on: a serving engine's transfers name new blocks at nearly
+    every call, and keeping each of those one-off values would cost every call an insertion and an eviction (and
+    whatever the evicted value held).  Keys seen once are remembered by hash (:attr:`SEEN_PER_ENTRY` per entry
+    kept); a collision only keeps a value early."""
+
+    SEEN_PER_ENTRY = 4
 
     def __init__(self, size: int, on_evict: Callable[[V], None] | None = None) -> None:
         super().__init__()
         self.size = size
         self._on_evict = on_evict  # told of each value pushed out (under the cache's lock: keep it short)
         self._lock = threading.Lock()
+        self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of keys seen once, oldest first
 
-    def get_or_make(self, plan: CopyPlan, parts: tuple[Any, ...], make: Callable[[], V]) -> V:
-        """The value kept for ``plan`` and ``parts``, made (outside the lock) and kept if there is none."""
+    def get_or_make(self, plan: CopyPlan, parts: tuple[Any, ...], make: Callable[[bool], V]) -> V:
+        """The value kept for ``plan`` and ``parts``, or one made now (outside the lock) by ``make(kept)``:
+        ``kept`` says whether the cache keeps it (its key's second sight) or the caller has it for this once."""
         key = (id(plan), *parts)
         with self._lock:
             found = self.get(key)
             if found is not None and found[0] is plan:
                 self.move_to_end(key)
                 return found[1]
-        value = make()
-        with self._lock:
-            replaced = self.get(key)
-            self[key] = (plan, value)
-            while len(self) > self.size:
-                _, (_, evicted) = self.popitem(last=False)
-                if self._on_evict is not None:
-                    self._on_evict(evicted)
-            if replaced is not None and self._on_evict is not None:
-                self._on_evict(replaced[1])
+            seen = hash(key)
+            keep = found is not None or seen in self._seen
+            if keep:
+                self._seen.pop(seen, None)
+            else:
+                self._seen[seen] = None
+                if len(self._seen) > self.SEEN_PER_ENTRY * self.size:
+                    self._seen.popitem(last=False)
+        value = make(keep)
+        if keep:
+            with self._lock:
+                replaced = self.get(key)
+                self[key] = (plan, value)
+                while len(self) > self.size:
+                    _, (_, evicted) = self.popitem(last=False)
+                    if self._on_evict is not None:
+                        self._on_evict(evicted)
+                if replaced is not None and self._on_evict is not None:
+                    self._on_evict(replaced[1])
         return value
+
+    def clear(self) -> None:
+        with self._lock:
+            super().clear()
+            self._seen.clear()
 
 
 # -- transfers between two caches -----------------------------------------------------------------------------

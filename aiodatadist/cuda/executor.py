@@ -2,9 +2,10 @@
 
 A job is enqueued on the executor's stream without blocking: one ``cuMemcpyAsync`` for a single span, else
 one launch of the pointer-list kernel (``adt_copy_spans``) for all spans, its descriptors copied to the device
-on the same stream.  A plan's launch (:meth:`CudaExecutor.start_plan`) is prepared once per plan and pair of
-tensor address lists, its descriptor table written by the native helper in one pass over the plan's grid, and
-kept on the device after its first copy: a repeated transfer is one ``cuLaunchKernel``.
+on the same stream.  A plan's launch (:meth:`CudaExecutor.start_plan`) is prepared by the native helper in one pass over the plan's
+grid; seen a second time for the same pair of tensor address lists, it is kept, its descriptor table on the
+device after its next copy: from then on a repeated transfer is one ``cuLaunchKernel``.  One-off launches (a
+serving engine's new blocks at every call) are never kept: their tables are staged in pooled buffers.
 
 How the event loop learns that the GPU is done: an event recorded after the copy, which the loop itself queries
 (``cuEventQuery``, well under a microsecond).  A copy expected to take 2.5 ms or more (its bytes at the rate this
@@ -325,7 +326,8 @@ class CudaExecutor(ExecutorBase):
     def start_plan(self, plan: CopyPlan, src_addrs: np.ndarray, dst_addrs: np.ndarray, copier: object = None, *,
                    chunk_bytes: int | None = None) -> CudaJob:
         """:meth:`start` for a plan between tensors at ``src_addrs`` and ``dst_addrs``: its launch (spans, pieces,
-        descriptor table, geometry) is prepared once per plan and pair of tensor address lists, then reused."""
+        descriptor table, geometry) is prepared per plan and pair of tensor address lists, kept from its second
+        sight on."""
         job = CudaJob(asyncio.get_running_loop())
         self._submit(self._prepared(plan, src_addrs, dst_addrs), job)
         return job
@@ -342,9 +344,9 @@ class CudaExecutor(ExecutorBase):
         if plan.num_spans > LAUNCH_CACHE_MAX_SPANS:
             return prepare()
 
-        def prepare_cached() -> _Launch:
+        def prepare_cached(kept: bool) -> _Launch:
             launch = prepare()
-            launch.cached = True
+            launch.cached = kept
             return launch
 
         return self._launches.get_or_make(plan, (src_addrs.tobytes(), dst_addrs.tobytes()), prepare_cached)

@@ -489,8 +489,8 @@ async def test_torch_tensors(executor: CudaExecutor) -> None:
 
 def test_a_plan_launch_is_prepared_once_and_never_reused_for_other_addresses(device: Device,
                                                                             executor: CudaExecutor) -> None:
-    """``start_plan`` keeps a plan's launch per pair of tensor address lists: the same call reuses it, a call
-    with another destination gets its own, and each lands its bytes where its addresses say."""
+    """``start_plan`` keeps a plan's launch (from its second sight) per pair of tensor address lists: the same call
+    reuses it, a call with another destination gets its own, and each lands its bytes where its addresses say."""
     from aiodatadist.layout import Runs, make_plan
 
     tensors, block = 4, 4096
@@ -517,10 +517,14 @@ def test_a_plan_launch_is_prepared_once_and_never_reused_for_other_addresses(dev
                 d.check()
 
         run(first)
+        assert len(executor._launches) == 0  # seen once: not kept
+        run(first)
         prepared = dict(executor._launches)
+        assert len(prepared) == 1  # seen again: kept
         run(first)
         assert dict(executor._launches) == prepared  # the same launch, not a second one
         run(second)  # the same plan into other memory: its own launch, its bytes where they belong
+        run(second)
         assert len(executor._launches) == len(prepared) + 1
         for p in first:
             p.check()  # untouched by the second call

@@ -703,15 +703,20 @@ def test_a_plans_table_from_the_native_walk_is_the_span_arrays_one(executor: Cud
 
 
 async def test_a_repeated_plan_launches_from_its_table_on_the_device(dev: Device, executor: CudaExecutor) -> None:
-    """The first copy of a cached launch stages its descriptors and keeps them on the device; a repeat is one
-    launch from that table (no buffer taken from the pool), and still copies the bytes the source holds now."""
+    """A launch seen once is not kept (its table staged in a pooled buffer, back in the pool after the copy); seen
+    again, it is kept and keeps its descriptors on the device; a repeat is one launch from that table (no buffer
+    taken from the pool), and still copies the bytes the source holds now."""
     arena = Arena(dev, 1 << 20, 12)
     try:
-        for round_ in range(3):
+        for round_ in range(4):
             await executor.wait(_plan_jobs(executor, arena, 1)[0])
             arena.check()
             launches = [launch for _, launch in executor._launches.values()]
-            assert len(launches) == 1 and launches[0].resident is not None and executor._free == [] and len(executor._all) == 1
+            if round_ == 0:
+                assert launches == [] and len(executor._free) == len(executor._all) == 1
+            else:
+                assert len(launches) == 1 and launches[0].resident is not None
+                assert executor._free == [] and len(executor._all) == 1
             arena.src_data[:] = np.random.default_rng(round_).integers(1, 256, arena.nbytes, dtype=np.uint8)
             dev.copy_htod(arena.src, arena.src_data.ctypes.data, arena.nbytes)
     finally:
@@ -728,6 +733,8 @@ async def test_an_evicted_launch_keeps_its_table_until_the_stream_is_past_it(
     arena = Arena(dev, 1 << 20, 13)
     count = executor_module.LAUNCH_CACHE + 8
     try:
+        await asyncio.gather(*(executor.wait(j) for j in _plan_jobs(executor, arena, count)))  # seen once: not kept
+        assert len(executor._launches) == 0
         monkeypatch.setenv("FAKE_CUDA_DELAY_US", "500000")
         blocker = executor.start(arena.spans([0], [(1 << 20) - 4096], [4096]))
         await asyncio.sleep(0.05)  # the stream's thread is now inside the blocker's delay

@@ -1073,3 +1073,44 @@ def test_caches_of_different_data_types_have_no_plan(op: str, api: str) -> None:
         transfer_plan(params, geometry(1), geometry(27), 0)
     assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
     assert transfer_plan(params, geometry(27), geometry(27), 0).total_bytes > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), max_size=120), st.integers(1, 4))
+def test_plan_cache_keeps_a_value_from_its_second_sight_on(accesses: list[tuple[int, int]], size: int) -> None:
+    """Against a model: a key's first sight makes a value the cache does not keep, the next one makes a value it
+    keeps; a hit returns the kept value itself; at most ``size`` are kept, least recently used first out, and every
+    value pushed out (and only those) is told to ``on_evict``; a key pushed out must be seen twice again; keys seen
+    once are remembered up to ``SEEN_PER_ENTRY * size``, the oldest forgotten first."""
+    from collections import OrderedDict
+
+    from aiodatadist.layout import PlanCache
+
+    plans = [make_plan(np.array([0], np.int64), np.array([0], np.int64),
+                       Runs(*(np.array([i], np.int64) for _ in range(3)))) for i in range(6)]
+    evicted: list[object] = []
+    cache: PlanCache[object] = PlanCache(size, evicted.append)
+    kept: OrderedDict[tuple[int, int], object] = OrderedDict()  # the model
+    seen: OrderedDict[tuple[int, int], None] = OrderedDict()
+    made: list[bool] = []
+    for plan_index, part in accesses:
+        key = (plan_index, part)
+        value = cache.get_or_make(plans[plan_index], (part.to_bytes(8, "little"),),
+                                  lambda kept_now: made.append(kept_now) or object())
+        if key in kept:
+            assert value is kept[key] and not made
+            kept.move_to_end(key)
+        elif key in seen:
+            assert made == [True]
+            del seen[key]
+            kept[key] = value
+            if len(kept) > size:
+                assert evicted.pop(0) is kept.popitem(last=False)[1]
+        else:
+            assert made == [False] and value not in [v for _, v in cache.values()]
+            seen[key] = None
+            if len(seen) > PlanCache.SEEN_PER_ENTRY * size:
+                seen.popitem(last=False)
+        made.clear()
+        assert not evicted
+        assert [v for _, v in cache.values()] == list(kept.values())
