@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._aio import wait_through_cancellation
 from .._checks import U64_MAX, check_int, require
@@ -58,6 +58,16 @@ def wire_key(key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey) -> WireKey:
     return WireKey(kind, ident, model)
 
 
+class _OneSided(NamedTuple):
+    """A transfer on a cache the owner published, ready for the link's plane to move alone."""
+
+    link: Link
+    st: LinkTransfers
+    resolved_as: IndexKey  # its key in ``st.resolved``
+    resolved: Resolved
+    transfer: Transfer
+
+
 class Requester:
     """The requester side of every link of one instance: begin -> the link's data plane moves -> end."""
 
@@ -78,10 +88,16 @@ class Requester:
         started = time.perf_counter()
         failure: str | None = "LLM_FAILED"
         nbytes = 0
+        release: Awaitable[Any] | None = None
         try:
             try:
-                with deadline(timeout_ms / 1000):
-                    release, nbytes = await self._run(key, local, params, note)
+                one = self._one_sided_transfer(key, local, params)
+                if one is not None and self._moved_now(one):  # done on this thread: nothing to await
+                    nbytes = one.transfer.plan.total_bytes
+                    self._send_note(one.link, note)
+                else:
+                    with deadline(timeout_ms / 1000):
+                        release, nbytes = await self._run(key, local, params, note, one)
             except TimeoutError as exc:
                 if isinstance(exc, LLMException):
                     raise
@@ -121,23 +137,30 @@ class Requester:
             self._noted(link, note)
 
     async def _run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
-                   params: TransferParams, note: bytes | None) -> tuple[Awaitable[Any] | None, int]:
-        """Do the transfer; returns the owner's pending key-release acknowledgement (if any) and the bytes."""
+                   params: TransferParams, note: bytes | None,
+                   one: _OneSided | None) -> tuple[Awaitable[Any] | None, int]:
+        """Do the transfer (``one``: as prepared to go one-sided); returns the owner's pending key-release
+        acknowledgement (if any) and the bytes."""
+        if one is not None:
+            moved = await self._one_sided(one, local)
+            if moved is not None:
+                self._send_note(one.link, note)
+                return None, moved
         require(key.cluster_id != self._cluster_id, "data can not be pulled from own cluster.")
         link = self._links.links.get(key.cluster_id) or await self._links.not_linked(key.cluster_id)
         link.plane.check_local(local, key.cluster_id)
+        return await self._through_owner(link, self._states.of(link), wire_key(key), local, params, note)
+
+    def _one_sided_transfer(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
+                            params: TransferParams) -> _OneSided | None:
+        """The transfer on a cache the owner resolved and published before, for the plane to move alone (no
+        round trip); None: it goes through the owner (a resolution gone stale is forgotten)."""
+        link = self._links.links.get(key.cluster_id)
+        if link is None or key.cluster_id == self._cluster_id:
+            return None  # (the way through the owner says why)
+        link.plane.check_local(local, key.cluster_id)
         st = self._states.of(link)
         wkey = wire_key(key)
-        moved = await self._one_sided(link, st, wkey, local, params)
-        if moved is not None:
-            self._send_note(link, note)
-            return None, moved
-        return await self._through_owner(link, st, wkey, local, params, note)
-
-    async def _one_sided(self, link: Link, st: LinkTransfers, wkey: WireKey, local: CacheEntry,
-                         params: TransferParams) -> int | None:
-        """A transfer on a cache the owner resolved and published before, moved by the plane alone (no round
-        trip); None: it goes through the owner (the resolution is forgotten if it went stale)."""
         index: IndexKey = (wkey.kind, wkey.a, wkey.b)
         resolved = st.resolved.get(index)
         if resolved is None:
@@ -154,6 +177,22 @@ class Requester:
             del st.resolved[index]
             return None
         transfer = Transfer(transfer_id(st.running), params.op == "pull", plan, local, descriptor, resolved.cache_id)
+        return _OneSided(link, st, index, resolved, transfer)
+
+    @staticmethod
+    def _moved_now(one: _OneSided) -> bool:
+        """Move ``one`` on this thread if it is small enough (see ``DataPlane.moved_published_now``)."""
+        try:
+            return one.link.plane.moved_published_now(one.transfer, one.resolved)
+        except LLMException as exc:
+            if exc.status_code == S.LLM_KV_CACHE_NOT_EXIST:
+                one.st.resolved.pop(one.resolved_as, None)
+            raise
+
+    async def _one_sided(self, one: _OneSided, local: CacheEntry) -> int | None:
+        """Move ``one``, by the plane alone; None: it goes through the owner after all (the cache was released
+        or re-keyed meanwhile)."""
+        link, st, index, resolved, transfer = one
         stopped: asyncio.Future[None] | None = None
         if not transfer.pull:  # a WITHDRAW of the owner's cache waits for it (see withdraw)
             stopped = asyncio.get_running_loop().create_future()
@@ -172,7 +211,7 @@ class Requester:
         if not moved:
             st.resolved.pop(index, None)  # released or re-keyed: ask the owner again
             return None
-        return plan.total_bytes
+        return transfer.plan.total_bytes
 
     async def _through_owner(self, link: Link, st: LinkTransfers, wkey: WireKey, local: CacheEntry,
                              params: TransferParams, note: bytes | None) -> tuple[Awaitable[Any] | None, int]:

@@ -136,6 +136,11 @@ class DataPlane:
         ``LLM_KV_CACHE_NOT_EXIST``."""
         raise NotImplementedError
 
+    def moved_published_now(self, transfer: Transfer, resolved: Resolved) -> bool:
+        """:meth:`move_published` done on this thread, at once, for a transfer small enough (no task switch, no
+        worker woken); False: nothing was done, await :meth:`move_published`."""
+        return False
+
     def expect(self, tid: int, pull: bool) -> Any:
         """What must exist before ``BEGIN`` goes out (the owner may start sending as soon as it accepts)."""
         return None

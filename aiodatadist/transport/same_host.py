@@ -195,6 +195,10 @@ class PeerMemory:
         finally:
             os.close(fd)
 
+    def handed_over(self, identity: SegmentIdentity) -> bool:
+        """Whether ``identity`` needs no hand-over (:meth:`ensure`) before a copy maps it."""
+        return self.caps.fds is None or (identity.inode, identity.device) in self._mappings
+
     def _populated(self, key: tuple[int, int]) -> None:
         self._populating.pop(key, None)
         self._unmap_if_idle(key)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import U64_LIMIT
-from ..copy.spans import STREAMING_THRESHOLD
+from ..copy.spans import INLINE_BYTES, STREAMING_THRESHOLD
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
 from ..layout import CacheGeometry, CopyPlan
 from ..protocol.messages import Descriptor, Freed, IpcAllocation
@@ -73,6 +73,22 @@ class SameHostPlane(DataPlane):
             await self.move(transfer)
         except LLMLinkError as exc:  # process_vm_readv of caller memory the owner released meanwhile: EFAULT
             failure = exc
+        self._check_published(resolved, failure)
+        return True
+
+    def moved_published_now(self, transfer: Transfer, resolved: Resolved) -> bool:
+        failure: LLMLinkError | None = None
+        try:
+            if not self._copied_now(transfer, self._host_segment(transfer)):
+                return False
+        except LLMLinkError as exc:
+            failure = exc
+        self._check_published(resolved, failure)
+        return True
+
+    def _check_published(self, resolved: Resolved, failure: LLMLinkError | None) -> None:
+        """After a copy of a published cache: raise if the owner released it meanwhile (the bytes are then
+        unspecified), or ``failure`` (how the copy failed) if it did not."""
         directory = self.directory
         assert directory is not None
         if self.closed is not None:  # dropped meanwhile: its directory view reads as empty, which says nothing
@@ -84,14 +100,41 @@ class SameHostPlane(DataPlane):
         if not live or failure is not None:
             raise LLMException(f"cluster {self.peer} released cache {resolved.cache_id} during the transfer",
                                status_code=S.LLM_KV_CACHE_NOT_EXIST)
-        return True
+
+    def _host_segment(self, transfer: Transfer) -> tuple[SegmentIdentity, int] | None:
+        """The peer's shared segment that holds the bytes ``transfer`` touches there; None: they are reached
+        the unshared way (``process_vm_*``)."""
+        descriptor, segment = transfer.descriptor, transfer.descriptor.segment
+        if segment is not None and descriptor.window is not None and not _inside(transfer.plan, descriptor.window,
+                                                                              transfer.pull):
+            return None  # bytes outside what the peer shares in place
+        return segment
+
+    def _copied_now(self, transfer: Transfer, segment: tuple[SegmentIdentity, int] | None) -> bool:
+        """Copy a small transfer between host memory at both ends on this thread; False, having copied nothing,
+        when it is not one (a device cache, a segment not handed over yet, too many bytes)."""
+        local, pull = transfer.local, transfer.pull
+        if local.on_device or transfer.descriptor.ipc is not None or transfer.plan.total_bytes > INLINE_BYTES:
+            return False
+        if segment is not None and not self.memory.handed_over(segment[0]):
+            return False
+        copy = self.memory.copier(remote_is_src=pull, segment=segment, streaming=False)
+        remote = transfer.descriptor.addrs
+        src, dst = (remote, local.addrs) if pull else (local.addrs, remote)
+        try:
+            return self._copies.copy_now(transfer.plan, src, dst, copy)
+        except OSError as exc:
+            if isinstance(exc, LLMException):
+                raise
+            raise _copy_failed(self.peer, exc) from exc
 
     async def move(self, transfer: Transfer) -> None:
         """Copy the bytes (the caller holds a lease on the local cache); closing the link cancels the copy."""
         descriptor, local, plan, pull = transfer.descriptor, transfer.local, transfer.plan, transfer.pull
-        segment, ipc = descriptor.segment, list(descriptor.ipc) if descriptor.ipc is not None else None
-        if segment is not None and descriptor.window is not None and not _inside(plan, descriptor.window, pull):
-            segment = None  # bytes outside what the peer shares in place: the unshared way (process_vm_*)
+        segment = self._host_segment(transfer)
+        if self._copied_now(transfer, segment):
+            return
+        ipc = list(descriptor.ipc) if descriptor.ipc is not None else None
         if segment is not None and self.caps.fds:  # a peer under another user hands its segments over (once)
             try:
                 await self.memory.ensure(segment[0])
@@ -114,8 +157,6 @@ class SameHostPlane(DataPlane):
                 copy = self.memory.copier(remote_is_src=pull, segment=segment,
                                           streaming=plan.total_bytes >= STREAMING_THRESHOLD)
                 src, dst = (descriptor.addrs, local.addrs) if pull else (local.addrs, descriptor.addrs)
-                if copies.copy_now(plan, src, dst, copy):
-                    return
                 job = copies.start_job(plan, src, dst, copy, (local,))
             self._jobs[transfer.tid] = job
             try:
@@ -125,7 +166,7 @@ class SameHostPlane(DataPlane):
         except OSError as exc:
             if isinstance(exc, LLMException):  # LLMTimeoutError / LLMLinkError are OSErrors too
                 raise
-            raise LLMLinkError(f"copy with cluster {self.peer} failed: {exc}") from exc
+            raise _copy_failed(self.peer, exc) from exc
         finally:
             if held is not None:
                 self.memory.release(held)
@@ -182,6 +223,11 @@ class SameHostPlane(DataPlane):
         finally:
             if self.directory is not None:
                 self.directory.close()
+
+
+def _copy_failed(peer: int, exc: OSError) -> LLMLinkError:
+    """A copy that failed in the system (e.g. ``EFAULT``: the peer's memory is gone), as the transfer raises it."""
+    return LLMLinkError(f"copy with cluster {peer} failed: {exc}")
 
 
 def _inside(plan: CopyPlan, window: tuple[int, int], pull: bool) -> bool:

@@ -20,7 +20,16 @@ from helpers.requests import count_begins
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMException, LLMStatusCode, Placement
+from aiodatadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMConfig,
+    LLMException,
+    LLMLinkError,
+    LLMStatusCode,
+    Placement,
+)
 from aiodatadist.publication import CacheDirectory
 from aiodatadist.testing import linked_pair
 from aiodatadist.transport.directory import DirectoryView
@@ -363,3 +372,42 @@ async def test_a_release_during_a_one_sided_pull_of_registered_memory_fails_it()
         small = dcm.allocate_blocks_cache(DESC)
         await dcm.pull_blocks(BlocksCacheKey(1, 9), small, [4, 5], [4, 5])
         assert all(np.array_equal(a, b) for a, b in zip(blocks(again, [4, 5]), blocks(small, [4, 5])))
+
+
+@pytest.mark.parametrize("moved", [1, 16], ids=["on the calling thread", "by the copy threads"])
+async def test_a_one_sided_pull_of_memory_gone_under_a_live_cache_fails_alike_small_or_large(moved: int) -> None:
+    """The owner's caller unmaps memory it still has registered (its bug): a one-sided pull of it faults, and fails
+    the same way whether it is small enough to be copied on the calling thread (16 KiB) or goes to the copy
+    threads (256 KiB): an ``LLMLinkError`` saying the copy failed, nothing else touched; the resolution is kept
+    (the directory still says the cache is live), and once the owner unregisters it and registers new memory under
+    the key, the same pull moves every byte."""
+    desc = CacheDesc(4, (16, 4096), DataType.DT_UINT8, Placement.HOST)
+    async with linked_pair(config=config("shm")) as (prompt, decoder):
+        pcm, dcm = prompt.cache_manager, decoder.cache_manager
+        regions = [mmap.mmap(-1, desc.size) for _ in range(desc.num_tensors)]
+        for i, region in enumerate(regions):
+            region.write(pattern(71, i, desc.size))
+        src = pcm.register_blocks_cache(desc, [ctypes.addressof(ctypes.c_char.from_buffer(r)) for r in regions],
+                                        BlocksCacheKey(1, 4))
+        dst = dcm.allocate_blocks_cache(desc)
+        fill_pattern(dst, 72)
+        await dcm.pull_blocks(BlocksCacheKey(1, 4), dst, [0], [0])  # resolved once through the owner
+        state = decoder._transfers.state_of(next(iter(decoder._links.links.values())))
+        begins = count_begins(decoder)
+        for region in regions:
+            with contextlib.suppress(BufferError):
+                region.close()
+        before = blocks(dst, list(range(16)))
+        with pytest.raises(LLMException) as info:
+            await dcm.pull_blocks(BlocksCacheKey(1, 4), dst, list(range(moved)), list(range(moved)))
+        assert isinstance(info.value, LLMLinkError) and info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+        assert "copy with cluster 1 failed" in str(info.value) and "Bad address" in str(info.value)
+        assert begins[0] == 0 and state.resolved  # one-sided, and the cache is still the one resolved
+        after = blocks(dst, list(range(16)))
+        assert all(np.array_equal(a, b) for a, b in zip(before[moved:], after[moved:]))
+
+        pcm.unregister_cache(src.cache_id)
+        again, _ = registered(pcm, desc, BlocksCacheKey(1, 4), 73)
+        await dcm.pull_blocks(BlocksCacheKey(1, 4), dst, list(range(moved)), list(range(moved)))
+        assert all(np.array_equal(a, b) for a, b in zip(blocks(again, list(range(moved))),
+                                                        blocks(dst, list(range(moved)))))
