@@ -132,14 +132,14 @@ class SameHostPlane(DataPlane):
         """Copy the bytes (the caller holds a lease on the local cache); closing the link cancels the copy."""
         descriptor, local, plan, pull = transfer.descriptor, transfer.local, transfer.plan, transfer.pull
         segment = self._host_segment(transfer)
-        if self._copied_now(transfer, segment):
-            return
-        ipc = list(descriptor.ipc) if descriptor.ipc is not None else None
         if segment is not None and self.caps.fds:  # a peer under another user hands its segments over (once)
             try:
                 await self.memory.ensure(segment[0])
             except OSError as exc:
                 raise LLMLinkError(f"cluster {self.peer} did not hand over its cache: {exc}") from exc
+        if self._copied_now(transfer, segment):
+            return
+        ipc = list(descriptor.ipc) if descriptor.ipc is not None else None
         # The peer may free this cache meanwhile (FREED): its mapping here stays until the copy is done.
         held = self.memory.hold(segment[0]) if segment is not None else None
         device = None
