@@ -349,19 +349,20 @@ def test_bench_device_runs_and_checks_its_bytes(tmp_path: Path) -> None:
     phases = ["host before the launch", "driver calls to enqueue", "launch to end seen", "GPU end to end seen",
               "end seen to return"]
     assert [r["name"] for r in rows] == [
-        "d2d pull", "d2d pull 2 MiB", *(f"2 MiB: {p}" for p in phases), "d2d pull 2 MiB, new blocks",
+        "d2d pull", "d2d pull, 2 calls in flight", "d2d pull 2 MiB", *(f"2 MiB: {p}" for p in phases),
+        "d2d pull 2 MiB, new blocks",
         *(f"new blocks: {p}" for p in phases), "d2d push",
         *(row for label in ("d2d pull", "d2d push") for row in (f"{label}: kernel alone", *(f"{label}: {p}" for p in phases))),
         "swap h2d", "swap d2h", "host->dev pull",
         "kernel 256 x 8/SM", "kernel 256 x 4/SM", "kernel 256 x 2/SM", "kernel 128 x 16/SM", "kernel 128 x 8/SM",
         "kernel 64 x 32/SM", "kernel 64 x 16/SM"]
     assert all(r["gbps"] > 0 and r["ratio"] > 0 for r in rows if "gbps" in r)
-    for at in (1, 7):
+    for at in (2, 8):
         latency = rows[at]
         assert latency["runs"] >= 200 and 0 < latency["p50_us"] <= latency["p99_us"]
         for phase in rows[at + 1:at + 6]:  # every call's copy completed through its polled event: all have phases
             assert phase["runs"] == latency["runs"] and 0 < phase["p50_us"] <= phase["p99_us"]
-    for at in (14, 20):  # the 256 MiB rows again, timed: the kernel's own rate, then every call's phases
+    for at in (15, 21):  # the 256 MiB rows again, timed: the kernel's own rate, then every call's phases
         assert rows[at]["gbps"] > 0
         assert all(phase["runs"] == 5 and 0 < phase["p50_us"] <= phase["p99_us"] for phase in rows[at + 1:at + 6])
 

@@ -3,6 +3,9 @@
 * ``d2d pull`` / ``d2d push``: a decoder in this process pulls (pushes) 64 tensors x 128 scattered 32 KiB blocks
   (256 MiB) from (to) a prompt in another process, both caches in device memory, through CUDA IPC; baseline: a
   same-process ``cuMemcpyDtoD`` of 256 MiB.
+* ``d2d pull, 2 calls in flight``: two such pulls at once, into the two halves of the destination cache (512 MiB
+  a round): the GPU copies one while the host prepares or finishes the other, as an engine's concurrent requests
+  overlap; against the same ``cuMemcpyDtoD`` rate.
 * ``swap h2d`` / ``swap d2h``: ``swap_blocks`` of the same 256 MiB between a host blocks cache and a device one;
   baselines: ``cuMemcpyHtoD`` / ``cuMemcpyDtoH`` of 256 MiB from / to page-locked host memory.
 * ``host->dev pull``: the decoder's device cache pulls the blocks from the prompt's *host* cache (no baseline
@@ -138,6 +141,16 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
             progress("d2d pull: 64 x 128 scattered 32 KiB blocks from another process's device cache")
             row("d2d pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(0), repeat)), "d2d")
             await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
+            taken = set(dst_blocks)
+            other_dst = [b for b in reversed(range(BLOCKS)) if b not in taken]  # the other 128 blocks
+
+            async def two_in_flight() -> None:
+                await asyncio.gather(pull(0), cm.pull_blocks(BlocksCacheKey(1, 0), dst, src_blocks, other_dst))
+
+            progress("d2d pull, 2 calls in flight: the same 256 MiB into both halves of the destination at once")
+            row("d2d pull, 2 calls in flight", _gbps(2 * MOVED_BYTES, await _median_async(two_in_flight, repeat)),
+                "d2d")
+            await _check(prompt, dev_src, dst, src_blocks, other_dst)
             runs = max(200, 20 * repeat)
             progress(f"d2d pull 2 MiB x {runs}: one block of each tensor")
             one = ([src_blocks[0]], [dst_blocks[0]])
