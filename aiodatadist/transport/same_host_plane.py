@@ -77,6 +77,8 @@ class SameHostPlane(DataPlane):
         return True
 
     def moved_published_now(self, transfer: Transfer, resolved: Resolved) -> bool:
+        if not self._small_host(transfer):
+            return False
         failure: LLMLinkError | None = None
         try:
             if not self._copied_now(transfer, self._host_segment(transfer)):
@@ -110,12 +112,16 @@ class SameHostPlane(DataPlane):
             return None  # bytes outside what the peer shares in place
         return segment
 
+    @staticmethod
+    def _small_host(transfer: Transfer) -> bool:
+        """Whether ``transfer`` is between host memory at both ends and small enough for :meth:`_copied_now`."""
+        return (not transfer.local.on_device and transfer.descriptor.ipc is None
+                and transfer.plan.total_bytes <= INLINE_BYTES)
+
     def _copied_now(self, transfer: Transfer, segment: tuple[SegmentIdentity, int] | None) -> bool:
-        """Copy a small transfer between host memory at both ends on this thread; False, having copied nothing,
-        when it is not one (a device cache, a segment not handed over yet, too many bytes)."""
+        """Copy a :meth:`_small_host` transfer on this thread; False, having copied nothing, when its segment is not
+        handed over yet or the copier cannot take it."""
         local, pull = transfer.local, transfer.pull
-        if local.on_device or transfer.descriptor.ipc is not None or transfer.plan.total_bytes > INLINE_BYTES:
-            return False
         if segment is not None and not self.memory.handed_over(segment[0]):
             return False
         copy = self.memory.copier(remote_is_src=pull, segment=segment, streaming=False)
@@ -137,7 +143,7 @@ class SameHostPlane(DataPlane):
                 await self.memory.ensure(segment[0])
             except OSError as exc:
                 raise LLMLinkError(f"cluster {self.peer} did not hand over its cache: {exc}") from exc
-        if self._copied_now(transfer, segment):
+        if self._small_host(transfer) and self._copied_now(transfer, segment):
             return
         ipc = list(descriptor.ipc) if descriptor.ipc is not None else None
         # The peer may free this cache meanwhile (FREED): its mapping here stays until the copy is done.
