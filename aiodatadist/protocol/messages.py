@@ -477,7 +477,9 @@ class Hello:
 @dataclass(frozen=True, slots=True)
 class Begin:
     """Requester -> owner: resolve ``key`` for a transfer and take a lease.  ``peer`` is the requester's cache
-    geometry, ``known`` the owner caches it already has descriptors of."""
+    geometry, ``known`` the owner caches it already has descriptors of.  ``src``: a same-host push's source
+    tensors (their addresses in the requester), offered so that the owner may copy the bytes itself (see
+    :class:`BeginReply`'s ``copies``)."""
 
     KIND: ClassVar[Kind] = Kind.BEGIN
     tid: int
@@ -485,10 +487,14 @@ class Begin:
     peer: CacheGeometry
     params: TransferParams
     known: tuple[int, ...] = ()
+    src: tuple[int, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"tid": self.tid, "key": self.key.to_wire(), "peer": geometry_to_wire(self.peer),
-                "known": list(self.known), **params_to_wire(self.params)}
+        out = {"tid": self.tid, "key": self.key.to_wire(), "peer": geometry_to_wire(self.peer),
+               "known": list(self.known), **params_to_wire(self.params)}
+        if self.src is not None:
+            out["src"] = list(self.src)
+        return out
 
     @classmethod
     def from_wire(cls, m: dict[str, Any]) -> Self:
@@ -497,7 +503,13 @@ class Begin:
         params = params_from_wire(m)
         peer = geometry_from_wire(m.get("peer"))
         known = tuple(opt_int_list(m, "known", 1, I64_MAX))
-        return cls(tid, key, peer, params, known)
+        src = None
+        if m.get("src") is not None:
+            src = tuple(opt_int_list(m, "src"))
+            if len(src) != peer.num_tensors or params.op != "push":
+                raise ProtocolError(f"BEGIN offers {len(src)} source tensors for a {params.op} of "
+                                    f"{peer.num_tensors}")
+        return cls(tid, key, peer, params, known, src)
 
 
 @dataclass(frozen=True, slots=True)
@@ -831,12 +843,14 @@ def hello_reply_from_wire(m: dict[str, Any]) -> HelloChallenge | HelloReply:
 class BeginReply:
     """Owner -> requester: the owner cache ``cid`` and batch slot the key resolved to; ``pub``: where it is
     published in the owner's directory (``(row, stamp)``); ``desc``: its descriptor, unless the requester
-    listed it as known."""
+    listed it as known; ``copies``: the owner copies this push itself, reading the source BEGIN offered (the
+    requester moves nothing and ends with ``END(confirm)``, answered once every byte landed)."""
 
     cid: int
     slot: int
     pub: tuple[int, int] | None = None
     desc: Descriptor | None = None
+    copies: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"cid": self.cid, "slot": self.slot}
@@ -844,6 +858,8 @@ class BeginReply:
             out["pub"] = list(self.pub)
         if self.desc is not None:
             out["desc"] = self.desc.to_wire()
+        if self.copies:
+            out["copies"] = True
         return out
 
     @classmethod
@@ -852,7 +868,8 @@ class BeginReply:
         cid = int_field(m, "cid", 1, I64_MAX)
         described, published = m.get("desc"), m.get("pub")
         desc = Descriptor.from_wire(described) if described is not None else None
-        return cls(cid, slot, published_from_wire(published) if published is not None else None, desc)
+        return cls(cid, slot, published_from_wire(published) if published is not None else None, desc,
+                   m.get("copies") is True)
 
 
 @dataclass(frozen=True, slots=True)

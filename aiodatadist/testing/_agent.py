@@ -261,6 +261,13 @@ class Agent:
         n = self.dd.stats().notifications_of(a["cluster_id"])
         return [n.sent, n.received, n.dropped]
 
+    async def cmd_served(self, a: dict[str, Any]) -> Any:
+        """``cluster_id``, ``direction`` -> what that peer's transfers asked of this instance through its event
+        loop (``LLMDataDist.stats().served_of``): ``{"operations", "succeeded"}``, or None."""
+        assert self.dd is not None
+        served = self.dd.stats().served_of(a["cluster_id"], a["direction"])
+        return None if served is None else {"operations": served.operations, "succeeded": served.succeeded}
+
     async def cmd_sleep(self, a: dict[str, Any]) -> Any:
         """``seconds``: answer after that long (the loop keeps running)."""
         await asyncio.sleep(a["seconds"])

@@ -1,8 +1,9 @@
 """Owner side of pulls and pushes: resolve the key at ``BEGIN``, validate, lease, and end at ``END``.
 
-The owner never copies anything on the same-host plane: it resolves the requester's key against its registry
-at that moment, validates the whole transfer against both caches' geometry, takes a lease on its cache and
-answers with the cache's description; ``END`` drops the lease and, for a successful pull by ``CacheKey``,
+The owner resolves the requester's key against its registry at that moment, validates the whole transfer against
+both caches' geometry, takes a lease on its cache and answers with the cache's description (on the same-host
+plane the requester copies, but for a large push into memory the owner does not share in place, which the
+owner copies itself, reading the requester's memory, and answers once it is done); ``END`` drops the lease and, for a successful pull by ``CacheKey``,
 releases that key; a successful transfer's notification (END's ``note``) is delivered then.  On the TCP plane its data plane sends (pull) or receives (push) the bytes.
 """
 
@@ -12,6 +13,8 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from .._checks import param_invalid, require
 from ..errors import LLMException, LLMStatusCode
@@ -65,15 +68,38 @@ class Owner:
             located.append(Located(entry.cache_id, tensor, slot, entry.is_blocks, model))
         return ResolveReply(tuple(located)).to_wire()
 
-    def begin(self, link: Link, message: Begin) -> dict[str, Any]:
-        """``BEGIN``: resolve, validate, lease; the reply describes the cache to a requester that lacks it."""
+    def begin(self, link: Link, message: Begin, req_id: int) -> dict[str, Any] | None:
+        """``BEGIN`` (request ``req_id``): resolve, validate, lease; the reply describes the cache to a requester
+        that lacks it.  A push this side copies itself (the plane serves it whole) is answered once copied (None
+        here)."""
         started = time.perf_counter()
         try:
-            return self._begin(link, message, started)
+            reply = self._begin(link, message, started)
         except LLMException as exc:
             self._stats.served(link.remote_cluster_id, message.params.op, link.plane.kind, time.perf_counter() - started,
                                0, exc.status_code.name)
             raise
+        state = self._states.of(link)
+        lease = state.leases[message.tid]
+        if lease.job is None or not link.plane.serves_whole:
+            return reply
+        self._links.spawn(self._reply_when_served(link, state, message.tid, reply, req_id), name="begin-served")
+        return None
+
+    async def _reply_when_served(self, link: Link, state: LinkTransfers, tid: int, reply: dict[str, Any],
+                                 req_id: int) -> None:
+        """Answer ``BEGIN`` of a push this side copies once every byte landed (the requester then ends it with
+        ``END``), or with the copy's failure (the transfer is over here then)."""
+        lease = state.leases.get(tid)
+        if lease is None or lease.job is None:  # ended meanwhile (the link closed)
+            return
+        try:
+            await link.plane.finish_served(lease.job, True)
+        except LLMException as exc:
+            self._end(link, state, tid, False, None, exc.status_code.name)
+            await link.channel.reply(req_id, code=int(exc.status_code), msg=str(exc))
+            return
+        await link.channel.reply(req_id, reply)
 
     def _begin(self, link: Link, message: Begin, started: float) -> dict[str, Any]:
         tid, key, params, peer_geometry = message.tid, message.key, message.params, message.peer
@@ -100,7 +126,8 @@ class Owner:
         registry.acquire(entry)
         lease = state.leases[tid] = Lease(entry, release_key, op=params.op, nbytes=plan.total_bytes, started=started)
         try:
-            lease.job = link.plane.serve(tid, params.op == "pull", plan, entry.addrs)
+            source = np.array(message.src, dtype=np.uint64) if message.src is not None else None
+            lease.job = link.plane.serve(tid, params.op == "pull", plan, entry, source)
         except LLMException:
             del state.leases[tid]
             registry.release_lease(entry)
@@ -121,7 +148,8 @@ class Owner:
         published = entry.published if link.plane.publishes(entry.tcp_readable) else None
         if published is not None and not entry.owned:  # the peer may write it one-sided: WITHDRAW at release
             state.writable.add(entry.cache_id)
-        return BeginReply(entry.cache_id, slot, published, descriptor).to_wire()
+        copies = lease.job is not None and link.plane.serves_whole
+        return BeginReply(entry.cache_id, slot, published, descriptor, copies).to_wire()
 
     def end(self, link: Link, message: End, req_id: int) -> dict[str, Any] | None:
         """``END`` (request ``req_id``): answered at once, or (a TCP transfer whose owner-side job still runs)

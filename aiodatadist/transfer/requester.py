@@ -177,6 +177,8 @@ class Requester:
             del st.resolved[index]
             return None
         transfer = Transfer(transfer_id(st.running), params.op == "pull", plan, local, descriptor, resolved.cache_id)
+        if link.plane.prefers_owner(transfer):
+            return None
         return _OneSided(link, st, index, resolved, transfer)
 
     @staticmethod
@@ -220,20 +222,28 @@ class Requester:
         tid = transfer_id(st.running)
         pull = params.op == "pull"
         consumes_key = pull and wkey.kind in ("req", "prefix")
-        ok = ended = False
+        ok = ended = refused = False
         transfer: Transfer | None = None
         pending: Any = None
+        source = plane.source_for_owner(local, params)  # offered: the owner may copy the push itself
         st.running.add(tid)
         with self._registry.lease(local):
             try:
                 pending = plane.expect(tid, pull)
-                reply = await link.channel.request(Begin(tid, wkey, local.geometry, params, tuple(st.descriptors)))
-                transfer = self._begun(link, st, tid, wkey, reply, local, params, pending)
-                await plane.move(transfer)
-                if not pull and plane.confirms_push:  # the bytes are sent; the owner confirms once all landed
-                    await link.channel.request(End(tid, True, confirm=True, note=note))
-                    ended = True
-                    self._noted(link, note)
+                try:
+                    reply = await link.channel.request(Begin(tid, wkey, local.geometry, params,
+                                                             tuple(st.descriptors),
+                                                             None if source is None else tuple(source.tolist())))
+                except LLMException as exc:
+                    refused = not isinstance(exc, LLMLinkError)  # the owner answered: nothing of it runs there
+                    raise
+                transfer = self._begun(link, st, tid, wkey, reply, local, params, pending, source is not None)
+                if not transfer.owner_copies:  # (else the owner copied it before answering)
+                    await plane.move(transfer)
+                    if not pull and plane.confirms_push:  # the bytes are sent; the owner confirms once all landed
+                        await link.channel.request(End(tid, True, confirm=True, note=note))
+                        ended = True
+                        self._noted(link, note)
                 ok = True
             finally:
                 await plane.discard(pending)
@@ -241,8 +251,10 @@ class Requester:
                 # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
                 st.aborted.discard(tid)
                 st.running.discard(tid)
-                if not ended and transfer is not None and plane.needs_fence(transfer):
-                    await wait_through_cancellation(self._cut_short(link, transfer))
+                if not ended and (plane.needs_fence(transfer) if transfer is not None
+                                  else source is not None and not refused):
+                    # (a source offered: the owner may be copying it, its reply still to come)
+                    await wait_through_cancellation(self._cut_short(link, tid, transfer))
                 elif not ended and not (ok and consumes_key):
                     link.channel.notify(End(tid, ok, note=self._noted(link, note) if ok else None))
         assert transfer is not None
@@ -251,10 +263,13 @@ class Requester:
         return None, transfer.plan.total_bytes
 
     def _begun(self, link: Link, st: LinkTransfers, tid: int, wkey: WireKey, reply: dict[str, Any],
-               local: CacheEntry, params: TransferParams, pending: Any) -> Transfer:
-        """The transfer the owner's BEGIN reply describes (its cache's descriptor and publication remembered)."""
+               local: CacheEntry, params: TransferParams, pending: Any, offered: bool) -> Transfer:
+        """The transfer the owner's BEGIN reply describes (its cache's descriptor and publication remembered;
+        ``offered``: BEGIN offered the source of a push for the owner to copy)."""
         try:
             begun = BeginReply.from_wire(reply)
+            if begun.copies and not offered:
+                raise ProtocolError("the owner copies a transfer whose source was not offered")
             if begun.desc is not None:
                 st.descriptors[begun.cid] = begun.desc
             descriptor = st.descriptors.get(begun.cid)
@@ -270,19 +285,22 @@ class Requester:
             raise LLMException(f"cluster {link.remote_cluster_id} released the cache before the copy started",
                                status_code=S.LLM_KV_CACHE_NOT_EXIST)
         plan = transfer_plan(params, local.geometry, descriptor.geometry, begun.slot)
-        return Transfer(tid, params.op == "pull", plan, local, descriptor, begun.cid, pending)
+        transfer = Transfer(tid, params.op == "pull", plan, local, descriptor, begun.cid, pending,
+                            owner_copies=begun.copies)
+        link.plane.begun(transfer)
+        return transfer
 
-    async def _cut_short(self, link: Link, transfer: Transfer) -> None:
-        """A push stopped mid-way: it returns only once the owner confirmed that its receiving end stopped
-        writing (its I/O threads answer a fence on the data connections; a peer without them answers END over
-        the control channel)."""
-        if await link.plane.cut_short(transfer):
-            link.channel.notify(End(transfer.tid, False))  # the owner's lease
+    async def _cut_short(self, link: Link, tid: int, transfer: Transfer | None) -> None:
+        """A push stopped mid-way (``transfer`` None: before BEGIN's reply came): it returns only once the owner
+        confirmed that its receiving end stopped writing (its I/O threads answer a fence on the data connections;
+        otherwise it answers END over the control channel)."""
+        if transfer is not None and await link.plane.cut_short(transfer):
+            link.channel.notify(End(tid, False))  # the owner's lease
             return
         started = time.perf_counter()
         try:
             async with asyncio.timeout(STOP_ACK_TIMEOUT):
-                reply = await link.channel.request(End(transfer.tid, False))
+                reply = await link.channel.request(End(tid, False))
             took = time.perf_counter() - started
             if took > SLOW_STOP_ACK:
                 owner = EndReply.from_wire(reply).waited

@@ -96,7 +96,7 @@ class TransferService:
         """A transfer request from a peer; returns the reply body (None: answered later, or never)."""
         match request_from_wire(message):
             case Begin() as begin:
-                return self._owner.begin(link, begin)
+                return self._owner.begin(link, begin, message["i"])
             case End() as end:
                 return self._owner.end(link, end, message["i"])
             case Abort() as abort:

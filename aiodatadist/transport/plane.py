@@ -6,9 +6,9 @@ has:
 
 * requester side: :meth:`~DataPlane.check_local` (can this plane move that cache at all),
   :meth:`~DataPlane.route` and :meth:`~DataPlane.move_published` (a cache the owner published: one-sided, no
-  round trip, where the plane can), :meth:`~DataPlane.expect` (set up before ``BEGIN``), :meth:`~DataPlane.move`
-  (after the owner's ``BEGIN`` reply), :meth:`~DataPlane.cut_short` (a push stopped mid-way),
-  :meth:`~DataPlane.abort` (the owner released the cache);
+  round trip, where the plane can), :meth:`~DataPlane.expect` and :meth:`~DataPlane.source_for_owner` (set up
+  before ``BEGIN``), :meth:`~DataPlane.move` (after the owner's ``BEGIN`` reply, unless the owner copied),
+  :meth:`~DataPlane.cut_short` (a push stopped mid-way), :meth:`~DataPlane.abort` (the owner released the cache);
 * owner side: :meth:`~DataPlane.refusal`, :meth:`~DataPlane.serve`, :meth:`~DataPlane.finish_served`,
   :meth:`~DataPlane.publishes`, :meth:`~DataPlane.reach`, :meth:`~DataPlane.tells_freed`;
 * lifetime: :meth:`~DataPlane.stop` (no thread touches memory any more), then :meth:`~DataPlane.close`.
@@ -29,14 +29,14 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import LLMException
-from ..layout import CacheGeometry, CopyPlan
+from ..layout import CacheGeometry, CopyPlan, TransferParams
 from ..protocol.messages import Descriptor, Freed, NixlReach, Plane
 from ..segment_identity import SegmentIdentity
 from ..stats import OneSided
 from .directory import Resolved
 from .same_host import PeerCapabilities
 
-__all__ = ["Copies", "DataPlane", "LocalCache", "OnUntrusted", "Route", "Transfer"]
+__all__ = ["Copies", "DataPlane", "LocalCache", "OnUntrusted", "Route", "ServedCache", "Transfer"]
 
 UInt64Array = npt.NDArray[np.uint64]
 OnUntrusted = Callable[[LLMException], Awaitable[None]]
@@ -54,6 +54,16 @@ class LocalCache(Protocol):
 
     @property
     def geometry(self) -> CacheGeometry: ...
+
+
+class ServedCache(LocalCache, Protocol):
+    """What a plane needs of the owner's cache it serves (the registry's entry)."""
+
+    @property
+    def shared_segment(self) -> Any: ...
+
+    @property
+    def shared_window(self) -> tuple[int, int] | None: ...
 
 
 class Copies(Protocol):
@@ -95,6 +105,7 @@ class Transfer:
     cache_id: int  # its id on the owner
     pending: Any = None  # what :meth:`DataPlane.expect` set up
     job: Any = None  # the plane's running job (a TCP push's send job, for :meth:`DataPlane.cut_short`)
+    owner_copies: bool = False  # a push the owner copied itself before its BEGIN reply: nothing to move here
 
 
 class DataPlane:
@@ -103,6 +114,7 @@ class DataPlane:
 
     kind: ClassVar[Plane]
     confirms_push: ClassVar[bool] = False  # a push ends with END(confirm): the owner answers once every byte landed
+    serves_whole: ClassVar[bool] = False  # a job :meth:`serve` returns moves every byte (the requester, none)
 
     def __init__(self, peer: int, name: str, caps: PeerCapabilities, on_untrusted: OnUntrusted) -> None:
         self.peer = peer  # the remote cluster id
@@ -140,6 +152,18 @@ class DataPlane:
         """:meth:`move_published` done on this thread, at once, for a transfer small enough (no task switch, no
         worker woken); False: nothing was done, await :meth:`move_published`."""
         return False
+
+    def prefers_owner(self, transfer: Transfer) -> bool:
+        """Whether a transfer on a published cache goes through the owner after all (the owner copies it faster
+        than this side can)."""
+        return False
+
+    def source_for_owner(self, local: LocalCache, params: TransferParams) -> UInt64Array | None:
+        """The source tensors ``BEGIN`` offers the owner to copy a push from itself (``Begin.src``), or None."""
+        return None
+
+    def begun(self, transfer: Transfer) -> None:
+        """The owner's ``BEGIN`` reply is in (``transfer.owner_copies`` says whether it copies the push)."""
 
     def expect(self, tid: int, pull: bool) -> Any:
         """What must exist before ``BEGIN`` goes out (the owner may start sending as soon as it accepts)."""
@@ -190,9 +214,10 @@ class DataPlane:
         """Why this plane cannot serve that cache to the peer, or None."""
         return None
 
-    def serve(self, tid: int, pull: bool, plan: CopyPlan, addrs: UInt64Array) -> Any:
-        """Start this side's end of a transfer the peer began on the owner's tensors at ``addrs``; returns its
-        job, or None when the requester moves the bytes itself."""
+    def serve(self, tid: int, pull: bool, plan: CopyPlan, cache: ServedCache, source: UInt64Array | None) -> Any:
+        """Start this side's end of a transfer the peer began on the owner's ``cache`` (``source``: the
+        requester's tensors ``BEGIN`` offered for a push); returns its job, or None when the requester moves the
+        bytes itself."""
         return None
 
     async def finish_served(self, job: Any, complete: bool) -> None:

@@ -14,30 +14,48 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._checks import U64_LIMIT
 from ..copy.spans import INLINE_BYTES, STREAMING_THRESHOLD
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
-from ..layout import CacheGeometry, CopyPlan
+from ..layout import CacheGeometry, CopyPlan, TransferParams
+from ..native import pvm_copier
 from ..protocol.messages import Descriptor, Freed, IpcAllocation
 from ..segment_identity import SegmentIdentity
 from .device import LinkDeviceState
 from .directory import DirectoryView, Resolved
-from .plane import Copies, DataPlane, OnUntrusted, Route, Transfer, UInt64Array
+from .plane import Copies, DataPlane, LocalCache, OnUntrusted, Route, ServedCache, Transfer, UInt64Array
 from .same_host import PeerCapabilities, PeerMemory
 
-__all__ = ["SameHostPlane"]
+__all__ = ["OWNER_COPY_SPANS", "SameHostPlane"]
 
 S = LLMStatusCode
+OWNER_COPY_SPANS = 1536
+"""Spans of a push into memory the owner does not share in place from which the owner copies it itself, reading
+the requester's memory (covering reads: a few page pins for a tensor's close spans) instead of the requester
+writing it with ``process_vm_writev``, which pins a page per span (about 0.7 us each).  The owner's copy costs
+two control round trips, a few hundred microseconds: more than the pins of a few hundred spans."""
+
+
+class _Served(NamedTuple):
+    """A push the owner copies itself: its copy job and the owner's cache it writes."""
+
+    job: Any
+    cache: ServedCache
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.job.error  # type: ignore[no-any-return]
 
 
 class SameHostPlane(DataPlane):
     """A link to a process on this host: copies by this side's threads or GPU, no data connection."""
 
     kind = "shm"
+    serves_whole = True
 
     def __init__(self, peer: int, name: str, caps: PeerCapabilities, on_untrusted: OnUntrusted, copies: Copies,
                  fd_token: bytes | None) -> None:
@@ -47,6 +65,8 @@ class SameHostPlane(DataPlane):
         self.memory.fd_token = fd_token  # what the peer's fd socket asks of this side
         self.directory: DirectoryView | None = None  # the peer's cache directory, when mappable
         self._device: LinkDeviceState | None = None  # the peer's memory as this GPU reaches it
+        self.owner_reads: bool | None = None  # whether the peer copies large pushes into its unshared memory
+        self._served: set[_Served] = set()  # owner side: pushes this side copies itself
 
     def adopt_announced(self, directory: SegmentIdentity | None, enabled: bool,
                         segments: Sequence[tuple[SegmentIdentity, int]]) -> list[asyncio.Task[Any]]:
@@ -66,6 +86,30 @@ class SameHostPlane(DataPlane):
 
     def remembers(self, model_id: int) -> bool:
         return self.directory is not None
+
+    def prefers_owner(self, transfer: Transfer) -> bool:
+        return self.owner_reads is not False and self._owner_would_copy(transfer)  # (None: ask it)
+
+    def source_for_owner(self, local: LocalCache, params: TransferParams) -> UInt64Array | None:
+        # Only where the owner may copy it: a push of at least OWNER_COPY_SPANS spans if no two of its source
+        # blocks' runs merge (runs of consecutive blocks are one span each at most).
+        if params.op == "pull" or local.on_device or self.owner_reads is False:
+            return None
+        tensors, blocks = local.geometry.num_tensors, params.src_blocks
+        if max(1, len(blocks)) * tensors < OWNER_COPY_SPANS:
+            return None
+        runs = 1 + int(np.count_nonzero(np.diff(np.asarray(blocks, dtype=np.int64)) != 1)) if blocks else 1
+        return local.addrs if runs * tensors >= OWNER_COPY_SPANS else None
+
+    def begun(self, transfer: Transfer) -> None:
+        if self._owner_would_copy(transfer):  # (it did if it can read this process)
+            self.owner_reads = transfer.owner_copies
+
+    def _owner_would_copy(self, transfer: Transfer) -> bool:
+        """Whether ``transfer`` is a push the owner copies itself if it can read this process (see
+        :data:`OWNER_COPY_SPANS`)."""
+        return (not transfer.pull and not transfer.local.on_device and transfer.descriptor.ipc is None
+                and transfer.plan.num_spans >= OWNER_COPY_SPANS and self._host_segment(transfer) is None)
 
     async def move_published(self, transfer: Transfer, resolved: Resolved) -> bool:
         failure: LLMLinkError | None = None
@@ -182,6 +226,43 @@ class SameHostPlane(DataPlane):
     def _cancel(self, job: Any, error: LLMException) -> None:
         self._copies.cancel_job(job, error)
 
+    # -- owner side ------------------------------------------------------------------------------------------
+    def serve(self, tid: int, pull: bool, plan: CopyPlan, cache: ServedCache, source: UInt64Array | None) -> Any:
+        """A large push into memory this side does not share in place, whose requester offered its source: copied
+        here, reading the requester's memory (``process_vm_readv`` with covering reads); None: the requester
+        copies (see :data:`OWNER_COPY_SPANS`)."""
+        if (pull or source is None or not self.caps.can_pvm or cache.on_device or self.closed is not None
+                or plan.num_spans < OWNER_COPY_SPANS or _shared_in_place(plan, cache)):
+            return None
+        job = self._copies.start_job(plan, source, cache.addrs, pvm_copier(self.caps.pid, remote_is_src=True),
+                                     (cache,))
+        served = _Served(job, cache)
+        self._served.add(served)
+        return served
+
+    async def finish_served(self, job: Any, complete: bool) -> None:
+        served: _Served = job
+        if not complete:
+            self._copies.cancel_job(served.job, LLMException("the requester stopped the push",
+                                                             status_code=S.LLM_FAILED))
+        try:
+            await self._copies.wait_job(served.job, (served.cache,))
+        except (OSError, LLMException) as exc:
+            if not complete:
+                return  # stopped: no thread writes the cache any more
+            if isinstance(exc, LLMException):
+                raise
+            raise _copy_failed(self.peer, exc) from exc
+        finally:
+            self._served.discard(served)
+
+    def cancel_served(self, job: Any) -> None:
+        self._copies.cancel_job(job.job, LLMException("the cache was released during the transfer",
+                                                      status_code=S.LLM_KV_CACHE_NOT_EXIST))
+
+    def served_done(self, job: Any) -> bool:
+        return job not in self._served  # settled by finish_served (which also drops the engine's bookkeeping)
+
     async def _wait_stopped(self, job: Any) -> None:
         await self._copies.wait_stopped(job)
 
@@ -219,6 +300,11 @@ class SameHostPlane(DataPlane):
     async def stop(self, error: LLMException) -> None:
         await super().stop(error)
         await self._stop_jobs(error)
+        served = list(self._served)
+        for one in served:
+            self._copies.cancel_job(one.job, error)
+        for one in served:
+            await self.finish_served(one, False)
 
     async def close(self) -> None:
         if self._device is not None:  # no GPU copy uses the peer's memory any more
@@ -234,6 +320,14 @@ class SameHostPlane(DataPlane):
 def _copy_failed(peer: int, exc: OSError) -> LLMLinkError:
     """A copy that failed in the system (e.g. ``EFAULT``: the peer's memory is gone), as the transfer raises it."""
     return LLMLinkError(f"copy with cluster {peer} failed: {exc}")
+
+
+def _shared_in_place(plan: CopyPlan, cache: ServedCache) -> bool:
+    """Whether every byte a push of ``plan`` writes in the owner's ``cache`` lies in memory it shares in place."""
+    if cache.shared_segment is None:
+        return False
+    window = cache.shared_window
+    return window is None or _inside(plan, window, False)
 
 
 def _inside(plan: CopyPlan, window: tuple[int, int], pull: bool) -> bool:

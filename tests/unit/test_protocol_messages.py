@@ -166,6 +166,16 @@ def test_begin_golden() -> None:
                 "size": -1, "slot": 0}
     assert begin.to_wire() == expected and list(begin.to_wire()) == list(expected)
     assert encode(request_to_wire(begin, 12)) == pack({**expected, "k": "begin", "i": 12})
+    # a same-host push offers its source tensors (the owner may copy it itself): "src" last, absent otherwise
+    push = dataclasses.replace(begin, params=PARAMS._replace(op="push"), src=(1 << 40, (1 << 40) + 4096))
+    wire = push.to_wire()
+    assert list(wire)[-1] == "src" and wire["src"] == [1 << 40, (1 << 40) + 4096]
+    assert Begin.from_wire(wire) == push
+    for bad in ([1], [1, -1], [1, True], [1, 2.0], [1, 1 << 64]):  # one per source tensor, each a uint64
+        with pytest.raises(ProtocolError):
+            Begin.from_wire({**wire, "src": bad})
+    with pytest.raises(ProtocolError):  # a pull's source is the owner's
+        Begin.from_wire({**begin.to_wire(), "src": [1, 2]})
 
 
 def test_begin_reply_golden() -> None:
@@ -185,6 +195,10 @@ def test_begin_reply_golden() -> None:
         "ipc": [[HANDLE_A, 4096, 1 << 20]]}}
     # known descriptor, unpublished cache
     assert BeginReply(3, 0).to_wire() == {"cid": 3, "slot": 0}
+    # a push the owner copied itself before answering
+    assert BeginReply(3, 0, copies=True).to_wire() == {"cid": 3, "slot": 0, "copies": True}
+    assert BeginReply.from_wire({"cid": 3, "slot": 0, "copies": True}).copies
+    assert not BeginReply.from_wire({"cid": 3, "slot": 0, "copies": 1}).copies  # only True says so
     # the nixl plane: the owner agent's metadata for the cache, its memory type and device
     nixl = BeginReply(3, 0, None, Descriptor(GEOMETRY, addrs, None, nixl=NixlReach(b"md", "DRAM", 0)))
     assert nixl.to_wire()["desc"]["nixl"] == [b"md", "DRAM", 0]

@@ -25,7 +25,7 @@ from ...protocol.messages import Descriptor
 from ...stats import OneSided
 from ..base import PULL, PUSH, TransferJob, plan_grid
 from ..directory import Resolved
-from ..plane import DataPlane, LocalCache, OnUntrusted, Route, Transfer, UInt64Array
+from ..plane import DataPlane, LocalCache, OnUntrusted, Route, ServedCache, Transfer, UInt64Array
 from ..same_host import PeerCapabilities
 from .native_connections import NativeConnections
 from .python_connections import PythonConnections
@@ -114,8 +114,9 @@ class TcpPlane(DataPlane):
                                 "(CUDA IPC), and this link uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
         return None
 
-    def serve(self, tid: int, pull: bool, plan: CopyPlan, addrs: UInt64Array) -> TransferJob:
-        grid, lengths = plan_grid(plan, addrs, pull), np.ascontiguousarray(plan.runs.length)
+    def serve(self, tid: int, pull: bool, plan: CopyPlan, cache: ServedCache,
+              source: UInt64Array | None) -> TransferJob:
+        grid, lengths = plan_grid(plan, cache.addrs, pull), np.ascontiguousarray(plan.runs.length)
         if pull:  # start sending now: the requester's receiving end already exists
             return self.conns.send(PULL, tid, grid, lengths)
         job = self.conns.receive(PUSH, tid)
