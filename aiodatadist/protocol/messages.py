@@ -843,8 +843,8 @@ def hello_reply_from_wire(m: dict[str, Any]) -> HelloChallenge | HelloReply:
 class BeginReply:
     """Owner -> requester: the owner cache ``cid`` and batch slot the key resolved to; ``pub``: where it is
     published in the owner's directory (``(row, stamp)``); ``desc``: its descriptor, unless the requester
-    listed it as known; ``copies``: the owner copies this push itself, reading the source BEGIN offered (the
-    requester moves nothing and ends with ``END(confirm)``, answered once every byte landed)."""
+    listed it as known; ``copies``: the owner copied this push itself, reading the source BEGIN offered, and
+    answers only now that every byte landed (the requester moves nothing and ends it with ``END``)."""
 
     cid: int
     slot: int

@@ -1,10 +1,10 @@
 """Owner side of pulls and pushes: resolve the key at ``BEGIN``, validate, lease, and end at ``END``.
 
 The owner resolves the requester's key against its registry at that moment, validates the whole transfer against
-both caches' geometry, takes a lease on its cache and answers with the cache's description (on the same-host
-plane the requester copies, but for a large push into memory the owner does not share in place, which the
-owner copies itself, reading the requester's memory, and answers once it is done); ``END`` drops the lease and, for a successful pull by ``CacheKey``,
-releases that key; a successful transfer's notification (END's ``note``) is delivered then.  On the TCP plane its data plane sends (pull) or receives (push) the bytes.
+both caches' geometry, takes a lease on its cache and answers with the cache's description.  On the same-host
+plane the requester copies, but for a large push into memory the owner does not share in place, which the owner
+copies itself (reading the requester's memory) and answers once it is done.  ``END`` drops the lease and, for a
+successful pull by ``CacheKey``, releases that key; a successful transfer's notification (END's ``note``) is delivered then.  On the TCP plane its data plane sends (pull) or receives (push) the bytes.
 """
 
 from __future__ import annotations
@@ -79,10 +79,9 @@ class Owner:
             self._stats.served(link.remote_cluster_id, message.params.op, link.plane.kind, time.perf_counter() - started,
                                0, exc.status_code.name)
             raise
-        state = self._states.of(link)
-        lease = state.leases[message.tid]
-        if lease.job is None or not link.plane.serves_whole:
+        if not reply.get("copies"):
             return reply
+        state = self._states.of(link)
         self._links.spawn(self._reply_when_served(link, state, message.tid, reply, req_id), name="begin-served")
         return None
 

@@ -163,7 +163,7 @@ class DataPlane:
         return None
 
     def begun(self, transfer: Transfer) -> None:
-        """The owner's ``BEGIN`` reply is in (``transfer.owner_copies`` says whether it copies the push)."""
+        """The owner's ``BEGIN`` reply is in (``transfer.owner_copies`` says whether it copied the push)."""
 
     def expect(self, tid: int, pull: bool) -> Any:
         """What must exist before ``BEGIN`` goes out (the owner may start sending as soon as it accepts)."""
