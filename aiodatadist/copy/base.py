@@ -19,7 +19,6 @@ from .._aio import settle, wait_through_cancellation
 from .._env_knobs import env_knobs
 from ..layout import CopyPlan, Spans, plan_to_spans
 from ..native import CopySpec
-from .completion import Polling
 from .spans import MAX_CHUNK, MIN_CHUNK, SINGLE_CHUNK, SMALL
 
 __all__ = [
@@ -99,19 +98,15 @@ class ExecutorBase:
     """
 
     workers: int
-    polling: Polling | None = None  # which of its jobs the loop polls for (None: none)
-    cpus: int = 2  # CPUs this process may run on
 
     def chunk_bytes_for(self, total: int) -> int:
+        """Bytes per chunk (what a worker takes at once) of a job of ``total`` bytes: one chunk up to
+        :data:`~aiodatadist.copy.spans.SINGLE_CHUNK`, one per worker up to :data:`~aiodatadist.copy.spans.SMALL`,
+        and 4-16 MiB beyond."""
         if total <= SINGLE_CHUNK:
             return max(total, 1)
         if total <= SMALL:
-            threads = self.workers
-            if self.polling is not None and self.polling.polls(total):
-                # The loop polls on a CPU of its own: on 2 vCPUs, a 2 MiB pull split over both workers
-                # took 0.13-0.17 ms at p50 and 0.8-4.2 ms at p99 with the loop polling, on one 0.13-0.15 / 0.21-0.29.
-                threads = max(1, min(threads, self.cpus - 1))
-            return -(-total // threads)
+            return -(-total // self.workers)
         return int(min(MAX_CHUNK, max(MIN_CHUNK, total // (2 * self.workers))))
 
     def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> Any:

@@ -1,0 +1,126 @@
+"""How the native pool shares a job among its workers and when the event loop polls for its end: a job of a chunk
+per worker is woken onto every worker it needs, and it is polled for only where that leaves each of its workers a
+CPU (polling takes one)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aiodatadist._env_knobs import env_knobs_cache_clear
+from aiodatadist.copy.completion import _short_waits
+from aiodatadist.copy.native_pool import NativeExecutor
+from aiodatadist.copy.spans import SINGLE_CHUNK
+from aiodatadist.layout import Spans
+from aiodatadist.native import CopySpec, native_pool
+
+pytestmark = pytest.mark.skipif(native_pool() is None, reason="the native helper is not built")
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def no_spinning(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Idle workers sleep at once (none spins for new work): every job starts with wake-ups."""
+    monkeypatch.setenv("AIODATADIST_COPY_SPIN_US", "0")
+    monkeypatch.setenv("AIODATADIST_POLL_US", "300")
+    env_knobs_cache_clear()
+    yield
+    env_knobs_cache_clear()
+
+
+def contiguous(src: np.ndarray, dst: np.ndarray, pieces: int) -> Spans:
+    """``src`` onto ``dst`` as ``pieces`` spans."""
+    step = src.nbytes // pieces
+    offsets = np.arange(pieces, dtype=np.uint64) * np.uint64(step)
+    return Spans(np.uint64(src.ctypes.data) + offsets, np.uint64(dst.ctypes.data) + offsets,
+                 np.full(pieces, step, dtype=np.uint64))
+
+
+@pytest.mark.parametrize(("workers", "cpus", "nbytes", "chunks", "polled"), [
+    (2, 2, 256 << 10, 1, True),        # one worker: the loop polls on the other CPU
+    (2, 2, SINGLE_CHUNK, 1, True),
+    (2, 2, 2 * MIB, 2, False),         # both workers, one per CPU: the loop sleeps
+    (2, 4, 2 * MIB, 2, True),          # a CPU left over for the polling loop
+    (1, 2, 2 * MIB, 1, True),
+    (4, 4, 2 * MIB, 4, False),
+    (4, 8, 2 * MIB, 4, True),
+    (2, 2, 64 * MIB, 4, False),        # too long to be polled for anywhere
+    (2, 8, 64 * MIB, 4, False),
+])
+def test_a_job_is_polled_for_only_where_each_of_its_workers_keeps_a_cpu(
+        no_spinning: None, workers: int, cpus: int, nbytes: int, chunks: int, polled: bool) -> None:
+    executor = NativeExecutor(workers)
+    try:
+        executor.cpus = cpus
+        chunk, polls = executor._sizing(nbytes, None)
+        assert (-(-nbytes // chunk), polls) == (chunks, polled)
+        assert executor._sizing(nbytes, nbytes)[1] == (nbytes <= 300e-6 * 8e9)  # one chunk: polled if short
+    finally:
+        executor.shutdown()
+
+
+def _run_ns(tids: set[int]) -> dict[int, int]:
+    """Nanoseconds each of these threads of this process has run (``/proc/self/task/*/schedstat``)."""
+    return {tid: int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]) for tid in tids}
+
+
+def _threads() -> set[int]:
+    return {int(name) for name in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux's per-thread schedstat")
+async def test_a_job_of_a_chunk_per_worker_runs_on_every_worker(no_spinning: None) -> None:
+    """The submitter wakes every worker such a job needs (the worker that takes its first chunk wakes nobody for
+    it: woken from there, a worker was queued behind it on its busy CPU and often found nothing left)."""
+    before = _threads()
+    executor = NativeExecutor(2)
+    workers = _threads() - before - {threading.get_native_id()}
+    rng = np.random.default_rng(11)
+    src = rng.integers(1, 256, 64 * MIB, dtype=np.uint8)
+    try:
+        assert len(workers) == 2
+        shared = []
+        for attempt in range(3):  # each worker's share takes milliseconds; a busy machine may still delay one
+            dst = np.zeros_like(src)
+            await asyncio.sleep(0.05)  # both workers asleep
+            ran = _run_ns(workers)
+            await executor.run(contiguous(src, dst, 64), CopySpec(), chunk_bytes=32 * MIB)
+            assert np.array_equal(dst, src)
+            shared.append(sum(after > ran[tid] for tid, after in _run_ns(workers).items()))
+            if shared[-1] == 2:
+                break
+        assert 2 in shared, shared
+    finally:
+        await asyncio.to_thread(executor.shutdown)
+
+
+@pytest.mark.parametrize("spin_us", ["0", "200"])
+async def test_jobs_of_any_number_of_chunks_land_with_workers_asleep_or_spinning(
+        monkeypatch: pytest.MonkeyPatch, spin_us: str) -> None:
+    monkeypatch.setenv("AIODATADIST_COPY_SPIN_US", spin_us)
+    env_knobs_cache_clear()
+    executor = NativeExecutor(3)
+    rng = np.random.default_rng(12)
+    try:
+        for round_ in range(6):
+            sizes = [(chunks, int(rng.integers(1, 4)) * (256 << 10)) for chunks in (1, 2, 3, 4, 7)]
+            srcs = [rng.integers(1, 256, chunks * size, dtype=np.uint8) for chunks, size in sizes]
+            dsts = [np.zeros_like(s) for s in srcs]
+            if round_ % 2:
+                await asyncio.sleep(0.01)  # every worker asleep (or spinning) before the next jobs
+            jobs = [executor.start(contiguous(s, d, chunks), CopySpec(), chunk_bytes=size)
+                    for (chunks, size), s, d in zip(sizes, srcs, dsts)]
+            await asyncio.wait_for(asyncio.gather(*(executor.wait(job) for job in jobs)), 10)
+            for s, d in zip(srcs, dsts):
+                assert np.array_equal(d, s)
+        assert _short_waits(asyncio.get_running_loop())._pending == 0
+    finally:
+        await asyncio.to_thread(executor.shutdown)
+        env_knobs_cache_clear()
