@@ -425,8 +425,8 @@ static void *submit(adt_pool *p, adt_job *j)
     /* A spinning worker takes the job without any wake-up (see spin_for_work for why this cannot strand a job).
      * A job of no more chunks than there are workers is one chunk per worker, all of them needed at once: the
      * sleepers it needs are woken from here.  Woken by the worker that took the first chunk (the chain below), a
-     * worker is queued on that worker's busy CPU, and idle CPUs do not pull it over: in up to a fifth of the
-     * 2 MiB pulls on 2 vCPUs one worker copied both halves (eight runs of 1000: p90 211 -> 159 us, medians).
+     * worker can be queued on that worker's busy CPU and wait there while the other CPU idles: in up to a fifth of
+     * the 2 MiB pulls on 2 vCPUs one worker copied both halves (eight runs of 1000: p90 211 -> 159 us, medians).
      * Bigger jobs wake one worker, which wakes the others (see worker): there a late worker only takes fewer of
      * the many chunks, and the event loop pays one wake-up, not one per worker. */
     int wake = !__atomic_load_n(&p->spinner, __ATOMIC_SEQ_CST);   /* always, as it cannot strand the job */
