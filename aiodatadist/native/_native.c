@@ -32,7 +32,11 @@ static void stream_copy_sse2(char *d, const char *s, size_t n)
     memcpy(d, s, n - blocks * 64);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+/* Wider streaming stores need per-function target attributes and the CPU feature names below (GCC 8, clang). */
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8))
+#define ADT_WIDE_STORES 1
+#endif
+#ifdef ADT_WIDE_STORES
 #include <immintrin.h>
 /* The same copy with 32- and 64-byte streaming stores, for CPUs that have them (chosen when the library loads, see
  * pick_copy_paths): fewer stores per cache line.  Two threads copying 8192 scattered 32 KiB spans (memfd memory, in
@@ -109,7 +113,7 @@ __attribute__((constructor)) static void pick_copy_paths(void)   /* when the lib
      * lack AVX512-VBMI2; glibc avoids AVX-512 on them too).  The paged pull (64 x 128 scattered 32 KiB blocks from
      * another process, the width switched in turn, nine rounds of five pulls, a 2-vCPU Intel VM): 15.5 GB/s with
      * 16-byte stores, 16.1 with 32 and 16.8 with 64 (medians; each faster than 16 in eight rounds of nine). */
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef ADT_WIDE_STORES
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vbmi2")) chosen_width = 64;
     else if (__builtin_cpu_supports("avx2")) chosen_width = 32;
 #endif
@@ -129,7 +133,7 @@ int adt_stream_stores(int width)
 {
 #if defined(__SSE2__)
     if (width == 0) width = chosen_width;
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef ADT_WIDE_STORES
     if (width == 64 && __builtin_cpu_supports("avx512f")) stream_copy = stream_copy_avx512;
     else if (width == 32 && __builtin_cpu_supports("avx2")) stream_copy = stream_copy_avx2;
     else
