@@ -22,7 +22,7 @@ from ..layout import CopyPlan, Spans
 from ..native import CopySpec, native_extension, native_pool
 from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
 from .completion import NotifyPipe, Polling
-from .spans import PIECE, as_u64, copy_grid_now, split_spans
+from .spans import PIECE, STREAMING_THRESHOLD, as_u64, copy_grid_now, split_spans
 
 __all__ = ["NativeExecutor", "NativeJob"]
 
@@ -101,7 +101,8 @@ class NativeExecutor(ExecutorBase):
         self.workers = workers or default_workers()
         self.polling = Polling(POLL_RATE)
         self.cpus = usable_cpus()
-        self._pool: int | None = lib.adt_pool_new(self.workers, worker_nice(), worker_spin_ns())
+        # Local copies stream once the jobs queued together reach STREAMING_THRESHOLD (see submit in _native.c).
+        self._pool: int | None = lib.adt_pool_new(self.workers, worker_nice(), worker_spin_ns(), STREAMING_THRESHOLD)
         if not self._pool:
             raise LLMException("cannot start the native copy threads", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         self._notifiers: dict[asyncio.AbstractEventLoop, _Notifier] = {}

@@ -265,6 +265,7 @@ typedef struct adt_job {
     void *owned;                       /* memory of this job's own, freed with it (its grid) */
     struct grid *grid;                 /* a grid job: chunks are byte ranges of the grid's stream (bounds unused) */
     uint64_t chunk;                    /* a grid job's bytes per chunk */
+    uint64_t nbytes;                   /* what it copies: counted in its pool's `queued` from submit to done */
 } adt_job;
 
 typedef struct adt_pool {
@@ -276,6 +277,8 @@ typedef struct adt_pool {
     int idle;                          /* workers asleep in sem_wait (atomic) */
     int spinner;                       /* 1 while one idle worker spins for new work (atomic) */
     uint64_t spin_ns;
+    uint64_t queued;                   /* bytes of the jobs submitted and not done (atomic) */
+    uint64_t stream_bytes;             /* a local job streams once queued bytes reach this (0: never so) */
     pthread_t threads[64];
 } adt_pool;
 
@@ -337,9 +340,10 @@ static void unlink_head(adt_pool *p, adt_job *j)   /* under the mutex; j is p->h
     j->next = NULL;
 }
 
-static int finish_if_idle(adt_job *j)   /* under the mutex; returns 1 if the caller must announce it */
+static int finish_if_idle(adt_pool *p, adt_job *j)   /* under the mutex; 1: the caller must announce it */
 {
     if (j->next_chunk >= j->nchunks && j->inflight == 0 && !__atomic_load_n(&j->done, __ATOMIC_RELAXED)) {
+        __atomic_sub_fetch(&p->queued, j->nbytes, __ATOMIC_SEQ_CST);
         __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
         return 1;
     }
@@ -416,7 +420,7 @@ static void *worker(void *arg)
         unlink_head(p, j);
         if (__atomic_load_n(&j->stop, __ATOMIC_ACQUIRE)) {   /* cancelled or failed: drop what is left */
             j->next_chunk = j->nchunks;
-            int fd = j->notify_fd, ann = finish_if_idle(j);
+            int fd = j->notify_fd, ann = finish_if_idle(p, j);
             pthread_mutex_unlock(&p->lock);
             if (ann) announce(fd, j);
             continue;
@@ -459,19 +463,20 @@ static void *worker(void *arg)
             while (*pp && *pp != j) { prev = *pp; pp = &(*pp)->next; }
             if (*pp) { *pp = j->next; if (p->tail == j) p->tail = prev; j->next = NULL; }
         }
-        int fd = j->notify_fd, ann = finish_if_idle(j);
+        int fd = j->notify_fd, ann = finish_if_idle(p, j);
         pthread_mutex_unlock(&p->lock);
         if (ann) announce(fd, j);
     }
     return NULL;
 }
 
-void *adt_pool_new(int nthreads, int nice, uint64_t spin_ns)
+void *adt_pool_new(int nthreads, int nice, uint64_t spin_ns, uint64_t stream_bytes)
 {
     adt_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->nice = nice;
     p->spin_ns = spin_ns;
+    p->stream_bytes = stream_bytes;
     pthread_mutex_init(&p->lock, NULL);
     if (nthreads > 64) nthreads = 64;
     if (sem_init(&p->work, 0, 0) != 0) { pthread_mutex_destroy(&p->lock); free(p); return NULL; }
@@ -500,6 +505,12 @@ static void *submit(adt_pool *p, adt_job *j)
         announce(j->notify_fd, j);
         return j;
     }
+    /* A copy within this process's memory that would stay in the CPU caches (its caller did not ask for streaming
+     * stores) streams anyway when the jobs queued with it add up to the caller's limit: together they cannot stay
+     * cached, and each would evict the others on the way.  64 concurrent 4 MiB pulls on a 2-vCPU VM (an eighth of
+     * its 480 MiB cache as the limit, three runs): 11.0-11.5 -> 14.0-14.7 GB/s, pushes likewise. */
+    uint64_t before = __atomic_fetch_add(&p->queued, j->nbytes, __ATOMIC_SEQ_CST);
+    if (j->mode == 0 && !j->streaming && p->stream_bytes && before + j->nbytes >= p->stream_bytes) j->streaming = 1;
     adt_job *top = __atomic_load_n(&p->incoming, __ATOMIC_RELAXED);
     do { j->next_in = top; } while (!__atomic_compare_exchange_n(&p->incoming, &top, j, 1, __ATOMIC_SEQ_CST,
                                                                   __ATOMIC_RELAXED));
@@ -526,6 +537,7 @@ void *adt_job_submit(void *pool, const uint64_t *dst, const uint64_t *src, const
     if (!j) return NULL;
     j->dst = dst; j->src = src; j->len = len; j->bounds = bounds; j->nchunks = nchunks;
     j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd;
+    for (int64_t i = 0, n = nchunks ? bounds[nchunks] : 0; i < n; i++) j->nbytes += len[i];
     return submit((adt_pool *)pool, j);
 }
 
@@ -892,6 +904,7 @@ static adt_job *submit_grid(adt_pool *p, grid *g, uint64_t chunk, int mode, int 
     j->grid = g; j->owned = g; j->chunk = chunk;
     j->nchunks = g->total ? (size_t)((g->total + chunk - 1) / chunk) : 0;
     j->mode = mode; j->pid = pid; j->streaming = streaming; j->notify_fd = notify_fd;
+    j->nbytes = g->total;
     return submit(p, j);
 }
 
@@ -925,13 +938,16 @@ void adt_job_cancel(void *pool, void *job)
             adt_job **pp = &p->head, *prev = NULL;
             while (*pp && *pp != j) { prev = *pp; pp = &(*pp)->next; }
             if (*pp) { *pp = j->next; if (p->tail == j) p->tail = prev; j->next = NULL; }
-            ann = finish_if_idle(j);
+            ann = finish_if_idle(p, j);
         }
         pthread_mutex_unlock(&p->lock);
         if (ann) { announce(fd, j); return; }
     }
     sem_post(&p->work);
 }
+
+/* Whether a queued job's local copy uses streaming stores, as asked or as its pool decided (see submit); for tests. */
+int adt_job_streams(void *job) { return ((adt_job *)job)->streaming; }
 
 void adt_job_free(void *job) { adt_job *j = (adt_job *)job; free(j->owned); free(j); }
 

@@ -16,7 +16,7 @@ import pytest
 from aiodatadist._env_knobs import env_knobs_cache_clear
 from aiodatadist.copy.completion import _short_waits
 from aiodatadist.copy.native_pool import NativeExecutor
-from aiodatadist.copy.spans import SINGLE_CHUNK
+from aiodatadist.copy.spans import SINGLE_CHUNK, STREAMING_THRESHOLD
 from aiodatadist.layout import Spans
 from aiodatadist.native import CopySpec, native_pool
 
@@ -124,3 +124,37 @@ async def test_jobs_of_any_number_of_chunks_land_with_workers_asleep_or_spinning
     finally:
         await asyncio.to_thread(executor.shutdown)
         env_knobs_cache_clear()
+
+
+async def test_local_copies_stream_once_the_jobs_queued_together_reach_the_limit() -> None:
+    """A copy small enough to stay in the CPU caches streams (non-temporal stores) while other jobs queued with it
+    add up to :data:`STREAMING_THRESHOLD`: together they cannot stay cached."""
+    lib = native_pool()
+    assert lib is not None
+    executor = NativeExecutor(2)
+    rng = np.random.default_rng(13)
+    big = max(STREAMING_THRESHOLD, 64 * MIB)
+    big_src = rng.integers(1, 256, big, dtype=np.uint8)
+    src = rng.integers(1, 256, (3, 1 * MIB), dtype=np.uint8)
+    big_dst, dst = np.zeros_like(big_src), np.zeros_like(src)
+    cached = CopySpec()  # streaming not asked for
+    try:
+        alone = executor.start(contiguous(src[0], dst[0], 16), cached)
+        assert lib.adt_job_streams(alone.handle) == 0  # (read before the loop could reap it)
+        await executor.wait(alone)
+        busy = executor.start(contiguous(big_src, big_dst, 64), cached, chunk_bytes=big)  # milliseconds of copy
+        assert lib.adt_job_streams(busy.handle) == 1  # as big as the limit by itself
+        beside = executor.start(contiguous(src[1], dst[1], 16), cached)
+        assert lib.adt_job_streams(beside.handle) == 1
+        await asyncio.gather(executor.wait(busy), executor.wait(beside))
+        assert np.array_equal(big_dst, big_src)
+        stopped = executor.start(contiguous(big_src, big_dst, 64), cached, chunk_bytes=big)
+        executor.cancel(stopped)  # a stopped job leaves the count too
+        await executor.wait(stopped)
+        assert stopped.stopped.is_set()
+        after = executor.start(contiguous(src[2], dst[2], 16), cached)
+        assert lib.adt_job_streams(after.handle) == 0  # the others are done: nothing queued with it
+        await executor.wait(after)
+        assert np.array_equal(dst, src)
+    finally:
+        await asyncio.to_thread(executor.shutdown)
