@@ -22,7 +22,7 @@ from ..layout import CopyPlan, Spans
 from ..native import CopySpec, native_extension, native_pool
 from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
 from .completion import NotifyPipe, Polling
-from .spans import PIECE, STREAMING_THRESHOLD, as_u64, copy_grid_now, split_spans
+from .spans import PIECE, STREAMING_THRESHOLD, as_u64, copy_grid_now, split_spans, streaming_share
 
 __all__ = ["NativeExecutor", "NativeJob"]
 
@@ -101,6 +101,7 @@ class NativeExecutor(ExecutorBase):
         self.workers = workers or default_workers()
         self.polling = Polling(POLL_RATE)
         self.cpus = usable_cpus()
+        self.stream_share = streaming_share()  # a local job of chunks this big streams (0: never so)
         # Local copies stream once the jobs queued together reach STREAMING_THRESHOLD (see submit in _native.c).
         self._pool: int | None = lib.adt_pool_new(self.workers, worker_nice(), worker_spin_ns(), STREAMING_THRESHOLD)
         if not self._pool:
@@ -131,6 +132,13 @@ class NativeExecutor(ExecutorBase):
         sharing = min(self.workers, -(-total // chunk))
         return chunk, sharing < self.cpus and self.polling.polls(total)
 
+    def _streams(self, copier: CopySpec, chunk: int) -> int:
+        """Whether a job of ``chunk``-byte chunks copies with streaming stores: as ``copier`` asks, or because a
+        worker's share is too big for its core's cache (:func:`~aiodatadist.copy.spans.streaming_share`); the pool
+        may still decide so (the jobs queued with it)."""
+        share = self.stream_share
+        return int(copier.streaming or (share > 0 and chunk >= share and copier.mode == 0))
+
     def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> NativeJob:
         """Queue a job (from the event loop thread); await it with :meth:`wait`."""
         chunk, polled = self._sizing(spans.total_bytes, chunk_bytes)
@@ -141,7 +149,7 @@ class NativeExecutor(ExecutorBase):
         loop, notifier, pool = self._target()
         return self._track(self._lib.adt_job_submit(
             pool, dst.ctypes.data, src.ctypes.data, length.ctypes.data, bounds.ctypes.data, len(bounds) - 1,
-            copier.mode, copier.pid, int(copier.streaming), notifier.fd), loop, notifier, copier, arrays,
+            copier.mode, copier.pid, self._streams(copier, chunk), notifier.fd), loop, notifier, copier, arrays,
             spans.total_bytes if polled else 0)
 
     def start_plan(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec, *,
@@ -153,7 +161,7 @@ class NativeExecutor(ExecutorBase):
         return self._track(_ext.submit_grid(
             pool, as_u64(src_addrs), as_u64(dst_addrs), plan.src_tensor, plan.dst_tensor, runs.src_offset,
             runs.dst_offset, runs.length, copier.src_delta, copier.dst_delta, chunk, min(PIECE, chunk),
-            int(copier.mode), copier.pid, int(copier.streaming), notifier.fd), loop, notifier, copier, (runs,),
+            int(copier.mode), copier.pid, self._streams(copier, chunk), notifier.fd), loop, notifier, copier, (runs,),
             total if polled else 0)
 
     def _target(self) -> tuple[asyncio.AbstractEventLoop, _Notifier, int]:

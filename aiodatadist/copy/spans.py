@@ -4,6 +4,7 @@ takes at once), and which copier suits a local transfer of a given size.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..layout import CopyPlan, Spans
-from ..native import CopySpec, local_copier, native_extension
+from ..native import CopySpec, local_copier, native_extension, native_pool
 
 __all__ = [
     "INLINE_BYTES",
@@ -26,6 +27,7 @@ __all__ = [
     "copier_for_local",
     "copy_grid_now",
     "split_spans",
+    "streaming_share",
 ]
 
 # Spans are cut into pieces of at most PIECE bytes: native copies poll the stop flag between pieces, so a stop
@@ -39,33 +41,66 @@ MIN_CHUNK = 4 << 20
 MAX_CHUNK = 16 << 20
 
 
-def _last_level_cache_bytes() -> int:
-    """The size of CPU 0's last-level cache (Linux sysfs), 0 where unknown."""
-    best_level, size = 0, 0
-    root = "/sys/devices/system/cpu/cpu0/cache"
+def _cpu0_caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[int, int]:
+    """CPU 0's data and unified caches (Linux sysfs): bytes by level; empty where unknown."""
+    sizes: dict[int, int] = {}
     try:
         entries = os.listdir(root)
     except OSError:
-        return 0
+        return sizes
     for entry in entries:
         try:
             with open(f"{root}/{entry}/level", encoding="ascii") as f:
                 level = int(f.read())
+            with open(f"{root}/{entry}/type", encoding="ascii") as f:
+                kind = f.read().strip()
             with open(f"{root}/{entry}/size", encoding="ascii") as f:
                 text = f.read().strip().upper()
         except (OSError, ValueError):
             continue
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         digits = text.rstrip("KMG")
-        if level > best_level and digits.isdigit():
-            best_level, size = level, int(digits) * scale
-    return size
+        if kind != "Instruction" and digits.isdigit():
+            sizes[level] = int(digits) * scale
+    return sizes
+
+
+def _last_level_cache_bytes() -> int:
+    """The size of CPU 0's last-level cache, 0 where unknown."""
+    caches = _cpu0_caches()
+    return caches[max(caches)] if caches else 0
+
+
+def _level2_cache_bytes() -> int:
+    """The size of CPU 0's level-2 cache (a core's own, or a few cores' on some CPUs), 0 where unknown."""
+    return _cpu0_caches().get(2, 0)
 
 
 STREAMING_THRESHOLD = max(1 << 20, (_last_level_cache_bytes() or 8 << 20) // 8)
 """Transfers this large bypass the CPU caches (non-temporal stores); smaller ones stay in the last-level cache,
 where whoever reads the bytes next (the engine) finds them: an eighth of that cache (4 MiB with 32 MiB), at
 least 1 MiB."""
+
+
+@functools.cache
+def streaming_share() -> int:
+    """Bytes of a local copy job per worker from which its stores stream, whatever its size: half the level-2
+    cache (source and destination then fill it), where this machine's streaming stores copy that much faster than
+    its caches do (measured once per process: ``adt_streaming_beats_cache``, about 2 ms); 0 (never) elsewhere.
+
+    Such a share spills out of the core's private cache into the shared one anyway; where that cache is slow (a
+    server CPU's mesh) its stores gain nothing from staying cached, and they evict the rest of the core's cache,
+    the event loop's working set included (the loop's CPU copies a share too where every CPU has a worker): on a
+    2-vCPU VM of such a CPU, a 2 MiB pull (1 MiB a worker) took 105-108 us with plain stores and 94-96 us with
+    streaming ones, the Python around the copy 10-13 us faster.  Where the shared cache is fast, plain stores copy
+    such a share faster by half, and stay."""
+    l2 = _level2_cache_bytes()
+    lib = native_pool()
+    if l2 <= 0 or lib is None:
+        return 0
+    return l2 // 2 if lib.adt_streaming_beats_cache(l2) == 1 else 0
+
+
 INLINE_BYTES = 64 << 10
 """Host copies up to this size run on the calling thread, in one native call (:func:`copy_grid_now`): waking a copy
 worker and reading its announcement back on the event loop costs tens of microseconds, copying 64 KiB a few."""

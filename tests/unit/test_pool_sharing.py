@@ -9,6 +9,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,8 +17,14 @@ import pytest
 from aiodatadist._env_knobs import env_knobs_cache_clear
 from aiodatadist.copy.completion import _short_waits
 from aiodatadist.copy.native_pool import NativeExecutor
-from aiodatadist.copy.spans import SINGLE_CHUNK, STREAMING_THRESHOLD
-from aiodatadist.layout import Spans
+from aiodatadist.copy.spans import (
+    SINGLE_CHUNK,
+    STREAMING_THRESHOLD,
+    _cpu0_caches,
+    _level2_cache_bytes,
+    streaming_share,
+)
+from aiodatadist.layout import CacheGeometry, CopyPlan, Spans, b2b_runs, make_plan
 from aiodatadist.native import CopySpec, native_pool
 
 pytestmark = pytest.mark.skipif(native_pool() is None, reason="the native helper is not built")
@@ -158,3 +165,80 @@ async def test_local_copies_stream_once_the_jobs_queued_together_reach_the_limit
         assert np.array_equal(dst, src)
     finally:
         await asyncio.to_thread(executor.shutdown)
+
+
+def _blocks_plan(tensors: int, block: int) -> CopyPlan:
+    """Block 0 of each of ``tensors`` tensors of two blocks onto block 1."""
+    geometry = CacheGeometry(tensors, 2 * block, 2, True)
+    return make_plan(np.arange(tensors), np.arange(tensors), b2b_runs([0], [1], geometry, geometry))
+
+
+@pytest.mark.parametrize("share", [0, MIB])
+@pytest.mark.parametrize("by_plan", [False, True])
+async def test_a_local_job_streams_once_a_workers_share_is_too_big_for_its_cache(share: int, by_plan: bool) -> None:
+    """Where this machine's streaming stores beat its caches (``stream_share`` > 0), a local job whose chunks reach
+    the share streams and a smaller one does not; with no share (0), neither does.  Both land byte-exact, queued
+    as span lists or as plans (transfers)."""
+    lib = native_pool()
+    assert lib is not None
+    executor = NativeExecutor(2)
+    executor.stream_share = share
+    rng = np.random.default_rng(17)
+    tensors, block = 64, 32 << 10  # 2 MiB a job: 1 MiB a worker
+    caches = rng.integers(1, 256, (2, tensors, 2, block), dtype=np.uint8)
+    expected = caches.copy()
+    expected[:, :, 1] = expected[:, :, 0]
+
+    def start(cache: np.ndarray, chunk: int | None) -> Any:
+        if by_plan:
+            addrs = np.array([cache[t].ctypes.data for t in range(tensors)], dtype=np.uint64)
+            return executor.start_plan(_blocks_plan(tensors, block), addrs, addrs, CopySpec(), chunk_bytes=chunk)
+        return executor.start(_block_spans(cache), CopySpec(), chunk_bytes=chunk)
+
+    try:
+        big = start(caches[0], None)
+        assert lib.adt_job_streams(big.handle) == int(share > 0)  # (read before the loop could reap it)
+        small = start(caches[1], share // 2 or MIB // 2)
+        assert lib.adt_job_streams(small.handle) == 0
+        await asyncio.gather(executor.wait(big), executor.wait(small))
+        assert np.array_equal(caches, expected)
+    finally:
+        await asyncio.to_thread(executor.shutdown)
+
+
+def _block_spans(cache: np.ndarray) -> Spans:
+    """Block 0 of each tensor of ``cache`` (tensors x 2 blocks x bytes) onto its block 1, a span each."""
+    tensors, _, block = cache.shape
+    starts = np.uint64(cache.ctypes.data) + np.arange(tensors, dtype=np.uint64) * np.uint64(2 * block)
+    return Spans(starts, starts + np.uint64(block), np.full(tensors, block, dtype=np.uint64))
+
+
+def test_the_share_from_which_copies_stream_is_half_the_level2_cache_or_none() -> None:
+    """Measured once per process: half the level-2 cache where streaming stores copy that much faster than the
+    caches, else 0; the measurement itself answers 0 or 1 (-1 only without memory)."""
+    lib = native_pool()
+    assert lib is not None
+    share = streaming_share()
+    assert share in (0, _level2_cache_bytes() // 2)
+    assert streaming_share() == share  # (once)
+    assert lib.adt_streaming_beats_cache(256 << 10) in (0, 1)
+    assert lib.adt_streaming_beats_cache(0) == 0
+
+
+def _fake_cache(root: Path, index: int, level: str, kind: str, size: str) -> None:
+    entry = root / f"index{index}"
+    entry.mkdir()
+    (entry / "level").write_text(level + "\n")
+    (entry / "type").write_text(kind + "\n")
+    (entry / "size").write_text(size + "\n")
+
+
+def test_cpu_caches_are_read_by_level_without_the_instruction_cache(tmp_path: Path) -> None:
+    _fake_cache(tmp_path, 0, "1", "Data", "48K")
+    _fake_cache(tmp_path, 1, "1", "Instruction", "64K")
+    _fake_cache(tmp_path, 2, "2", "Unified", "2048K")
+    _fake_cache(tmp_path, 3, "3", "Unified", "491520K")
+    _fake_cache(tmp_path, 4, "x", "Unified", "1M")  # unreadable entries are skipped
+    (tmp_path / "uevent").write_text("")
+    assert _cpu0_caches(str(tmp_path)) == {1: 48 << 10, 2: 2 * MIB, 3: 480 * MIB}
+    assert _cpu0_caches(str(tmp_path / "missing")) == {}
