@@ -79,7 +79,8 @@ def _level2_cache_bytes() -> int:
 STREAMING_THRESHOLD = max(1 << 20, (_last_level_cache_bytes() or 8 << 20) // 8)
 """Transfers this large bypass the CPU caches (non-temporal stores); smaller ones stay in the last-level cache,
 where whoever reads the bytes next (the engine) finds them: an eighth of that cache (4 MiB with 32 MiB), at
-least 1 MiB."""
+least 1 MiB.  The native pool streams smaller jobs too where each worker's share is too big for its core's cache
+(:func:`streaming_share`) or where the jobs queued together reach this size."""
 
 
 @functools.cache
