@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from typing import Any
 
@@ -22,7 +23,15 @@ from ..layout import CopyPlan, Spans
 from ..native import CopySpec, native_extension, native_pool
 from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
 from .completion import NotifyPipe, Polling
-from .spans import PIECE, STREAMING_THRESHOLD, as_u64, copy_grid_now, split_spans, streaming_share
+from .spans import (
+    PIECE,
+    STREAMING_THRESHOLD,
+    as_u64,
+    copy_grid_now,
+    measured_streaming_share,
+    split_spans,
+    streaming_share,
+)
 
 __all__ = ["NativeExecutor", "NativeJob"]
 
@@ -93,7 +102,10 @@ class NativeExecutor(ExecutorBase):
 
     polling: Polling  # every job is a candidate: the short ones are polled for
 
-    def __init__(self, workers: int | None = None) -> None:
+    def __init__(self, workers: int | None = None, *, stream_share: int | None = None) -> None:
+        """``workers`` threads (default: :func:`~aiodatadist.copy.base.default_workers`); ``stream_share``: the
+        chunk size from which local jobs stream (default: :func:`~aiodatadist.copy.spans.streaming_share`, measured
+        on a thread of its own the first time, plain stores meanwhile)."""
         lib = native_pool()
         if lib is None or native_extension() is None:
             raise RuntimeError("the native helper is not built")
@@ -101,12 +113,19 @@ class NativeExecutor(ExecutorBase):
         self.workers = workers or default_workers()
         self.polling = Polling(POLL_RATE)
         self.cpus = usable_cpus()
-        self.stream_share = streaming_share()  # a local job of chunks this big streams (0: never so)
+        # A local job of chunks this big streams (0: never so).
+        known = stream_share if stream_share is not None else measured_streaming_share()
+        self.stream_share = known or 0
+        if known is None:  # (its measurement copies for ~2 ms: never on the event loop)
+            threading.Thread(target=self._learn_stream_share, name="aiodatadist-cache-probe", daemon=True).start()
         # Local copies stream once the jobs queued together reach STREAMING_THRESHOLD (see submit in _native.c).
         self._pool: int | None = lib.adt_pool_new(self.workers, worker_nice(), worker_spin_ns(), STREAMING_THRESHOLD)
         if not self._pool:
             raise LLMException("cannot start the native copy threads", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         self._notifiers: dict[asyncio.AbstractEventLoop, _Notifier] = {}
+
+    def _learn_stream_share(self) -> None:
+        self.stream_share = streaming_share()
 
     def _notifier(self, loop: asyncio.AbstractEventLoop) -> _Notifier:
         notifier = self._notifiers.get(loop)

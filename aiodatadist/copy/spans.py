@@ -4,8 +4,8 @@ takes at once), and which copier suits a local transfer of a given size.
 
 from __future__ import annotations
 
-import functools
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +26,7 @@ __all__ = [
     "as_u64",
     "copier_for_local",
     "copy_grid_now",
+    "measured_streaming_share",
     "split_spans",
     "streaming_share",
 ]
@@ -83,23 +84,35 @@ least 1 MiB.  The native pool streams smaller jobs too where each worker's share
 (:func:`streaming_share`) or where the jobs queued together reach this size."""
 
 
-@functools.cache
+_share_lock = threading.Lock()
+_share: int | None = None  # streaming_share(), once measured
+
+
 def streaming_share() -> int:
     """Bytes of a local copy job per worker from which its stores stream, whatever its size: half the level-2
     cache (source and destination then fill it), where this machine's streaming stores copy that much faster than
-    its caches do (measured once per process: ``adt_streaming_beats_cache``, about 2 ms); 0 (never) elsewhere.
+    its caches do (measured once per process, on the calling thread: ``adt_streaming_beats_cache``, about 2 ms);
+    0 (never) elsewhere.  :func:`measured_streaming_share` says whether it is known yet.
 
     Such a share spills out of the core's private cache into the shared one anyway; where that cache is slow (a
     server CPU's mesh) its stores gain nothing from staying cached, and they evict the rest of the core's cache,
     the event loop's working set included (the loop's CPU copies a share too where every CPU has a worker): on a
-    2-vCPU VM of such a CPU, a 2 MiB pull (1 MiB a worker) took 105-108 us with plain stores and 94-96 us with
-    streaming ones, the Python around the copy 10-13 us faster.  Where the shared cache is fast, plain stores copy
+    2-vCPU VM of such a CPU, a 2 MiB pull (1 MiB a worker) took 119-126 us with plain stores and 102-104 us with
+    streaming ones, the Python around the copy 10-15 us faster.  Where the shared cache is fast, plain stores copy
     such a share faster by half, and stay."""
-    l2 = _level2_cache_bytes()
-    lib = native_pool()
-    if l2 <= 0 or lib is None:
-        return 0
-    return l2 // 2 if lib.adt_streaming_beats_cache(l2) == 1 else 0
+    global _share
+    with _share_lock:
+        if _share is None:
+            l2 = _level2_cache_bytes()
+            lib = native_pool()
+            beats = lib.adt_streaming_beats_cache(l2) == 1 if l2 > 0 and lib is not None else False
+            _share = l2 // 2 if beats else 0
+        return _share
+
+
+def measured_streaming_share() -> int | None:
+    """:func:`streaming_share` if it was measured already in this process, else None (never measures)."""
+    return _share
 
 
 INLINE_BYTES = 64 << 10

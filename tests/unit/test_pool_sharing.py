@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from aiodatadist._env_knobs import env_knobs_cache_clear
+from aiodatadist.copy import spans
 from aiodatadist.copy.completion import _short_waits
 from aiodatadist.copy.native_pool import NativeExecutor
 from aiodatadist.copy.spans import (
@@ -22,6 +23,7 @@ from aiodatadist.copy.spans import (
     STREAMING_THRESHOLD,
     _cpu0_caches,
     _level2_cache_bytes,
+    measured_streaming_share,
     streaming_share,
 )
 from aiodatadist.layout import CacheGeometry, CopyPlan, Spans, b2b_runs, make_plan
@@ -181,8 +183,7 @@ async def test_a_local_job_streams_once_a_workers_share_is_too_big_for_its_cache
     as span lists or as plans (transfers)."""
     lib = native_pool()
     assert lib is not None
-    executor = NativeExecutor(2)
-    executor.stream_share = share
+    executor = NativeExecutor(2, stream_share=share)
     rng = np.random.default_rng(17)
     tensors, block = 64, 32 << 10  # 2 MiB a job: 1 MiB a worker
     caches = rng.integers(1, 256, (2, tensors, 2, block), dtype=np.uint8)
@@ -221,8 +222,39 @@ def test_the_share_from_which_copies_stream_is_half_the_level2_cache_or_none() -
     share = streaming_share()
     assert share in (0, _level2_cache_bytes() // 2)
     assert streaming_share() == share  # (once)
+    assert measured_streaming_share() == share
     assert lib.adt_streaming_beats_cache(256 << 10) in (0, 1)
     assert lib.adt_streaming_beats_cache(0) == 0
+
+
+async def test_an_executor_measures_the_share_on_a_thread_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first executor of a process copies with plain stores until the share is measured (off the event loop,
+    whose thread never waits for it); later ones start with the measured share."""
+    monkeypatch.setattr(spans, "_share", None)
+    loop_thread = threading.get_ident()
+    measuring: list[int] = []
+    real = spans._level2_cache_bytes
+
+    def level2() -> int:
+        measuring.append(threading.get_ident())
+        return real()
+
+    monkeypatch.setattr(spans, "_level2_cache_bytes", level2)
+    first = NativeExecutor(2)
+    try:
+        for _ in range(500):
+            measured = measured_streaming_share()
+            if measured is not None and first.stream_share == measured:
+                break
+            await asyncio.sleep(0.01)
+        assert measured is not None and first.stream_share == measured
+        assert measured in (0, real() // 2)
+        assert measuring and loop_thread not in measuring
+        second = NativeExecutor(2)
+        assert second.stream_share == measured
+        await asyncio.to_thread(second.shutdown)
+    finally:
+        await asyncio.to_thread(first.shutdown)
 
 
 def _fake_cache(root: Path, index: int, level: str, kind: str, size: str) -> None:
