@@ -53,12 +53,15 @@ def _cpu0_caches(root: str = "/sys/devices/system/cpu/cpu0/cache") -> dict[int, 
         try:
             with open(f"{root}/{entry}/level", encoding="ascii") as f:
                 level = int(f.read())
-            with open(f"{root}/{entry}/type", encoding="ascii") as f:
-                kind = f.read().strip()
             with open(f"{root}/{entry}/size", encoding="ascii") as f:
                 text = f.read().strip().upper()
         except (OSError, ValueError):
             continue
+        try:
+            with open(f"{root}/{entry}/type", encoding="ascii") as f:
+                kind = f.read().strip()
+        except OSError:
+            kind = "Unified"
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
         digits = text.rstrip("KMG")
         if kind != "Instruction" and digits.isdigit():

@@ -271,6 +271,9 @@ def test_cpu_caches_are_read_by_level_without_the_instruction_cache(tmp_path: Pa
     _fake_cache(tmp_path, 2, "2", "Unified", "2048K")
     _fake_cache(tmp_path, 3, "3", "Unified", "491520K")
     _fake_cache(tmp_path, 4, "x", "Unified", "1M")  # unreadable entries are skipped
+    (tmp_path / "index5").mkdir()  # an entry without a type: a data or unified cache
+    (tmp_path / "index5" / "level").write_text("4\n")
+    (tmp_path / "index5" / "size").write_text("64M\n")
     (tmp_path / "uevent").write_text("")
-    assert _cpu0_caches(str(tmp_path)) == {1: 48 << 10, 2: 2 * MIB, 3: 480 * MIB}
+    assert _cpu0_caches(str(tmp_path)) == {1: 48 << 10, 2: 2 * MIB, 3: 480 * MIB, 4: 64 * MIB}
     assert _cpu0_caches(str(tmp_path / "missing")) == {}
