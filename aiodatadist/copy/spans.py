@@ -91,6 +91,14 @@ _share_lock = threading.Lock()
 _share: int | None = None  # streaming_share(), once measured
 
 
+def _new_share_lock() -> None:
+    global _share_lock
+    _share_lock = threading.Lock()  # a child forked mid-measurement must not inherit the lock held
+
+
+os.register_at_fork(after_in_child=_new_share_lock)
+
+
 def streaming_share() -> int:
     """Bytes of a local copy job per worker from which its stores stream, whatever its size: half the level-2
     cache (source and destination then fill it), where this machine's streaming stores copy that much faster than

@@ -277,3 +277,26 @@ def test_cpu_caches_are_read_by_level_without_the_instruction_cache(tmp_path: Pa
     (tmp_path / "uevent").write_text("")
     assert _cpu0_caches(str(tmp_path)) == {1: 48 << 10, 2: 2 * MIB, 3: 480 * MIB, 4: 64 * MIB}
     assert _cpu0_caches(str(tmp_path / "missing")) == {}
+
+
+def test_a_child_forked_while_the_share_is_measured_measures_it_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measurement holds a lock for milliseconds: a process forked meanwhile must not inherit it held (its
+    own measurement would wait forever)."""
+    monkeypatch.setattr(spans, "_share", None)
+    with spans._share_lock:  # as a measuring thread holds it
+        pid = os.fork()
+        if pid == 0:  # the child: measure, or be killed by the parent
+            try:
+                os._exit(0 if streaming_share() in (0, spans._level2_cache_bytes() // 2) else 1)
+            finally:
+                os._exit(2)
+    for _ in range(1000):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.01)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's measurement waited for its parent's lock")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
