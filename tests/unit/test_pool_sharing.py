@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -283,7 +284,8 @@ def test_a_child_forked_while_the_share_is_measured_measures_it_again(monkeypatc
     """The measurement holds a lock for milliseconds: a process forked meanwhile must not inherit it held (its
     own measurement would wait forever)."""
     monkeypatch.setattr(spans, "_share", None)
-    with spans._share_lock:  # as a measuring thread holds it
+    with spans._share_lock, warnings.catch_warnings():  # as a measuring thread holds it
+        warnings.simplefilter("ignore", DeprecationWarning)  # (forking a process with threads, Python 3.12+)
         pid = os.fork()
         if pid == 0:  # the child: measure, or be killed by the parent
             try:
