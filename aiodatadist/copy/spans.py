@@ -87,6 +87,10 @@ least 1 MiB.  The native pool streams smaller jobs too where each worker's share
 (:func:`streaming_share`) or where the jobs queued together reach this size."""
 
 
+PROBE_MAX = 16 << 20
+"""The largest level-2 cache :func:`streaming_share` measures against (two buffers of its size, copied eight
+times): a bigger one is not a core's own cache, and its shares stay plain."""
+
 _share_lock = threading.Lock()
 _share: int | None = None  # streaming_share(), once measured
 
@@ -116,7 +120,7 @@ def streaming_share() -> int:
         if _share is None:
             l2 = _level2_cache_bytes()
             lib = native_pool()
-            beats = lib.adt_streaming_beats_cache(l2) == 1 if l2 > 0 and lib is not None else False
+            beats = lib is not None and 0 < l2 <= PROBE_MAX and lib.adt_streaming_beats_cache(l2) == 1
             _share = l2 // 2 if beats else 0
         return _share
 

@@ -228,6 +228,20 @@ def test_the_share_from_which_copies_stream_is_half_the_level2_cache_or_none() -
     assert lib.adt_streaming_beats_cache(0) == 0
 
 
+def test_a_level2_cache_too_big_for_a_core_is_not_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond :data:`~aiodatadist.copy.spans.PROBE_MAX` the level-2 cache is not a core's own: no measurement
+    (which would copy eight times its size), no streaming share."""
+
+    class NoProbe:
+        def adt_streaming_beats_cache(self, nbytes: int) -> int:
+            raise AssertionError(f"measured {nbytes} bytes")
+
+    monkeypatch.setattr(spans, "_share", None)
+    monkeypatch.setattr(spans, "native_pool", NoProbe)
+    monkeypatch.setattr(spans, "_level2_cache_bytes", lambda: 2 * spans.PROBE_MAX)
+    assert streaming_share() == 0
+
+
 async def test_an_executor_measures_the_share_on_a_thread_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first executor of a process copies with plain stores until the share is measured (off the event loop,
     whose thread never waits for it); later ones start with the measured share."""
