@@ -20,6 +20,7 @@ __all__ = [
     "MAX_CHUNK",
     "MIN_CHUNK",
     "PIECE",
+    "PROBE_MAX",
     "SINGLE_CHUNK",
     "SMALL",
     "STREAMING_THRESHOLD",
