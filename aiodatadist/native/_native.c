@@ -232,60 +232,6 @@ int adt_stream_copy_limit(uint64_t dst, uint64_t src, uint64_t n, int threads)
     return rc;
 }
 
-#include <stdlib.h>
-#include <time.h>
-#include <sys/mman.h>
-
-/* Whether streaming stores copy `bytes` faster than plain ones on this machine, where the bytes do not fit in
- * a core's private cache (`bytes` = that cache's size: source and destination together are twice it): 1 if so, 0
- * if not, -1 when the buffers cannot be had.  Each way is timed on this thread in its own steady state (the source
- * in the caches; the destination in them for plain stores, in memory for streaming ones), fastest of three copies
- * after one to settle: about a millisecond with a 2 MiB cache.  Where the shared cache is slow (a server CPU's
- * mesh: 15 GB/s for plain stores of 2 MiB on one core, 19 for streaming ones) a copy that spills out of the
- * private cache gains nothing from its stores staying cached and evicts everything else there, the event loop's
- * working set included; where it is fast (a 32 MiB L3 next to the cores) plain stores win by half. */
-static double now_seconds(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-int adt_streaming_beats_cache(uint64_t bytes)
-{
-#if defined(__SSE2__)
-    size_t n = ((size_t)bytes + 4095) & ~(size_t)4095;
-    if (n == 0) return 0;
-    char *src = NULL, *dst = NULL;
-    if (posix_memalign((void **)&src, 2 << 20, n) || posix_memalign((void **)&dst, 2 << 20, n)) {
-        free(src);
-        return -1;
-    }
-#ifdef MADV_HUGEPAGE
-    madvise(src, n, MADV_HUGEPAGE);   /* fewer page faults (where allowed): most of the time here otherwise */
-    madvise(dst, n, MADV_HUGEPAGE);
-#endif
-    memset(src, 0x5a, n);
-    memset(dst, 0xa5, n);
-    double best[2] = {1e9, 1e9};
-    for (int way = 0; way < 2; way++) {
-        for (int round = 0; round < 4; round++) {
-            double t = now_seconds();
-            if (way) { stream_copy(dst, src, n); STREAM_FENCE(); }
-            else memcpy(dst, src, n);
-            t = now_seconds() - t;
-            if (round > 0 && t < best[way]) best[way] = t;
-        }
-    }
-    free(src);
-    free(dst);
-    return best[1] < best[0];
-#else
-    (void)bytes;
-    return 0;
-#endif
-}
-
 /* ---------------------------------------------------------------------------------------------------------
  * A native worker pool.  Jobs are span lists cut into chunks; POSIX threads take chunks round-robin across
  * jobs and never touch Python, so copies overlap with the event loop instead of contending for the GIL.  A
@@ -411,6 +357,51 @@ static uint64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+#include <sys/mman.h>
+
+/* Whether streaming stores copy `bytes` faster than plain ones on this machine, where the bytes do not fit in
+ * a core's private cache (`bytes` = that cache's size: source and destination together are twice it): 1 if so, 0
+ * if not, -1 when the buffers cannot be had.  Each way is timed on this thread in its own steady state (the source
+ * in the caches; the destination in them for plain stores, in memory for streaming ones), fastest of three copies
+ * after one to settle: about 2 ms with a 2 MiB cache.  Where the shared cache is slow (a server CPU's
+ * mesh: 15 GB/s for plain stores of 2 MiB on one core, 19 for streaming ones) a copy that spills out of the
+ * private cache gains nothing from its stores staying cached and evicts everything else there, the event loop's
+ * working set included; where it is fast (a 32 MiB L3 next to the cores) plain stores win by half. */
+int adt_streaming_beats_cache(uint64_t bytes)
+{
+#if defined(__SSE2__)
+    size_t n = ((size_t)bytes + 4095) & ~(size_t)4095;
+    if (n == 0) return 0;
+    char *src = NULL, *dst = NULL;
+    if (posix_memalign((void **)&src, 2 << 20, n) || posix_memalign((void **)&dst, 2 << 20, n)) {
+        free(src);
+        return -1;
+    }
+#ifdef MADV_HUGEPAGE
+    madvise(src, n, MADV_HUGEPAGE);   /* fewer page faults (where allowed): most of the time here otherwise */
+    madvise(dst, n, MADV_HUGEPAGE);
+#endif
+    memset(src, 0x5a, n);
+    memset(dst, 0xa5, n);
+    uint64_t best[2] = {UINT64_MAX, UINT64_MAX};
+    for (int way = 0; way < 2; way++) {
+        for (int round = 0; round < 4; round++) {
+            uint64_t t0 = now_ns();
+            if (way) { stream_copy(dst, src, n); STREAM_FENCE(); }
+            else memcpy(dst, src, n);
+            uint64_t t = now_ns() - t0;
+            if (round > 0 && t < best[way]) best[way] = t;
+        }
+    }
+    free(src);
+    free(dst);
+    return best[1] < best[0];
+#else
+    (void)bytes;
+    return 0;
+#endif
 }
 
 /* One idle worker at a time spins briefly (p->spin_ns) before sleeping: back-to-back small transfers then find
