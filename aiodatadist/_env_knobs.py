@@ -12,7 +12,7 @@ An invalid value is never silently replaced by the default:
   ``LLMException(LLM_PARAM_INVALID)`` naming the variable and its accepted values, exactly as for an invalid
   option, unless the instance's options set that key (then the variable is not used).
 * The process-wide ones (``AIODATADIST_EXECUTOR``, ``AIODATADIST_COPY_*``, ``AIODATADIST_SAME_HOST``,
-  ``AIODATADIST_POLL_US``, ``AIODATADIST_TCP_CONGESTION``) are read
+  ``AIODATADIST_POLL_US``, ``AIODATADIST_TCP_CONGESTION``, ``AIODATADIST_HUGE_PAGES``) are read
   deep inside other calls (the first ``init`` building the copy executor, a link probing its peer) where an
   exception would fail an unrelated operation, and each has a safe default; an invalid value logs a
   **warning** (logger ``aiodatadist.settings``) naming the variable, the accepted values and the value used
@@ -41,12 +41,14 @@ __all__ = [
     "ENV_COPY_THREADS",
     "ENV_DIRECTORY",
     "ENV_EXECUTOR",
+    "ENV_HUGE_PAGES",
     "ENV_LIBCUDA",
     "ENV_NET",
     "ENV_POLL_US",
     "ENV_SAME_HOST",
     "ENV_TCP_CONGESTION",
     "ENV_TCP_CONNECTIONS",
+    "HUGE_PAGE_MODES",
     "KNOBS",
     "SAME_HOST_MECHANISMS",
     "EnvKnobs",
@@ -78,6 +80,11 @@ ENV_DIRECTORY: Final = "AIODATADIST_DIRECTORY"
 ENV_TCP_CONNECTIONS: Final = "AIODATADIST_TCP_CONNECTIONS"
 ENV_TCP_CONGESTION: Final = "AIODATADIST_TCP_CONGESTION"
 ENV_LIBCUDA: Final = "AIODATADIST_LIBCUDA"
+ENV_HUGE_PAGES: Final = "AIODATADIST_HUGE_PAGES"
+HUGE_PAGE_MODES: Final = ("try", "on", "off")
+"""How host caches and host memory may use the system's huge pages (``AIODATADIST_HUGE_PAGES``): ``try`` where they
+are free (ordinary pages otherwise), ``on`` (or fail with ``LLM_OUT_OF_MEMORY``), ``off`` (never); the names of
+PostgreSQL's ``huge_pages`` setting."""
 
 
 # -- parsers: raw string -> value, or ValueError ---------------------------------------------------------
@@ -230,6 +237,10 @@ KNOBS: Final[tuple[Knob, ...]] = (
          lambda: "auto", _parse_congestion, "warning",
          help="TCP data connections' congestion control (auto: a pacing one (bbr) becomes cubic on "
               "connections to this host)"),
+    Knob(ENV_HUGE_PAGES, "huge_pages", '"try", "on" or "off"', lambda: "try",
+         lambda raw: _choice(raw, HUGE_PAGE_MODES), "warning",
+         help="host caches and host memory on the system's huge pages (hugetlb): where free, else ordinary "
+              "pages (try); or fail (on); never (off)"),
     Knob(ENV_LIBCUDA, "libcuda", "paths of the CUDA driver library", lambda: (), _parse_libcuda, "none",
          help="CUDA driver library to load (default: search)"),
 )
@@ -255,6 +266,7 @@ class EnvKnobs:
     directory: bool = True
     tcp_connections: int = field(default_factory=_default_tcp_connections)
     tcp_congestion: str = "auto"
+    huge_pages: str = "try"
     libcuda: tuple[str, ...] = ()
     raw: Mapping[str, str] = field(default_factory=dict, compare=False)  # the variables that were set
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # env name -> where the value is from

@@ -33,7 +33,7 @@ from .layout import (
     make_plan,
     swap_blocks_runs,
 )
-from .memory import HostMemory, SharedSegment
+from .memory import HostMemory, cache_segment
 from .native import int_bounds
 from .notifications import check_notification
 from .registry import CacheEntry, CacheRegistry, geometry_of
@@ -166,7 +166,7 @@ class CacheManager:
                 keys=bound, blocks_key=blocks_key))
             log.debug("allocated device cache %d (%d x %d bytes)", cache.cache_id, desc.num_tensors, desc.size)
             return cache
-        segment = SharedSegment(desc.size * desc.num_tensors, name=f"aiodatadist-{self._cluster_id}")
+        segment = cache_segment(desc.size * desc.num_tensors, f"aiodatadist-{self._cluster_id}")
         addrs = [segment.address + i * desc.size for i in range(desc.num_tensors)]
         cache = self._handle(self._registry.add(desc.copy(), addrs, is_blocks=is_blocks, remote_accessible=True,
                                                 segment=segment, keys=bound, blocks_key=blocks_key))

@@ -1,7 +1,8 @@
 """``HostMemory``: shareable host memory an engine allocates through aiodatadist for its own KV tensors, or memory it
 allocated itself, shared in place.
 
-The memory is a :class:`~aiodatadist.memory.SharedSegment` (``memfd``, huge pages advised, pre-faulted), exactly
+The memory is a :class:`~aiodatadist.memory.SharedSegment` (``memfd``, on huge pages where the system has them free
+(``AIODATADIST_HUGE_PAGES``), pre-faulted), exactly
 like an allocated cache's, or an :class:`~aiodatadist.memory.in_place.InPlaceSegment` (:meth:`HostMemory.in_place`).  Caches registered with ``register_cache`` / ``register_blocks_cache`` whose tensors
 all lie inside one such block are published like allocated caches: same-host peers map the segment and copy
 with their own threads, never through ``process_vm_readv``/``writev`` nor the owner's event loop on repeat
@@ -19,7 +20,7 @@ import numpy.typing as npt
 
 from ..errors import LLMException, LLMStatusCode
 from .in_place import InPlaceSegment
-from .segment import SharedSegment
+from .segment import SharedSegment, cache_segment
 
 __all__ = ["HostMemory"]
 
@@ -36,7 +37,7 @@ class HostMemory:
     def __init__(self, nbytes: int, name: str = "aiodatadist-host", *,
                  segment: SharedSegment | InPlaceSegment | None = None) -> None:
         self._segment: SharedSegment | InPlaceSegment | None = (
-            segment if segment is not None else SharedSegment(nbytes, name=name))
+            segment if segment is not None else cache_segment(nbytes, name))
         self.address: int = self._segment.address
         self.size: int = self._segment.size
         self._registered: set[object] = set()  # the registry's live entries inside it (owner's event loop only)

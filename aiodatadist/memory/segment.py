@@ -4,6 +4,10 @@ A segment has no name anywhere in the file system, so nothing is left behind whe
 SIGKILL: the kernel frees it with the last descriptor and mapping.  A peer process on the same host maps it
 through ``/proc/<pid>/fd/<fd>`` and checks the inode it got against the identity the owner announced, so a
 recycled descriptor number can never alias another file.  Size seals make the mapping safe from truncation.
+
+A segment asked to (``huge_pages``, see :data:`HUGE_PAGE_MODES`) lies on the system's reserved huge pages
+(``memfd_create(MFD_HUGETLB)``): 2 MiB pages instead of 4 KiB ones, so copies through it are not slowed by page
+walks (the transparent huge pages that private memory gets are not given to shared memory on most systems).
 """
 
 from __future__ import annotations
@@ -16,23 +20,41 @@ import threading
 
 import numpy as np
 
+from .._env_knobs import HUGE_PAGE_MODES, env_knobs
 from ..errors import LLMException, LLMStatusCode
 from ..native import advise_hugepages, populate
 from ..segment_identity import SegmentIdentity
 
-__all__ = ["PAGE", "MemfdBacked", "SegmentIdentity", "SharedSegment", "map_peer_segment", "map_segment_fd", "sealed_memfd"]
+__all__ = [
+    "HUGE_PAGE_MODES",
+    "PAGE",
+    "MemfdBacked",
+    "SegmentIdentity",
+    "SharedSegment",
+    "cache_segment",
+    "huge_page_bytes",
+    "huge_segment_size",
+    "map_peer_segment",
+    "map_segment_fd",
+    "sealed_memfd",
+]
 
 PAGE = mmap.PAGESIZE
+HUGE_WASTE = 16
+"""``try`` puts a segment on huge pages only where rounding it up to whole ones adds at most 1/HUGE_WASTE of its
+size (from 32 MiB up with 2 MiB pages, and any exact multiple)."""
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x0002) | getattr(fcntl, "F_SEAL_GROW", 0x0004) | getattr(
     fcntl, "F_SEAL_SEAL", 0x0001
 )
 _ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
 
 
-def sealed_memfd(name: str, size: int) -> int:
-    """A new ``memfd`` of ``size`` bytes (holes until written), its size sealed where the kernel allows;
-    ``LLM_OUT_OF_MEMORY`` if it cannot be created."""
+def sealed_memfd(name: str, size: int, *, hugetlb: bool = False) -> int:
+    """A new ``memfd`` of ``size`` bytes (holes until written; ``hugetlb``: on the system's huge pages, ``size`` a
+    multiple of theirs), its size sealed where the kernel allows; ``LLM_OUT_OF_MEMORY`` if it cannot be created."""
     flags = getattr(os, "MFD_CLOEXEC", 1) | getattr(os, "MFD_ALLOW_SEALING", 2)
+    if hugetlb:
+        flags |= getattr(os, "MFD_HUGETLB", 4)
     try:
         fd = os.memfd_create(name, flags)
     except (AttributeError, OSError) as exc:
@@ -48,6 +70,96 @@ def sealed_memfd(name: str, size: int) -> int:
     except OSError:
         pass  # sealing is a safety net, not a requirement
     return fd
+
+
+def huge_page_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """The size of the system's default huge pages (``Hugepagesize``), 0 where unknown."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Hugepagesize:"):
+                    fields = line.split()
+                    return int(fields[1]) << 10 if fields[-1] == "kB" else int(fields[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def huge_segment_size(size: int, mode: str, page: int) -> int | None:
+    """The bytes a segment of ``size`` takes on huge pages of ``page`` bytes under ``mode``, or None where it stays
+    on ordinary pages (``off``, no huge pages, or ``try`` and more than 1/:data:`HUGE_WASTE` of rounding)."""
+    if mode == "off" or page <= PAGE:
+        return None
+    rounded = -(-size // page) * page
+    if mode == "try" and (rounded - size) * HUGE_WASTE > size:
+        return None
+    return rounded
+
+
+def _mapped_hugetlb(name: str, size: int) -> tuple[int, mmap.mmap, int]:
+    """A sealed, pre-faulted ``MFD_HUGETLB`` memfd of ``size`` bytes (whole huge pages), its mapping and address;
+    OSError where the kernel or the pool cannot give them.  Mapping reserves the pages; pre-faulting with
+    ``MADV_POPULATE_WRITE`` reports a shortfall as an error where touching them would raise SIGBUS (LLMException
+    from :func:`sealed_memfd` too)."""
+    fd = sealed_memfd(name, size, hugetlb=True)
+    try:
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except OSError:
+        os.close(fd)
+        raise
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    if not populate(address, size, write=True):
+        mapping.close()
+        os.close(fd)
+        raise OSError(12, "cannot pre-fault the huge pages")
+    return fd, mapping, address
+
+
+def _huge_pages_failed(size: int, why: str) -> LLMException:
+    return LLMException(
+        f"cannot allocate {size} bytes of shared memory on huge pages ({why}); AIODATADIST_HUGE_PAGES=on requires "
+        "them: reserve them (/proc/sys/vm/nr_hugepages) or set it to 'try'",
+        status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+
+
+_Mapping = tuple[int, mmap.mmap, int, int]  # a segment's memfd, its mapping, address and page size
+
+
+def _ordinary_mapping(size: int, name: str) -> _Mapping:
+    """A pre-faulted memfd of ``size`` bytes rounded up to whole ordinary pages (``LLM_OUT_OF_MEMORY`` if not)."""
+    size = (size + PAGE - 1) // PAGE * PAGE
+    fd = sealed_memfd(name, size)
+    try:
+        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except OSError as exc:
+        os.close(fd)
+        raise LLMException(f"cannot allocate {size} bytes of shared memory: {exc}",
+                           status_code=LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    # Pre-fault (and so zero-fill) every page now, not during the first transfer; madvise releases the GIL, unlike
+    # MAP_POPULATE inside mmap.mmap.
+    advise_hugepages(address, size)  # effective where shmem THP is set to "advise"
+    if not populate(address, size, write=True):
+        np.frombuffer(mapping, dtype=np.uint8)[::PAGE] = 0
+    return fd, mapping, address, PAGE
+
+
+def _huge_mapping(size: int, name: str, mode: str) -> _Mapping | None:
+    """A pre-faulted memfd of ``size`` bytes rounded up to whole huge pages where ``mode`` and the system allow;
+    None for ordinary pages (``try``), ``LLM_OUT_OF_MEMORY`` where ``on`` cannot have them."""
+    page = huge_page_bytes()
+    rounded = huge_segment_size(size, mode, page)
+    if rounded is None:
+        if mode == "on":
+            raise _huge_pages_failed(size, "this system has no huge pages")
+        return None
+    try:
+        fd, mapping, address = _mapped_hugetlb(name, rounded)
+    except (OSError, LLMException) as exc:
+        if mode == "on":
+            raise _huge_pages_failed(rounded, str(exc)) from exc
+        return None
+    return fd, mapping, address, page
 
 
 class MemfdBacked:
@@ -66,31 +178,23 @@ class MemfdBacked:
 
 
 class SharedSegment(MemfdBacked):
-    """A pre-faulted, zero-filled, sealed ``memfd`` mapping owned by this process."""
+    """A pre-faulted, zero-filled, sealed ``memfd`` mapping owned by this process.
 
-    def __init__(self, size: int, name: str = "aiodatadist") -> None:
+    ``huge_pages`` (one of :data:`HUGE_PAGE_MODES`, default ``off``) puts it on the system's huge pages;
+    ``page_size`` says which pages it got, ``size`` the bytes (whole pages of that size)."""
+
+    def __init__(self, size: int, name: str = "aiodatadist", *, huge_pages: str = "off") -> None:
         if size <= 0:
             raise ValueError("segment size must be > 0")
-        self.size = (size + PAGE - 1) // PAGE * PAGE
-        fd = sealed_memfd(name, self.size)
-        try:
-            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
-        except OSError as exc:
-            os.close(fd)
-            raise LLMException(
-                f"cannot allocate {self.size} bytes of shared memory: {exc}",
-                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
-            ) from exc
+        if huge_pages not in HUGE_PAGE_MODES:
+            raise ValueError(f"huge_pages must be one of {HUGE_PAGE_MODES}, got {huge_pages!r}")
+        self._lock = threading.Lock()
+        huge = _huge_mapping(size, name, huge_pages) if huge_pages != "off" else None
+        fd, self._map, self.address, self.page_size = huge or _ordinary_mapping(size, name)
         self._fd: int | None = fd
+        self.size = len(self._map)
         st = os.fstat(fd)
         self.identity = SegmentIdentity(os.getpid(), fd, st.st_ino, st.st_dev, self.size)
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        self._lock = threading.Lock()
-        # Pre-fault (and so zero-fill) every page now, not during the first transfer; madvise releases the
-        # GIL, unlike MAP_POPULATE inside mmap.mmap.
-        advise_hugepages(self.address, self.size)  # effective where shmem THP is set to "advise"
-        if not populate(self.address, self.size, write=True):
-            self.array()[::PAGE] = 0
 
     def array(self) -> np.ndarray:
         """A uint8 view of the whole segment; the mapping stays alive while any view does."""
@@ -107,6 +211,12 @@ class SharedSegment(MemfdBacked):
             self._map.close()
         except BufferError:
             pass  # numpy views exist: CPython unmaps when the last one is released
+
+
+def cache_segment(size: int, name: str) -> SharedSegment:
+    """The segment of a host cache or host memory allocated through aiodatadist: on huge pages as
+    ``AIODATADIST_HUGE_PAGES`` says (``try`` by default)."""
+    return SharedSegment(size, name, huge_pages=env_knobs().huge_pages)
 
 
 def map_peer_segment(identity: SegmentIdentity, *, writable: bool = True) -> mmap.mmap:

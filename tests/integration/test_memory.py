@@ -82,19 +82,22 @@ def fd_inode(fd: int) -> int | None:
 
 
 def shmem_bytes() -> int:
+    """Shared memory in use system-wide: ``Shmem`` and the huge pages in use (a cache may lie on either)."""
     with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Shmem:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no Shmem line in /proc/meminfo")
+        info = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
+    if "Shmem" not in info:
+        raise AssertionError("no Shmem line in /proc/meminfo")
+    huge = (info.get("HugePages_Total", 0) - info.get("HugePages_Free", 0)) * info.get("Hugepagesize", 0)
+    return (info["Shmem"] + huge) * 1024
 
 
 def rss_shmem_bytes(pid: int) -> int:
+    """Shared memory mapped by process ``pid``: ``RssShmem`` and ``HugetlbPages``."""
     with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssShmem line")
+        status = {k: v.split() for k, v in (line.split(":", 1) for line in f)}
+    if "RssShmem" not in status:
+        raise AssertionError("no RssShmem line")
+    return (int(status["RssShmem"][0]) + int(status.get("HugetlbPages", ["0"])[0])) * 1024
 
 
 def read_line(proc: subprocess.Popen[str], timeout: float = 30.0) -> str:

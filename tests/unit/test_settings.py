@@ -38,7 +38,7 @@ def test_every_variable_is_a_knob() -> None:
         "AIODATADIST_EXECUTOR", "AIODATADIST_COPY_THREADS", "AIODATADIST_COPY_NICE",
         "AIODATADIST_COPY_SPIN_US", "AIODATADIST_POLL_US",
         "AIODATADIST_SAME_HOST", "AIODATADIST_NET", "AIODATADIST_DIRECTORY", "AIODATADIST_TCP_CONNECTIONS",
-        "AIODATADIST_TCP_CONGESTION", "AIODATADIST_LIBCUDA",
+        "AIODATADIST_TCP_CONGESTION", "AIODATADIST_HUGE_PAGES", "AIODATADIST_LIBCUDA",
     ]
     assert {k.field for k in KNOBS} <= set(EnvKnobs.__dataclass_fields__)
 
@@ -56,6 +56,7 @@ def test_defaults_are_those_of_before(caplog: pytest.LogCaptureFixture) -> None:
     assert k.directory is True
     assert k.tcp_connections == max(2, min(4, CPUS))
     assert k.tcp_congestion == "auto"
+    assert k.huge_pages == "try"
     assert k.libcuda == ()
     assert k == EnvKnobs()
     assert all(getattr(k, knob.field) == knob.default() for knob in KNOBS)
@@ -77,6 +78,9 @@ def test_defaults_are_those_of_before(caplog: pytest.LogCaptureFixture) -> None:
     ("AIODATADIST_TCP_CONGESTION", "system", "tcp_congestion", "system"),
     ("AIODATADIST_TCP_CONGESTION", "cubic", "tcp_congestion", "cubic"),
     ("AIODATADIST_TCP_CONGESTION", "dctcp", "tcp_congestion", "dctcp"),
+    ("AIODATADIST_HUGE_PAGES", "on", "huge_pages", "on"),
+    ("AIODATADIST_HUGE_PAGES", "off", "huge_pages", "off"),
+    ("AIODATADIST_HUGE_PAGES", "try", "huge_pages", "try"),
     ("AIODATADIST_SAME_HOST", "map", "same_host", frozenset({"map"})),
     ("AIODATADIST_SAME_HOST", " pvm , map ", "same_host", frozenset({"map", "pvm"})),
     ("AIODATADIST_SAME_HOST", "", "same_host", frozenset()),  # empty: no same-host mechanism
@@ -123,6 +127,8 @@ def test_an_empty_value_is_unset(env: str, caplog: pytest.LogCaptureFixture) -> 
     ("AIODATADIST_TCP_CONGESTION", "Cubic", "tcp_congestion", "auto", "a congestion control algorithm"),
     ("AIODATADIST_TCP_CONGESTION", "bbr; rm", "tcp_congestion", "auto", "a congestion control algorithm"),
     ("AIODATADIST_TCP_CONGESTION", "x" * 16, "tcp_congestion", "auto", "a congestion control algorithm"),
+    ("AIODATADIST_HUGE_PAGES", "ON", "huge_pages", "try", '"try", "on" or "off"'),
+    ("AIODATADIST_HUGE_PAGES", "1", "huge_pages", "try", '"try", "on" or "off"'),
     ("AIODATADIST_SAME_HOST", "map,mmap", "same_host", frozenset({"map"}), '"map", "pvm" and "fds"'),
     ("AIODATADIST_SAME_HOST", "shm", "same_host", frozenset(), '"map", "pvm" and "fds"'),
 ])
