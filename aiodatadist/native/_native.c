@@ -12,24 +12,39 @@
 #include <string.h>
 #include <pthread.h>
 
+/* Streaming copies run several spans at once, a line of each in turn ("lanes", four by default).  One stream keeps
+ * few misses in flight for its thread (the hardware prefetcher follows it, and starts over at every span); several
+ * keep more, so a thread copies faster.  Two threads, 8192 scattered 32 KiB spans (C harness, a 2-vCPU Intel VM,
+ * 64-byte stores, medians of 15 in turn), huge pages / 4 KiB pages: a span at a time 17.6 / 17.4 GB/s, two at once
+ * 22.4 / 21.2, three 23.5 / 22.4, four 24.7 / 23.0; a contiguous copy 18.4 / 18.0 in one stream, 23.4 / 21.7 in
+ * two.  A lane's destination is 64-byte aligned and its length whole lines: lanes_add copies a span's head and
+ * tail itself. */
+#define MAX_LANES 8
+static int lane_count = 4;   /* adt_stream_lanes */
+typedef struct {
+    char *d[MAX_LANES];
+    const char *s[MAX_LANES];
+    size_t n[MAX_LANES];
+    size_t id[MAX_LANES];   /* the span each lane belongs to (adt_copy_spans' return value) */
+    int k;
+} lanes;
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
-static void stream_copy_sse2(char *d, const char *s, size_t n)
+static void lanes_step_sse2(const lanes *b, size_t m)   /* m bytes (whole lines) of every lane */
 {
-    while (n && ((uintptr_t)d & 15u)) { *d++ = *s++; n--; }
-    size_t blocks = n / 64;
-    for (size_t i = 0; i < blocks; i++) {
-        __m128i a = _mm_loadu_si128((const __m128i *)s);
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
-        _mm_stream_si128((__m128i *)d, a);
-        _mm_stream_si128((__m128i *)(d + 16), b);
-        _mm_stream_si128((__m128i *)(d + 32), c);
-        _mm_stream_si128((__m128i *)(d + 48), e);
-        s += 64; d += 64;
-    }
-    memcpy(d, s, n - blocks * 64);
+    const int k = b->k;
+    for (size_t i = 0; i < m; i += 64)
+        for (int q = 0; q < k; q++) {
+            const char *s = b->s[q] + i;
+            char *d = b->d[q] + i;
+            __m128i x0 = _mm_loadu_si128((const __m128i *)s), x1 = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i x2 = _mm_loadu_si128((const __m128i *)(s + 32)), x3 = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, x0);
+            _mm_stream_si128((__m128i *)(d + 16), x1);
+            _mm_stream_si128((__m128i *)(d + 32), x2);
+            _mm_stream_si128((__m128i *)(d + 48), x3);
+        }
 }
 
 /* Wider streaming stores need per-function target attributes and the CPU feature names below (GCC 8, clang). */
@@ -40,67 +55,33 @@ static void stream_copy_sse2(char *d, const char *s, size_t n)
 #include <immintrin.h>
 /* The same copy with 32- and 64-byte streaming stores, for CPUs that have them (chosen when the library loads, see
  * pick_copy_paths): fewer stores per cache line.  Two threads copying 8192 scattered 32 KiB spans (memfd memory, in
- * source order, C harness, twelve interleaved rounds on a 2-vCPU Intel VM): SSE2 16.1-16.4 GB/s, AVX2 3.3 % faster
- * in every round, AVX-512 7 % faster in every round. */
-static size_t align_head(char *d, const char *s, size_t n, uintptr_t align)
+ * source order, C harness, twelve interleaved rounds on a 2-vCPU Intel VM, one span at a time): SSE2 16.1-16.4
+ * GB/s, AVX2 3.3 % faster in every round, AVX-512 7 % faster in every round. */
+__attribute__((target("avx2"))) static void lanes_step_avx2(const lanes *b, size_t m)
 {
-    size_t head = (size_t)((align - ((uintptr_t)d & (align - 1))) & (align - 1));
-    if (head > n) head = n;
-    memcpy(d, s, head);
-    return head;
+    const int k = b->k;
+    for (size_t i = 0; i < m; i += 64)
+        for (int q = 0; q < k; q++) {
+            const char *s = b->s[q] + i;
+            char *d = b->d[q] + i;
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)s), x1 = _mm256_loadu_si256((const __m256i *)(s + 32));
+            _mm256_stream_si256((__m256i *)d, x0);
+            _mm256_stream_si256((__m256i *)(d + 32), x1);
+        }
 }
 
-__attribute__((target("avx2"))) static void stream_copy_avx2(char *d, const char *s, size_t n)
+__attribute__((target("avx512f"))) static void lanes_step_avx512(const lanes *b, size_t m)
 {
-    size_t head = align_head(d, s, n, 32);
-    d += head; s += head; n -= head;
-    size_t lines = n / 64;
-    for (size_t i = 0; i < lines; i++) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)s);
-        __m256i b = _mm256_loadu_si256((const __m256i *)(s + 32));
-        _mm256_stream_si256((__m256i *)d, a);
-        _mm256_stream_si256((__m256i *)(d + 32), b);
-        s += 64; d += 64;
-    }
-    memcpy(d, s, n - lines * 64);
-}
-
-__attribute__((target("avx512f"))) static void stream_copy_avx512(char *d, const char *s, size_t n)
-{
-    size_t head = align_head(d, s, n, 64);
-    d += head; s += head; n -= head;
-    size_t lines = n / 64;
-    for (size_t i = 0; i < lines; i++) {
-        _mm512_stream_si512((__m512i *)d, _mm512_loadu_si512((const void *)s));
-        s += 64; d += 64;
-    }
-    memcpy(d, s, n - lines * 64);
+    const int k = b->k;
+    for (size_t i = 0; i < m; i += 64)
+        for (int q = 0; q < k; q++)
+            _mm512_stream_si512((__m512i *)(b->d[q] + i), _mm512_loadu_si512((const void *)(b->s[q] + i)));
 }
 #endif
 
-static void (*stream_copy)(char *d, const char *s, size_t n) = stream_copy_sse2;
+static void (*lanes_step)(const lanes *b, size_t m) = lanes_step_sse2;
 #define STREAM_FENCE() _mm_sfence()
 #define SPIN_PAUSE() _mm_pause()
-
-/* Touch one line of every 4 KiB page of the next span's first TOUCH_BYTES, source and destination, before copying
- * this one: a scattered span starts on pages whose translations are not cached, and each page walk then stalls
- * the copy (the hardware prefetchers stop at page boundaries).  On Intel, started a span ahead, the walks overlap
- * the current copy: a paged pull of scattered 32 KiB blocks gained ~5% (C harness: 26 -> 29 GB/s on 2 threads, a
- * contiguous copy of the same memory 33).  On AMD (EPYC, a KVM guest) the prefetches themselves wait for their
- * page walks: the scattered copy was ~5% slower with them (pool copies of 64 x 128 scattered 32 KiB blocks, 2
- * threads: 0.82-0.87 of the contiguous streaming copy with the touch, 0.86-0.92 without, runs in turn), so they are
- * issued on Intel CPUs only. */
-#define TOUCH_BYTES (64u << 10)
-static int touch_helps;
-static inline void touch_pages(uint64_t s, uint64_t d, uint64_t l)
-{
-    if (!touch_helps) return;
-    if (l > TOUCH_BYTES) l = TOUCH_BYTES;
-    for (uint64_t k = 0; k < l; k += 4096) {
-        _mm_prefetch((const char *)(uintptr_t)(s + k), _MM_HINT_T0);
-        _mm_prefetch((const char *)(uintptr_t)(d + k), _MM_HINT_T0);
-    }
-}
 
 static int chosen_width = 16;   /* bytes per streaming store, as chosen when the library loaded */
 int adt_stream_stores(int width);
@@ -108,7 +89,6 @@ int adt_stream_stores(int width);
 __attribute__((constructor)) static void pick_copy_paths(void)   /* when the library is loaded */
 {
     __builtin_cpu_init();
-    touch_helps = __builtin_cpu_is("intel");
     /* 512-bit stores only where they do not lower the clock of the core running them (Skylake-SP and Cascade Lake
      * lack AVX512-VBMI2; glibc avoids AVX-512 on them too).  The paged pull (64 x 128 scattered 32 KiB blocks from
      * another process, the width switched in turn, nine rounds of five pulls, a 2-vCPU Intel VM): 15.5 GB/s with
@@ -120,8 +100,10 @@ __attribute__((constructor)) static void pick_copy_paths(void)   /* when the lib
     adt_stream_stores(chosen_width);
 }
 #else
-static void stream_copy(char *d, const char *s, size_t n) { memcpy(d, s, n); }
-static inline void touch_pages(uint64_t s, uint64_t d, uint64_t l) { (void)s; (void)d; (void)l; }
+static void lanes_step(const lanes *b, size_t m)
+{
+    for (int q = 0; q < b->k; q++) memcpy(b->d[q], b->s[q], m);
+}
 #define STREAM_FENCE() ((void)0)
 #define SPIN_PAUSE() ((void)0)
 #endif
@@ -134,11 +116,11 @@ int adt_stream_stores(int width)
 #if defined(__SSE2__)
     if (width == 0) width = chosen_width;
 #ifdef ADT_WIDE_STORES
-    if (width == 64 && __builtin_cpu_supports("avx512f")) stream_copy = stream_copy_avx512;
-    else if (width == 32 && __builtin_cpu_supports("avx2")) stream_copy = stream_copy_avx2;
+    if (width == 64 && __builtin_cpu_supports("avx512f")) lanes_step = lanes_step_avx512;
+    else if (width == 32 && __builtin_cpu_supports("avx2")) lanes_step = lanes_step_avx2;
     else
 #endif
-    if (width == 16) stream_copy = stream_copy_sse2;
+    if (width == 16) lanes_step = lanes_step_sse2;
     else return -1;
     return width;
 #else
@@ -176,22 +158,130 @@ static inline int copy_small(char *d, const char *s, size_t n)
 #endif
 }
 
-/* Returns the number of spans copied: n, or fewer when *stop became non-zero (checked before every span, so a
- * stop takes effect within one span; callers keep spans small).  stop may be NULL. */
+#define LANE_STEP (256u << 10)   /* bytes of each lane between two looks at the stop flag */
+#define LANE_SPLIT (16u << 10)   /* a lone lane of lane_count times this or more is split */
+
+/* How many streams a thread's streaming copy runs at once (1 to MAX_LANES; 0: only asks).  Returns the count now
+ * used.  For tests and benchmarks: set it while no copy runs. */
+int adt_stream_lanes(int count)
+{
+    if (count >= 1 && count <= MAX_LANES) lane_count = count;
+    return lane_count;
+}
+
+static inline int ranges_meet(const char *a, size_t n, const char *b, size_t m) { return a < b + m && b < a + n; }
+
+/* Whether copying d <- s (n bytes) before or after the queued lanes could change what either writes. */
+static int lanes_conflict(const lanes *b, const char *d, const char *s, size_t n)
+{
+    for (int q = 0; q < b->k; q++)
+        if (ranges_meet(d, n, b->d[q], b->n[q]) || ranges_meet(d, n, b->s[q], b->n[q])
+            || ranges_meet(s, n, b->d[q], b->n[q]))
+            return 1;
+    return 0;
+}
+
+/* A lone lane long enough, whose source and destination do not meet, becomes `lane_count` lanes of equal parts. */
+static void lanes_split(lanes *b)
+{
+    const int k = lane_count;
+    size_t n = b->n[0], part = n / (size_t)k & ~(size_t)63;
+    if (k < 2 || n < (size_t)k * LANE_SPLIT || (ranges_meet(b->d[0], n, b->s[0], n) && b->d[0] != b->s[0])) return;
+    for (int q = k - 1; q >= 0; q--) {
+        size_t off = part * (size_t)q;
+        b->d[q] = b->d[0] + off;
+        b->s[q] = b->s[0] + off;
+        b->n[q] = q == k - 1 ? n - off : part;
+        b->id[q] = b->id[0];
+    }
+    b->k = k;
+}
+
+/* Copies the lanes in lockstep until one of them is done, or with `all` until every one is (a lone lane split
+ * first), dropping finished lanes; stop is polled every LANE_STEP bytes of each lane.  0, or -1 when stopped.
+ * Equal spans thus start and end together: staggering them (a lane started a quarter of a span after the one
+ * before, so that one stream restarts at a time) made the paged copy 10 % slower. */
+static int lanes_run(lanes *b, int all, const volatile int32_t *stop)
+{
+    while (b->k > 0) {
+        if (all && b->k == 1) lanes_split(b);
+        size_t m = LANE_STEP;
+        for (int q = 0; q < b->k; q++) if (b->n[q] < m) m = b->n[q];
+        lanes_step(b, m);
+        int kept = 0;
+        for (int q = 0; q < b->k; q++) {
+            if (b->n[q] == m) continue;
+            b->d[kept] = b->d[q] + m; b->s[kept] = b->s[q] + m; b->n[kept] = b->n[q] - m; b->id[kept] = b->id[q];
+            kept++;
+        }
+        int finished = kept < b->k;
+        b->k = kept;
+        if (stop && *stop) return -1;
+        if (finished && !all) return 0;
+    }
+    return 0;
+}
+
+/* Queues span d <- s (n bytes, span `id`) for a streaming copy, copying its unaligned head and tail now; runs the
+ * lanes once they are full, and first those it could conflict with.  A span that meets itself is copied at once
+ * (memmove).  0, or -1 when stopped. */
+static int lanes_add(lanes *b, char *d, const char *s, size_t n, size_t id, const volatile int32_t *stop)
+{
+    if (b->k && lanes_conflict(b, d, s, n) && lanes_run(b, 1, stop)) return -1;
+    if (d != s && ranges_meet(d, n, s, n)) {
+        memmove(d, s, n);
+        return 0;
+    }
+    size_t head = (size_t)(-(uintptr_t)d & 63);
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head; s += head; n -= head;
+    size_t body = n & ~(size_t)63;
+    memcpy(d + body, s + body, n - body);
+    if (body == 0) return 0;
+    b->d[b->k] = d; b->s[b->k] = s; b->n[b->k] = body; b->id[b->k] = id;
+    return ++b->k >= lane_count ? lanes_run(b, 0, stop) : 0;
+}
+
+/* A plain copy of d <- s after the lanes it could conflict with (run first). */
+static int copy_after_lanes(lanes *b, char *d, const char *s, size_t n, const volatile int32_t *stop)
+{
+    if (b->k && lanes_conflict(b, d, s, n) && lanes_run(b, 1, stop)) return -1;
+    if (!copy_small(d, s, n)) memmove(d, s, n);
+    return 0;
+}
+
+/* Returns the number of spans copied: n, or fewer when *stop became non-zero (checked before every span and every
+ * LANE_STEP bytes of a streaming copy, so a stop takes effect within about a megabyte; callers keep spans small):
+ * every span before the returned index was copied.  stop may be NULL. */
 long adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *len, size_t n, int streaming,
                     const volatile int32_t *stop)
 {
+    lanes b = {.k = 0};
     size_t i;
-    for (i = 0; i < n; i++) {
+    int stopped = 0;
+    for (i = 0; i < n && !stopped; i++) {
         if (stop && *stop) break;
+        char *d = (char *)(uintptr_t)dst[i];
+        const char *s = (const char *)(uintptr_t)src[i];
         if (streaming && len[i] >= 4096) {
-            if (i + 1 < n && len[i + 1] >= 4096) touch_pages(src[i + 1], dst[i + 1], len[i + 1]);
-            stream_copy((char *)(uintptr_t)dst[i], (const char *)(uintptr_t)src[i], (size_t)len[i]);
+            stopped = lanes_add(&b, d, s, (size_t)len[i], i, stop);
         } else
-            memmove((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], (size_t)len[i]);
+            stopped = copy_after_lanes(&b, d, s, (size_t)len[i], stop);
     }
+    if (!stopped && !(stop && *stop) && b.k) stopped = lanes_run(&b, 1, stop);
     if (streaming) STREAM_FENCE();
-    return (long)i;
+    size_t copied = stopped ? i - 1 : i;   /* the span being queued when the stop came may be incomplete */
+    for (int q = 0; q < b.k; q++) if (b.id[q] < copied) copied = b.id[q];
+    return (long)copied;
+}
+
+/* A streaming copy of n bytes on this thread, split into lanes where long enough; 0, or -1 when stopped. */
+static int stream_lanes(char *d, const char *s, size_t n, const volatile int32_t *stop)
+{
+    lanes b = {.k = 0};
+    if (lanes_add(&b, d, s, n, 0, stop) || lanes_run(&b, 1, stop)) return -1;
+    return 0;
 }
 
 /* The benchmark's same-host limit (not used by transfers): n bytes from src to dst on `threads` threads, each
@@ -202,7 +292,7 @@ typedef struct { char *d; const char *s; size_t n; } stream_share;
 static void *stream_share_run(void *arg)
 {
     stream_share *share = (stream_share *)arg;
-    stream_copy(share->d, share->s, share->n);
+    stream_lanes(share->d, share->s, share->n, NULL);
     STREAM_FENCE();
     return NULL;
 }
@@ -389,7 +479,7 @@ int adt_streaming_beats_cache(uint64_t bytes)
     for (int way = 0; way < 2; way++) {
         for (int round = 0; round < 4; round++) {
             uint64_t t0 = now_ns();
-            if (way) { stream_copy(dst, src, n); STREAM_FENCE(); }
+            if (way) { stream_lanes(dst, src, n, NULL); STREAM_FENCE(); }
             else memcpy(dst, src, n);
             uint64_t t = now_ns() - t0;
             if (round > 0 && t < best[way]) best[way] = t;
@@ -604,6 +694,7 @@ typedef struct {
     size_t k, want;
     int mode, pid, streaming;
     const volatile int32_t *stop;
+    lanes lanes;                       /* streaming spans queued (mode 0) */
 } copier;
 
 static int pvm_flush(copier *c)
@@ -624,9 +715,11 @@ static int copy_span(copier *c, uint64_t s, uint64_t d, uint64_t l, uint64_t pie
         if (c->stop && *c->stop) return -1;
         uint64_t k = l < piece ? l : piece;
         if (c->mode == 0) {
-            if (c->streaming && k >= 4096) stream_copy((char *)(uintptr_t)d, (const char *)(uintptr_t)s, (size_t)k);
-            else if (!copy_small((char *)(uintptr_t)d, (const char *)(uintptr_t)s, (size_t)k))
-                memmove((void *)(uintptr_t)d, (const void *)(uintptr_t)s, (size_t)k);
+            char *dp = (char *)(uintptr_t)d;
+            const char *sp = (const char *)(uintptr_t)s;
+            if (c->streaming && k >= 4096 ? lanes_add(&c->lanes, dp, sp, (size_t)k, 0, c->stop)
+                                          : copy_after_lanes(&c->lanes, dp, sp, (size_t)k, c->stop))
+                return -1;
         } else {
             uint64_t local = c->mode == 1 ? d : s, remote = c->mode == 1 ? s : d;
             c->local[c->k].iov_base = (void *)(uintptr_t)local;
@@ -646,7 +739,7 @@ static int copy_span(copier *c, uint64_t s, uint64_t d, uint64_t l, uint64_t pie
 /* copy_span with the tiny local span inlined (the grid walk's hot path for small blocks). */
 static inline int copy_span_fast(copier *c, uint64_t s, uint64_t d, uint64_t l, uint64_t piece)
 {
-    if (c->mode == 0 && l <= 64 && !(c->stop && *c->stop)
+    if (c->mode == 0 && l <= 64 && c->lanes.k == 0 && !(c->stop && *c->stop)
         && copy_small((char *)(uintptr_t)d, (const char *)(uintptr_t)s, (size_t)l))
         return 0;
     return copy_span(c, s, d, l, piece);
@@ -705,6 +798,7 @@ static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
              * below, whose bookkeeping costs more than such a copy (8192 spans of 64 bytes, one thread: 54 -> 39 us).
              * The stop flag is polled every 64 of them. */
             if (cl && (err = copy_span(c, cs, cd, cl, piece))) return err;
+            if (c->lanes.k && lanes_run(&c->lanes, 1, stop)) return -1;   /* the copies below ignore the lanes */
             cl = 0;
             for (size_t k = 0; r < nr; r++, k++) {
                 uint64_t l = run_len[r];
@@ -724,7 +818,6 @@ static int grid_copy_range(const grid *g, uint64_t b0, uint64_t b1, copier *c)
             uint64_t s = sb + run_src[r] + off, d = db + run_dst[r] + off;
             if (cl && cs + cl == s && cd + cl == d) cl += l;
             else {
-                if (cl >= 4096 && c->mode == 0 && c->streaming) touch_pages(s, d, l);
                 if (cl && (err = copy_span_fast(c, cs, cd, cl, piece))) return err;
                 cs = s; cd = d; cl = l;
             }
@@ -933,9 +1026,10 @@ static int run_grid_chunk(adt_job *j, size_t c)
     copier *cp = malloc(sizeof *cp);
     if (!cp) return ENOMEM;
     cp->k = 0; cp->want = 0; cp->mode = j->mode; cp->pid = j->pid; cp->streaming = j->streaming;
-    cp->stop = &j->stop;
+    cp->stop = &j->stop; cp->lanes.k = 0;
     uint64_t b0 = (uint64_t)c * j->chunk, b1 = b0 + j->chunk < j->grid->total ? b0 + j->chunk : j->grid->total;
     int err = grid_move_range(j->grid, b0, b1, cp);
+    if (!err && cp->lanes.k) err = lanes_run(&cp->lanes, 1, cp->stop);
     if (j->mode == 0 && j->streaming) STREAM_FENCE();
     free(cp);
     return err < 0 ? 0 : err;
@@ -960,7 +1054,7 @@ static int copy_grid_here(grid *g, int mode, int pid)
 {
     copier *cp = malloc(sizeof *cp);
     if (!cp) return ENOMEM;
-    cp->k = 0; cp->want = 0; cp->mode = mode; cp->pid = pid; cp->streaming = 0; cp->stop = NULL;
+    cp->k = 0; cp->want = 0; cp->mode = mode; cp->pid = pid; cp->streaming = 0; cp->stop = NULL; cp->lanes.k = 0;
     int err = grid_move_range(g, 0, g->total, cp);
     free(cp);
     return err;

@@ -124,6 +124,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_copy_spans.restype = ctypes.c_long
     lib.adt_stream_copy_limit.argtypes, lib.adt_stream_copy_limit.restype = [u64, u64, u64, c_int], c_int
     lib.adt_stream_stores.argtypes, lib.adt_stream_stores.restype = [c_int], c_int
+    lib.adt_stream_lanes.argtypes, lib.adt_stream_lanes.restype = [c_int], c_int
     lib.adt_streaming_beats_cache.argtypes, lib.adt_streaming_beats_cache.restype = [u64], c_int
     lib.adt_pool_new.argtypes, lib.adt_pool_new.restype = [c_int, c_int, u64, u64], vp
     lib.adt_job_streams.argtypes, lib.adt_job_streams.restype = [vp], c_int
