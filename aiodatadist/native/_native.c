@@ -5,6 +5,7 @@
  * one call can cover many spans and still stop promptly.  With `streaming` set, spans of 4 KiB and
  * more use non-temporal stores: bulk KV-cache transfers are far bigger than the caches, and skipping the
  * read-for-ownership of the destination is what makes scattered 32 KiB blocks copy as fast as one big memcpy.
+ * Streaming spans are copied several at once (lanes, below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -285,8 +286,8 @@ static int stream_lanes(char *d, const char *s, size_t n, const volatile int32_t
 }
 
 /* The benchmark's same-host limit (not used by transfers): n bytes from src to dst on `threads` threads, each
- * copying one contiguous share with streaming stores, the best this machine does for a big copy.  Returns 0, or
- * -1 when a thread could not start (the copy is then incomplete). */
+ * copying one contiguous share with streaming stores in lanes, the best this machine does for a big copy.  Returns
+ * 0, or -1 when a thread could not start (the copy is then incomplete). */
 typedef struct { char *d; const char *s; size_t n; } stream_share;
 
 static void *stream_share_run(void *arg)

@@ -3,9 +3,9 @@
 * ``copyto_gbps``: one ``np.copyto`` of N contiguous, pre-faulted bytes in this process (same host): one thread,
   ordinary stores.
 * ``stream_copy_gbps`` (:class:`StreamCopy`, to measure it in turn with a workload): the same N bytes copied by
-  T threads (one contiguous share each) with streaming (non-temporal) stores, in the native helper: the most
-  this machine's memory gives a big copy, and so the honest ceiling for a same-host transfer that may use T
-  threads.
+  T threads (one contiguous share each, copied as the pool copies: streaming (non-temporal) stores, the share cut
+  into the lanes that run together) in the native helper: the most this machine's memory gives a big copy, and so
+  the honest ceiling for a same-host transfer that may use T threads.
 * ``socket_stream_gbps``: N bytes from one process to another over a plain loopback TCP connection, ``sendall``
   from one contiguous buffer into ``recv_into`` of another (the best a TCP data plane can do between two
   processes on this machine), with the data connections' congestion control
