@@ -20,7 +20,7 @@ import numpy.typing as npt
 from .._env_knobs import usable_cpus
 from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, Spans
-from ..native import CopySpec, native_extension, native_pool
+from ..native import CopySpec, Streaming, native_extension, native_pool
 from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
 from .completion import NotifyPipe, Polling
 from .spans import (
@@ -151,12 +151,15 @@ class NativeExecutor(ExecutorBase):
         sharing = min(self.workers, -(-total // chunk))
         return chunk, sharing < self.cpus and self.polling.polls(total)
 
-    def _streams(self, copier: CopySpec, chunk: int) -> int:
-        """Whether a job of ``chunk``-byte chunks copies with streaming stores: as ``copier`` asks, or because a
-        worker's share is too big for its core's cache (:func:`~aiodatadist.copy.spans.streaming_share`); the pool
-        may still decide so (the jobs queued with it)."""
+    def _streams(self, copier: CopySpec, chunk: int) -> Streaming:
+        """Whether a job of ``chunk``-byte chunks copies with streaming stores: in lanes as ``copier`` asks (a copy
+        from memory), or a span at a time because a worker's share is too big for its core's cache
+        (:func:`~aiodatadist.copy.spans.streaming_share`: the source is likely in the shared cache); the pool may
+        still decide on lanes (the jobs queued with it)."""
+        if copier.streaming:
+            return Streaming.LANES
         share = self.stream_share
-        return int(copier.streaming or (share > 0 and chunk >= share and copier.mode == 0))
+        return Streaming.ALONE if share > 0 and chunk >= share and copier.mode == 0 else Streaming.PLAIN
 
     def start(self, spans: Spans, copier: CopySpec, *, chunk_bytes: int | None = None) -> NativeJob:
         """Queue a job (from the event loop thread); await it with :meth:`wait`."""

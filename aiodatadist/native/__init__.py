@@ -26,6 +26,7 @@ from .bindings import (
     FrameType,
     JobState,
     OwnerStatus,
+    Streaming,
     load,
 )
 from .spans import ChunkRunner, CopySpec, StopFlag, bind_runner, local_copier, pvm_copier
@@ -46,6 +47,7 @@ __all__ = [
     "JobState",
     "OwnerStatus",
     "StopFlag",
+    "Streaming",
     "advise_hugepages",
     "bind_runner",
     "int_bounds",

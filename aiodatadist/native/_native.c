@@ -21,13 +21,19 @@
  * two.  A lane's destination is 64-byte aligned and its length whole lines: lanes_add copies a span's head and
  * tail itself. */
 #define MAX_LANES 8
+/* `streaming` values: streaming stores in lanes (for copies from memory: bulk transfers, or many queued together),
+ * or one span at a time (STREAM_ALONE: a copy that streams only because a worker's share spills out of its core's
+ * cache; its source is likely in the shared cache, where lanes gain nothing: a 2 MiB pull of such a source took
+ * 0.120-0.147 ms with four lanes, 0.096-0.133 one span at a time, four pairs of `bench small` runs in turn). */
+#define STREAM_LANES 1
+#define STREAM_ALONE 2
 static int lane_count = 4;   /* adt_stream_lanes */
 typedef struct {
     char *d[MAX_LANES];
     const char *s[MAX_LANES];
     size_t n[MAX_LANES];
     size_t id[MAX_LANES];   /* the span each lane belongs to (adt_copy_spans' return value) */
-    int k;
+    int k, cap;             /* lanes queued, and how many run together (1: a span at a time) */
 } lanes;
 
 /* One lanes_step per store width: m bytes (whole lines) of every lane, a line of each in turn.  The full set of
@@ -194,10 +200,10 @@ static int lanes_conflict(const lanes *b, const char *d, const char *s, size_t n
     return 0;
 }
 
-/* A lone lane long enough, whose source and destination do not meet, becomes `lane_count` lanes of equal parts. */
+/* A lone lane long enough, whose source and destination do not meet, becomes `cap` lanes of equal parts. */
 static void lanes_split(lanes *b)
 {
-    const int k = lane_count;
+    const int k = b->cap;
     size_t n = b->n[0], part = n / (size_t)k & ~(size_t)63;
     if (k < 2 || n < (size_t)k * LANE_SPLIT || (ranges_meet(b->d[0], n, b->s[0], n) && b->d[0] != b->s[0])) return;
     for (int q = k - 1; q >= 0; q--) {
@@ -253,7 +259,7 @@ static int lanes_add(lanes *b, char *d, const char *s, size_t n, size_t id, cons
     memcpy(d + body, s + body, n - body);
     if (body == 0) return 0;
     b->d[b->k] = d; b->s[b->k] = s; b->n[b->k] = body; b->id[b->k] = id;
-    return ++b->k >= lane_count ? lanes_run(b, 0, stop) : 0;
+    return ++b->k >= b->cap ? lanes_run(b, 0, stop) : 0;
 }
 
 /* A plain copy of d <- s after the lanes it could conflict with (run first). */
@@ -264,13 +270,23 @@ static int copy_after_lanes(lanes *b, char *d, const char *s, size_t n, const vo
     return 0;
 }
 
-/* Returns the number of spans copied: n, or fewer when *stop became non-zero (checked before every span and every
+/* The lanes of a streaming copy (`streaming` as adt_copy_spans takes it: 1 or 2). */
+static inline lanes lanes_for(int streaming)
+{
+    lanes b;
+    b.k = 0;
+    b.cap = streaming == STREAM_ALONE ? 1 : lane_count;
+    return b;
+}
+
+/* `streaming`: 0 (plain stores), STREAM_LANES or STREAM_ALONE (spans of 4 KiB and more).  Returns the number of spans
+ * copied: n, or fewer when *stop became non-zero (checked before every span and every
  * LANE_STEP bytes of a streaming copy, so a stop takes effect within about a megabyte; callers keep spans small):
  * every span before the returned index was copied.  stop may be NULL. */
 long adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *len, size_t n, int streaming,
                     const volatile int32_t *stop)
 {
-    lanes b = {.k = 0};
+    lanes b = lanes_for(streaming);
     size_t i;
     int stopped = 0;
     for (i = 0; i < n && !stopped; i++) {
@@ -289,10 +305,11 @@ long adt_copy_spans(const uint64_t *dst, const uint64_t *src, const uint64_t *le
     return (long)copied;
 }
 
-/* A streaming copy of n bytes on this thread, split into lanes where long enough; 0, or -1 when stopped. */
-static int stream_lanes(char *d, const char *s, size_t n, const volatile int32_t *stop)
+/* A streaming copy of n bytes on this thread (`streaming`: 1, split into lanes where long enough, or 2, one
+ * stream); 0, or -1 when stopped. */
+static int stream_lanes(char *d, const char *s, size_t n, int streaming, const volatile int32_t *stop)
 {
-    lanes b = {.k = 0};
+    lanes b = lanes_for(streaming);
     if (lanes_add(&b, d, s, n, 0, stop) || lanes_run(&b, 1, stop)) return -1;
     return 0;
 }
@@ -305,7 +322,7 @@ typedef struct { char *d; const char *s; size_t n; } stream_share;
 static void *stream_share_run(void *arg)
 {
     stream_share *share = (stream_share *)arg;
-    stream_lanes(share->d, share->s, share->n, NULL);
+    stream_lanes(share->d, share->s, share->n, STREAM_LANES, NULL);
     STREAM_FENCE();
     return NULL;
 }
@@ -492,7 +509,7 @@ int adt_streaming_beats_cache(uint64_t bytes)
     for (int way = 0; way < 2; way++) {
         for (int round = 0; round < 4; round++) {
             uint64_t t0 = now_ns();
-            if (way) { stream_lanes(dst, src, n, NULL); STREAM_FENCE(); }
+            if (way) { stream_lanes(dst, src, n, STREAM_ALONE, NULL); STREAM_FENCE(); }
             else memcpy(dst, src, n);
             uint64_t t = now_ns() - t0;
             if (round > 0 && t < best[way]) best[way] = t;
@@ -658,7 +675,8 @@ static void *submit(adt_pool *p, adt_job *j)
      * cached, and each would evict the others on the way.  64 concurrent 4 MiB pulls on a 2-vCPU VM (an eighth of
      * its 480 MiB cache as the limit, three runs): 11.0-11.5 -> 14.0-14.7 GB/s, pushes likewise. */
     uint64_t before = __atomic_fetch_add(&p->queued, j->nbytes, __ATOMIC_SEQ_CST);
-    if (j->mode == 0 && !j->streaming && p->stream_bytes && before + j->nbytes >= p->stream_bytes) j->streaming = 1;
+    if (j->mode == 0 && j->streaming != STREAM_LANES && p->stream_bytes && before + j->nbytes >= p->stream_bytes)
+        j->streaming = STREAM_LANES;
     adt_job *top = __atomic_load_n(&p->incoming, __ATOMIC_RELAXED);
     do { j->next_in = top; } while (!__atomic_compare_exchange_n(&p->incoming, &top, j, 1, __ATOMIC_SEQ_CST,
                                                                   __ATOMIC_RELAXED));
@@ -1039,7 +1057,7 @@ static int run_grid_chunk(adt_job *j, size_t c)
     copier *cp = malloc(sizeof *cp);
     if (!cp) return ENOMEM;
     cp->k = 0; cp->want = 0; cp->mode = j->mode; cp->pid = j->pid; cp->streaming = j->streaming;
-    cp->stop = &j->stop; cp->lanes.k = 0;
+    cp->stop = &j->stop; cp->lanes = lanes_for(j->streaming);
     uint64_t b0 = (uint64_t)c * j->chunk, b1 = b0 + j->chunk < j->grid->total ? b0 + j->chunk : j->grid->total;
     int err = grid_move_range(j->grid, b0, b1, cp);
     if (!err && cp->lanes.k) err = lanes_run(&cp->lanes, 1, cp->stop);
@@ -1067,7 +1085,8 @@ static int copy_grid_here(grid *g, int mode, int pid)
 {
     copier *cp = malloc(sizeof *cp);
     if (!cp) return ENOMEM;
-    cp->k = 0; cp->want = 0; cp->mode = mode; cp->pid = pid; cp->streaming = 0; cp->stop = NULL; cp->lanes.k = 0;
+    cp->k = 0; cp->want = 0; cp->mode = mode; cp->pid = pid; cp->streaming = 0; cp->stop = NULL;
+    cp->lanes = lanes_for(0);
     int err = grid_move_range(g, 0, g->total, cp);
     free(cp);
     return err;

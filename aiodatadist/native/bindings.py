@@ -25,11 +25,24 @@ __all__ = [
     "FrameType",
     "JobState",
     "OwnerStatus",
+    "Streaming",
     "bind",
     "load",
 ]
 
 log = logging.getLogger("aiodatadist.native")
+
+
+class Streaming(IntEnum):
+    """Whether a local copy job streams: the ``streaming`` of ``adt_job_submit``/``submit_grid``/``adt_copy_spans``
+    (``STREAM_LANES``/``STREAM_ALONE`` in ``_native.c``)."""
+
+    PLAIN = 0
+    """Plain stores: the bytes stay in the CPU caches for whoever reads them next."""
+    LANES = 1
+    """Streaming stores, four spans at a time: a copy from memory (a bulk transfer, or many queued together)."""
+    ALONE = 2
+    """Streaming stores, a span at a time: a copy whose source is likely still in the shared cache."""
 
 
 class CopyMode(IntEnum):

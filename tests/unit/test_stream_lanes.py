@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiodatadist.layout import Spans
-from aiodatadist.native import local_copier, native_pool
+from aiodatadist.native import Streaming, local_copier, native_pool
 
 LIB = native_pool()
 pytestmark = pytest.mark.skipif(LIB is None, reason="the native helper is not built")
@@ -179,4 +179,14 @@ def test_a_plan_within_one_buffer_copies_as_one_run_after_another(lanes: int, ru
             executor.shutdown()
 
     asyncio.run(run())
+    assert np.array_equal(buf, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spans=st.lists(span, min_size=1, max_size=16), seed=st.integers(0, 999))
+def test_a_span_at_a_time_copies_the_same(spans: list[tuple[int, int, int]], seed: int) -> None:
+    """``Streaming.ALONE`` (a copy whose source is likely cached: one stream, no lanes) copies as ``LANES`` does."""
+    buf = np.random.default_rng(seed).integers(1, 256, BUFFER, dtype=np.uint8)
+    expected = one_after_another(buf, spans)
+    assert copy_spans(buf, spans, streaming=int(Streaming.ALONE)) == len(spans)
     assert np.array_equal(buf, expected)
