@@ -553,9 +553,9 @@ static int spin_for_work(adt_pool *p)
 static int run_grid_chunk(adt_job *j, size_t c);
 
 /* Whether the submitter wakes every worker a job needs (see submit), rather than one that wakes the others. */
-static inline int wake_all(const adt_pool *p, const adt_job *j)
+static inline int wake_all(const adt_job *j)
 {
-    return j->nchunks > 1 && j->nchunks <= (size_t)p->nthreads;
+    return j->nchunks > 1;
 }
 
 static void *worker(void *arg)
@@ -598,12 +598,11 @@ static void *worker(void *arg)
             more = 1;
         }
         /* Other work left behind, but not a job whose submitter woke every worker it needs (then alone queued). */
-        more = more && !(p->head == j && j->next == NULL && wake_all(p, j));
+        more = more && !(p->head == j && j->next == NULL && wake_all(j));
         j->inflight++;
         pthread_mutex_unlock(&p->lock);
-        /* Chain wake-up: the submitter woke one worker (all it needs, for a job of a chunk per worker); each worker
-         * that leaves work behind wakes one more sleeper, so the event loop pays for one wake-up per job, not one
-         * per worker. */
+        /* Chain wake-up, for work queued behind other jobs: each worker that leaves work behind wakes one more
+         * sleeper (the submitter of a job of several chunks woke the workers it needs itself). */
         if (more && __atomic_load_n(&p->idle, __ATOMIC_SEQ_CST) > 0) sem_post(&p->work);
 
         int err = 0;
@@ -681,14 +680,14 @@ static void *submit(adt_pool *p, adt_job *j)
     do { j->next_in = top; } while (!__atomic_compare_exchange_n(&p->incoming, &top, j, 1, __ATOMIC_SEQ_CST,
                                                                   __ATOMIC_RELAXED));
     /* A spinning worker takes the job without any wake-up (see spin_for_work for why this cannot strand a job).
-     * A job of no more chunks than there are workers is one chunk per worker, all of them needed at once: the
-     * sleepers it needs are woken from here.  Woken by the worker that took the first chunk (the chain below), a
-     * worker can be queued on that worker's busy CPU and wait there while the other CPU idles: in up to a fifth of
-     * the 2 MiB pulls on 2 vCPUs one worker copied both halves (eight runs of 1000: p90 211 -> 159 us, medians).
-     * Bigger jobs wake one worker, which wakes the others (see worker): there a late worker only takes fewer of
-     * the many chunks, and the event loop pays one wake-up, not one per worker. */
+     * A job of several chunks needs several workers at once: the sleepers it needs are woken from here.  Woken by
+     * the worker that took the first chunk (the chain in worker), a worker can be queued on that worker's busy CPU
+     * and wait there while the other CPU idles: in up to a fifth of the 2 MiB pulls on 2 vCPUs one worker copied
+     * both halves (eight runs of 1000: p90 211 -> 159 us, medians), and a 256 MiB paged copy submitted right after
+     * other threads had used both CPUs ran at 14.5 / 20.4 GB/s (medians of 11, two runs) instead of 21.0-22.2,
+     * one worker waiting milliseconds for the scheduler to move it.  The event loop pays a wake-up per worker. */
     int wake = !__atomic_load_n(&p->spinner, __ATOMIC_SEQ_CST);   /* always, as it cannot strand the job */
-    if (wake_all(p, j)) {
+    if (wake_all(j)) {
         int more = (int)j->nchunks - 1, sleeping = __atomic_load_n(&p->idle, __ATOMIC_SEQ_CST) - wake;
         if (sleeping > 0) wake += more < sleeping ? more : sleeping;
     }
