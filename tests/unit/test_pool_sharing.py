@@ -86,9 +86,11 @@ def _threads() -> set[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux's per-thread schedstat")
-async def test_a_job_of_a_chunk_per_worker_runs_on_every_worker(no_spinning: None) -> None:
+@pytest.mark.parametrize("chunk", [32 * MIB, 4 * MIB])  # a chunk per worker, and many
+async def test_a_job_of_several_chunks_runs_on_every_worker(no_spinning: None, chunk: int) -> None:
     """The submitter wakes every worker such a job needs (the worker that takes its first chunk wakes nobody for
-    it: woken from there, a worker was queued behind it on its busy CPU and often found nothing left)."""
+    it: woken from there, a worker was queued behind it on its busy CPU, for milliseconds, and often found
+    nothing left)."""
     before = _threads()
     executor = NativeExecutor(2)
     workers = _threads() - before - {threading.get_native_id()}
@@ -101,7 +103,7 @@ async def test_a_job_of_a_chunk_per_worker_runs_on_every_worker(no_spinning: Non
             dst = np.zeros_like(src)
             await asyncio.sleep(0.05)  # both workers asleep
             ran = _run_ns(workers)
-            await executor.run(contiguous(src, dst, 64), CopySpec(), chunk_bytes=32 * MIB)
+            await executor.run(contiguous(src, dst, 64), CopySpec(), chunk_bytes=chunk)
             assert np.array_equal(dst, src)
             shared.append(sum(after > ran[tid] for tid, after in _run_ns(workers).items()))
             if shared[-1] == 2:
