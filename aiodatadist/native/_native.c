@@ -1116,7 +1116,8 @@ void adt_job_cancel(void *pool, void *job)
     sem_post(&p->work);
 }
 
-/* Whether a queued job's local copy uses streaming stores, as asked or as its pool decided (see submit); for tests. */
+/* Whether a queued job's local copy uses streaming stores (0, STREAM_LANES or STREAM_ALONE), as asked or as its pool
+ * decided (see submit); for tests. */
 int adt_job_streams(void *job) { return ((adt_job *)job)->streaming; }
 
 void adt_job_free(void *job) { adt_job *j = (adt_job *)job; free(j->owned); free(j); }
