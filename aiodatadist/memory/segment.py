@@ -96,25 +96,6 @@ def huge_segment_size(size: int, mode: str, page: int) -> int | None:
     return rounded
 
 
-def _mapped_hugetlb(name: str, size: int) -> tuple[int, mmap.mmap, int]:
-    """A sealed, pre-faulted ``MFD_HUGETLB`` memfd of ``size`` bytes (whole huge pages), its mapping and address;
-    OSError where the kernel or the pool cannot give them.  Mapping reserves the pages; pre-faulting with
-    ``MADV_POPULATE_WRITE`` reports a shortfall as an error where touching them would raise SIGBUS (LLMException
-    from :func:`sealed_memfd` too)."""
-    fd = sealed_memfd(name, size, hugetlb=True)
-    try:
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    except OSError:
-        os.close(fd)
-        raise
-    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-    if not populate(address, size, write=True):
-        mapping.close()
-        os.close(fd)
-        raise OSError(12, "cannot pre-fault the huge pages")
-    return fd, mapping, address
-
-
 def _huge_pages_failed(size: int, why: str) -> LLMException:
     return LLMException(
         f"cannot allocate {size} bytes of shared memory on huge pages ({why}); AIODATADIST_HUGE_PAGES=on requires "
@@ -125,10 +106,12 @@ def _huge_pages_failed(size: int, why: str) -> LLMException:
 _Mapping = tuple[int, mmap.mmap, int, int]  # a segment's memfd, its mapping, address and page size
 
 
-def _ordinary_mapping(size: int, name: str) -> _Mapping:
-    """A pre-faulted memfd of ``size`` bytes rounded up to whole ordinary pages (``LLM_OUT_OF_MEMORY`` if not)."""
-    size = (size + PAGE - 1) // PAGE * PAGE
-    fd = sealed_memfd(name, size)
+def _mapping(size: int, name: str, page: int) -> _Mapping:
+    """A pre-faulted memfd of ``size`` bytes (whole pages of ``page`` bytes: :data:`PAGE`, or the system's huge
+    pages), ``LLM_OUT_OF_MEMORY`` if not.  Mapping huge pages reserves them, and pre-faulting with
+    ``MADV_POPULATE_WRITE`` reports a shortfall as an error where touching them would raise SIGBUS."""
+    hugetlb = page != PAGE
+    fd = sealed_memfd(name, size, hugetlb=hugetlb)
     try:
         mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     except OSError as exc:
@@ -138,10 +121,15 @@ def _ordinary_mapping(size: int, name: str) -> _Mapping:
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     # Pre-fault (and so zero-fill) every page now, not during the first transfer; madvise releases the GIL, unlike
     # MAP_POPULATE inside mmap.mmap.
-    advise_hugepages(address, size)  # effective where shmem THP is set to "advise"
+    if not hugetlb:
+        advise_hugepages(address, size)  # effective where shmem THP is set to "advise"
     if not populate(address, size, write=True):
+        if hugetlb:
+            mapping.close()
+            os.close(fd)
+            raise LLMException("cannot pre-fault the huge pages", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         np.frombuffer(mapping, dtype=np.uint8)[::PAGE] = 0
-    return fd, mapping, address, PAGE
+    return fd, mapping, address, page
 
 
 def _huge_mapping(size: int, name: str, mode: str) -> _Mapping | None:
@@ -154,12 +142,11 @@ def _huge_mapping(size: int, name: str, mode: str) -> _Mapping | None:
             raise _huge_pages_failed(size, "this system has no huge pages")
         return None
     try:
-        fd, mapping, address = _mapped_hugetlb(name, rounded)
-    except (OSError, LLMException) as exc:
+        return _mapping(rounded, name, page)
+    except LLMException as exc:
         if mode == "on":
-            raise _huge_pages_failed(rounded, str(exc)) from exc
+            raise _huge_pages_failed(rounded, str(exc.__cause__ or exc)) from exc
         return None
-    return fd, mapping, address, page
 
 
 class MemfdBacked:
@@ -190,7 +177,7 @@ class SharedSegment(MemfdBacked):
             raise ValueError(f"huge_pages must be one of {HUGE_PAGE_MODES}, got {huge_pages!r}")
         self._lock = threading.Lock()
         huge = _huge_mapping(size, name, huge_pages) if huge_pages != "off" else None
-        fd, self._map, self.address, self.page_size = huge or _ordinary_mapping(size, name)
+        fd, self._map, self.address, self.page_size = huge or _mapping((size + PAGE - 1) // PAGE * PAGE, name, PAGE)
         self._fd: int | None = fd
         self.size = len(self._map)
         st = os.fstat(fd)
