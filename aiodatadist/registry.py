@@ -128,6 +128,7 @@ class CacheRegistry:
         self._next_id = 1
         self._by_id: dict[int, CacheEntry] = {}
         self._by_key: dict[IndexKey, tuple[CacheEntry, int]] = {}
+        self._taken: dict[IndexKey, tuple[CacheEntry, int]] = {}  # keys that running pulls by CacheKey consume
         self._by_model: dict[int, CacheEntry] = {}
         self._registered_addrs = 0
 
@@ -299,7 +300,9 @@ class CacheRegistry:
             entry.published = None
         if not entry.owned:
             for index in list(entry.keys):
-                self._by_key.pop(index, None)
+                for table in (self._by_key, self._taken):  # (a taken key may be bound anew to another cache)
+                    if index in table and table[index][0] is entry:
+                        del table[index]
             entry.keys.clear()
             self._registered_addrs -= len(entry.addrs)
             entry.released = True
@@ -309,19 +312,33 @@ class CacheRegistry:
         return []
 
     def remove_key(self, key: CacheKey) -> None:
-        found = self._by_key.pop(key.index_key(), None)
-        if found is None:
-            return
-        entry, _ = found
-        entry.keys.discard(key.index_key())
-        self._maybe_free(entry)
+        index = key.index_key()
+        for found in (self._by_key.pop(index, None), self._taken.pop(index, None)):
+            if found is not None:
+                found[0].keys.discard(index)
+                self._maybe_free(found[0])
 
-    def release_key_after_pull(self, index: IndexKey, entry: CacheEntry) -> None:
-        found = self._by_key.get(index)
-        if found is not None and found[0] is entry:
-            del self._by_key[index]
-            entry.keys.discard(index)
-            self._maybe_free(entry)
+    def is_taken(self, index: IndexKey) -> bool:
+        """Whether a running pull by ``CacheKey`` has taken the key (:meth:`take_key`)."""
+        return index in self._taken
+
+    def take_key(self, index: IndexKey) -> None:
+        """A pull by ``CacheKey`` begins: the key stops resolving at once, so it is gone by the time the pull
+        returns; its cache keeps it until :meth:`settle_key`."""
+        self._taken[index] = self._by_key.pop(index)
+
+    def settle_key(self, index: IndexKey, entry: CacheEntry, consumed: bool) -> None:
+        """The pull that took the key from ``entry`` ended: a successful one (``consumed``) releases the key; a
+        failed one binds it again, unless the key was removed, bound anew or its cache released meanwhile."""
+        found = self._taken.get(index)
+        if found is None or found[0] is not entry:  # removed meanwhile (and perhaps taken anew from another cache)
+            return
+        del self._taken[index]
+        if not consumed and index not in self._by_key:
+            self._by_key[index] = found
+            return
+        entry.keys.discard(index)
+        self._maybe_free(entry)
 
     def _maybe_free(self, entry: CacheEntry) -> None:
         if entry.released and not entry.keys and entry.leases == 0:
@@ -366,10 +383,11 @@ class CacheRegistry:
         jobs: list[CopyJob] = []
         for entry in list(self._by_id.values()):
             jobs.extend(self.release(entry))
-        for entry, _ in list(self._by_key.values()):
+        for entry, _ in [*self._by_key.values(), *self._taken.values()]:
             entry.keys.clear()
             self._maybe_free(entry)
         self._by_key.clear()
+        self._taken.clear()
         return jobs
 
 

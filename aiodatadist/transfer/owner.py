@@ -36,7 +36,7 @@ from ..protocol.messages import (
     ResolveReply,
     Withdraw,
 )
-from ..registry import CacheEntry, CacheRegistry, IndexKey
+from ..registry import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
 from .engine import CopyEngine
 from .state import Lease, LinkTransfers, TransferStates, transfer_id
@@ -58,7 +58,6 @@ class Owner:
         self._registry = registry
         self._engine = engine
         self._states = states
-        self._pulling_keys: set[IndexKey] = set()  # CacheKeys being pulled, over any link
 
     def resolve(self, message: Resolve) -> dict[str, Any]:
         """``RESOLVE``: where the requester's raw destination addresses lie among this owner's caches."""
@@ -106,6 +105,10 @@ class Owner:
         if tid in state.leases:
             param_invalid(f"transfer {tid} is already running.")
         registry = self._registry
+        release_key = (key.kind, key.a, key.b) if params.op == "pull" and key.kind in ("req", "prefix") else None
+        if release_key is not None and registry.is_taken(release_key):
+            # A pull by CacheKey consumes the key: a second pull of it while the first runs is a duplicate.
+            raise LLMException(f"cache key {release_key} is already being pulled", status_code=S.LLM_REPEAT_REQUEST)
         entry, slot = registry.resolve_wire(key.kind, key.a, key.b)
         if not entry.remote_accessible:
             param_invalid(f"cache {entry.cache_id} is not remote accessible.")
@@ -115,13 +118,6 @@ class Owner:
         if params.op == "push":
             require(key.kind in ("id", "blocks"), "push addresses the destination by cache id or BlocksCacheKey.")
         plan = transfer_plan(params, peer_geometry, entry.geometry, slot)  # validates the owner's side too
-        release_key = (key.kind, key.a, key.b) if params.op == "pull" and key.kind in ("req", "prefix") else None
-        if release_key is not None:
-            # A pull by CacheKey consumes the key: a second pull of it while the first runs is a duplicate.
-            if release_key in self._pulling_keys:
-                raise LLMException(f"cache key {release_key} is already being pulled",
-                                   status_code=S.LLM_REPEAT_REQUEST)
-            self._pulling_keys.add(release_key)
         registry.acquire(entry)
         lease = state.leases[tid] = Lease(entry, release_key, op=params.op, nbytes=plan.total_bytes, started=started)
         try:
@@ -130,9 +126,9 @@ class Owner:
         except LLMException:
             del state.leases[tid]
             registry.release_lease(entry)
-            if release_key is not None:
-                self._pulling_keys.discard(release_key)
             raise
+        if release_key is not None:  # gone from now on: one round trip ends such a pull, the END needs no answer
+            registry.take_key(release_key)
         descriptor = None
         if entry.cache_id not in message.known:  # a cache's layout never changes: described once per requester
             ipc = None
@@ -173,9 +169,7 @@ class Owner:
         self._stats.served(link.remote_cluster_id, lease.op, link.plane.kind, time.perf_counter() - lease.started,
                            lease.nbytes, None if ok else failure)
         if lease.release_key is not None:
-            self._pulling_keys.discard(lease.release_key)
-        if ok and lease.release_key is not None:
-            self._registry.release_key_after_pull(lease.release_key, lease.entry)
+            self._registry.settle_key(lease.release_key, lease.entry, ok)
         self._registry.release_lease(lease.entry)
         if ok and note is not None:
             self._deliver(link.remote_cluster_id, note)
@@ -243,5 +237,5 @@ class Owner:
                                time.perf_counter() - lease.started, 0, "LINK_CLOSED")
             self._registry.release_lease(lease.entry)
             if lease.release_key is not None:
-                self._pulling_keys.discard(lease.release_key)
+                self._registry.settle_key(lease.release_key, lease.entry, False)
         state.leases.clear()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from typing import Any, NamedTuple
 
 from .._aio import wait_through_cancellation
@@ -39,7 +38,6 @@ from .state import LinkTransfers, TransferStates, transfer_id
 __all__ = ["Requester"]
 
 log = logging.getLogger("aiodatadist.transfer")
-END_ACK_TIMEOUT = 1.0
 STOP_ACK_TIMEOUT = 1.0  # a cut-short push the owner confirms over the control channel: then the link is dropped
 SLOW_STOP_ACK = 0.05  # a confirmation slower than this is logged, with the owner's own share of it
 S = LLMStatusCode
@@ -88,7 +86,6 @@ class Requester:
         started = time.perf_counter()
         failure: str | None = "LLM_FAILED"
         nbytes = 0
-        release: Awaitable[Any] | None = None
         try:
             try:
                 one = self._one_sided_transfer(key, local, params)
@@ -97,7 +94,7 @@ class Requester:
                     self._send_note(one.link, note)
                 else:
                     with deadline(timeout_ms / 1000):
-                        release, nbytes = await self._run(key, local, params, note, one)
+                        nbytes = await self._run(key, local, params, note, one)
             except TimeoutError as exc:
                 if isinstance(exc, LLMException):
                     raise
@@ -115,14 +112,6 @@ class Requester:
             link = self._links.links.get(key.cluster_id)
             self.stats.record(key.cluster_id, params.op, link.plane.kind if link is not None else "",
                               time.perf_counter() - started, nbytes, failure)
-        if release is not None:
-            # The data is complete: the owner's key release is confirmed outside the deadline (bounded), so a
-            # late acknowledgement never turns a finished pull into a timeout.
-            try:
-                async with asyncio.timeout(END_ACK_TIMEOUT):
-                    await release
-            except (LLMException, TimeoutError) as exc:
-                log.warning("cluster %d did not confirm the end of a pull: %s", key.cluster_id, exc or "timeout")
 
     def _noted(self, link: Link, note: bytes | None) -> bytes | None:
         """``note``, counted as sent to the link's peer (called when it goes out with a successful transfer)."""
@@ -138,14 +127,13 @@ class Requester:
 
     async def _run(self, key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey, local: CacheEntry,
                    params: TransferParams, note: bytes | None,
-                   one: _OneSided | None) -> tuple[Awaitable[Any] | None, int]:
-        """Do the transfer (``one``: as prepared to go one-sided); returns the owner's pending key-release
-        acknowledgement (if any) and the bytes."""
+                   one: _OneSided | None) -> int:
+        """Do the transfer (``one``: as prepared to go one-sided); returns the bytes moved."""
         if one is not None:
             moved = await self._one_sided(one, local)
             if moved is not None:
                 self._send_note(one.link, note)
-                return None, moved
+                return moved
         require(key.cluster_id != self._cluster_id, "data can not be pulled from own cluster.")
         link = self._links.links.get(key.cluster_id) or await self._links.not_linked(key.cluster_id)
         link.plane.check_local(local, key.cluster_id)
@@ -216,12 +204,12 @@ class Requester:
         return transfer.plan.total_bytes
 
     async def _through_owner(self, link: Link, st: LinkTransfers, wkey: WireKey, local: CacheEntry,
-                             params: TransferParams, note: bytes | None) -> tuple[Awaitable[Any] | None, int]:
-        """BEGIN (the owner resolves, validates and leases), the plane moves the bytes, END."""
+                             params: TransferParams, note: bytes | None) -> int:
+        """BEGIN (the owner resolves, validates and leases; a pull by CacheKey takes the key off there), the plane
+        moves the bytes, END (one-way: the owner releases the key of a successful pull, binds it again otherwise)."""
         plane = link.plane
         tid = transfer_id(st.running)
         pull = params.op == "pull"
-        consumes_key = pull and wkey.kind in ("req", "prefix")
         ok = ended = refused = False
         transfer: Transfer | None = None
         pending: Any = None
@@ -247,20 +235,17 @@ class Requester:
                 ok = True
             finally:
                 await plane.discard(pending)
-                # Always end the transfer on the owner (it may have taken a lease even if we never saw the
-                # reply).  Only a successful pull by CacheKey waits, so that the key is gone on return.
+                # Always end the transfer on the owner (it may have taken a lease even if we never saw the reply).
                 st.aborted.discard(tid)
                 st.running.discard(tid)
                 if not ended and (plane.needs_fence(transfer) if transfer is not None
                                   else source is not None and not refused):
                     # (a source offered: the owner may be copying it, its reply still to come)
                     await wait_through_cancellation(self._cut_short(link, tid, transfer))
-                elif not ended and not (ok and consumes_key):
+                elif not ended:
                     link.channel.notify(End(tid, ok, note=self._noted(link, note) if ok else None))
         assert transfer is not None
-        if ok and consumes_key:
-            return link.channel.request(End(tid, True, note=self._noted(link, note))), transfer.plan.total_bytes
-        return None, transfer.plan.total_bytes
+        return transfer.plan.total_bytes
 
     def _begun(self, link: Link, st: LinkTransfers, tid: int, wkey: WireKey, reply: dict[str, Any],
                local: CacheEntry, params: TransferParams, pending: Any, offered: bool) -> Transfer:

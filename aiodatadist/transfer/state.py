@@ -27,7 +27,7 @@ class Lease:
     """Owner side of a running transfer: keeps the cache alive until the requester ends it."""
 
     entry: CacheEntry
-    release_key: IndexKey | None  # a pull by CacheKey: the key it consumes once it succeeded
+    release_key: IndexKey | None  # a pull by CacheKey: the key it took (released if it succeeds, else bound again)
     job: Any = None  # the owner's end on the link's data plane (TCP: sending for a pull, receiving for a push)
     op: str = "pull"  # the requester's operation
     nbytes: int = 0  # what the plan moves

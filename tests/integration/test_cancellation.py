@@ -23,6 +23,7 @@ from helpers.prompt_process import linked_decoder, prompt_process
 from aiodatadist import (
     BlocksCacheKey,
     CacheDesc,
+    CacheKey,
     DataType,
     LLMConfig,
     LLMDataDist,
@@ -194,6 +195,45 @@ async def test_cancelling_one_transfer_leaves_the_others_intact(pair: Pair) -> N
         await victim
     survivors_blocks = list(range(128, 256, 8))
     pair.assert_pulled(survivors_blocks, survivors_blocks)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.01])
+async def test_a_cancelled_pull_by_cache_key_keeps_the_key(pair: Pair, delay: float) -> None:
+    """A pull by CacheKey cut short anywhere (before the owner's answer, during the copy) leaves the key bound:
+    the pull after it gets every byte and releases it."""
+    slot = 4 << 20
+    remote = await pair.peer.call("allocate", num_tensors=TENSORS, shape=[1, slot], keys=[[PROMPT, 900]])
+    await pair.peer.call("fill", cache_id=remote["cache_id"], seed=17)
+    cm = pair.dd.cache_manager
+    local = cm.allocate_cache(CacheDesc(TENSORS, (1, slot), DataType.DT_UINT8, Placement.HOST))
+    for tensor in local.tensors:
+        tensor[...] = POISON
+    key = CacheKey(PROMPT, 900)
+    task = asyncio.ensure_future(cm.pull_cache(key, local, 0))
+    await asyncio.sleep(delay)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        # Its END is one-way: the owner settles it once its end of the copy stopped, and until then the key is
+        # still being pulled (LLM_REPEAT_REQUEST).
+        for _ in range(300):
+            try:
+                await cm.pull_cache(key, local, 0)
+                break
+            except LLMException as exc:
+                assert exc.status_code == LLMStatusCode.LLM_REPEAT_REQUEST, exc
+                await asyncio.sleep(0.01)
+        else:
+            pytest.fail("the key of a cancelled pull was never bound again")
+    for t, tensor in enumerate(local.tensors):
+        assert np.array_equal(tensor.reshape(-1), pattern(17, t, slot)), f"tensor {t}"
+    with pytest.raises(LLMException) as info:
+        await cm.pull_cache(key, local, 0)
+    assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    cm.deallocate_cache(local)
+    await pair.peer.call("release", cache_id=remote["cache_id"])
+    await _still_works(pair)
 
 
 async def test_a_pull_cut_short_while_the_owner_is_stalled_returns_at_once(pair: Pair) -> None:

@@ -573,6 +573,33 @@ async def test_concurrent_pulls_by_one_cache_key_consume_it_once(w: World, reque
     assert len(results) - len(failures) == 1, f"{len(results) - len(failures)} of 8 pulls by one key succeeded"
 
 
+async def test_a_pull_by_cache_key_has_released_it_when_it_returns(w: World, requester: str) -> None:
+    """The owner may bind the key anew the moment the pull returned (no settling first), and a pull by it then
+    gets the new cache's bytes; the old cache stays intact and pullable by id."""
+    req, own = ends(w, requester)
+    oc = own.cluster_id
+    dst = await req.new_cache(2, (1, 256), seed=210)
+    before = await req.snapshot(dst)
+    for round_ in range(5):
+        seed = 211 + 2 * round_
+        old = await own.new_cache(2, (1, 256), seed=seed, keys=[[oc, 2100]])
+        old_bytes = await own.snapshot(old)
+        await req.transfer("pull_cache", dst, req_key(oc, 2100))
+        exp = expected_after(before, old_bytes, all_tensors(2), slot_runs(0, 256, 0, 256))
+        assert_bytes(await req.snapshot(dst), exp)
+        new = await own.new_cache(2, (1, 256), seed=seed + 1, keys=[[oc, 2100]])  # the key is free again
+        new_bytes = await own.snapshot(new)
+        await req.transfer("pull_cache", dst, req_key(oc, 2100))
+        assert_bytes(await req.snapshot(dst), expected_after(exp, new_bytes, all_tensors(2), slot_runs(0, 256, 0, 256)))
+        await expect_code(req.transfer("pull_cache", dst, req_key(oc, 2100)), NOT_EXIST)
+        await req.transfer("pull_cache", dst, id_key(oc, old.cache_id, 0))
+        assert_bytes(await req.snapshot(dst), exp, "the first cache, by id")
+        assert_bytes(await own.snapshot(old), old_bytes, "the first cache")
+        await own.release(old)
+        await own.release(new)
+    await w.settled()
+
+
 # -- size and concurrency ------------------------------------------------------------------------------------
 
 async def test_large_transfers_are_byte_exact(w: World, requester: str) -> None:
