@@ -19,7 +19,7 @@ Workloads:
   64-tensor cache, 1 block (64 spans) and 128 scattered blocks (8192 spans), then both sizes again with other
   blocks each call (a new plan each call, as a serving engine's requests have), called in turn, and, measured
   apart after them, for pulls, ``pull_cache`` of a 64 x 64-byte slot by ``CacheKey`` (a request key the owner
-  releases: two control round trips), then, both ways, 128 other blocks each call of memory the peer registered
+  releases: one control round trip every call), then, both ways, 128 other blocks each call of memory the peer registered
   (an engine's KV: caller-owned, reached with ``process_vm_readv``/``writev`` on one host, its directory row a
   table of its tensors); per-call p50/p99, and the marginal cost of a span.
 
@@ -345,8 +345,8 @@ async def _measure_calls(session: _Session, plane: str, direction: str, repeat: 
                          progress: Progress) -> list[dict[str, Any]]:
     """Per-call latency of 64 and 8192 spans of 64 bytes, then of both sizes with other blocks each call (a new
     plan each time, as a serving engine's requests have: random blocks, distinct on each side), called in turn,
-    then, for pulls, of ``pull_cache`` by ``CacheKey`` (a request key pulled once: through the owner, two round
-    trips), then of 8192 spans of other blocks each call of memory the peer registered; the 8192-span row also
+    then, for pulls, of ``pull_cache`` by ``CacheKey`` (a request key pulled once: through the owner, a round trip
+    every call), then of 8192 spans of other blocks each call of memory the peer registered; the 8192-span row also
     gives the marginal cost of a span (its p50 minus the 64-span p50, per extra span)."""
     runs = max(500, repeat * 100)
     sizes = ' and '.join(map(str, CALL_SPANS))
