@@ -136,15 +136,15 @@ class CacheRegistry:
     def check_keys(self, keys: list[CacheKey], slots: int) -> list[tuple[IndexKey, int]]:
         """Validate ``CacheKey`` bindings (slot i <- keys[i]) before anything is created."""
         require(len(keys) <= slots, f"{len(keys)} cache_keys exceed the batch size {slots}.")
-        bound: list[tuple[IndexKey, int]] = []
+        bound: dict[IndexKey, int] = {}
         for slot, key in enumerate(keys):
             if key.is_placeholder:
                 continue
             index = key.index_key()
             require(index not in self._by_key, f"cache key {key} is already bound to a cache.")
-            require(all(index != b for b, _ in bound), f"cache key {key} appears twice.")
-            bound.append((index, slot))
-        return bound
+            require(index not in bound, f"cache key {key} appears twice.")
+            bound[index] = slot
+        return list(bound.items())
 
     def check_registered_addrs(self, count: int) -> None:
         require(
