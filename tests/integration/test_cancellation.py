@@ -22,6 +22,7 @@ from helpers.prompt_process import linked_decoder, prompt_process
 
 from aiodatadist import (
     BlocksCacheKey,
+    Cache,
     CacheDesc,
     CacheKey,
     DataType,
@@ -38,6 +39,7 @@ from aiodatadist.testing import PeerProcess, cluster_info, free_port
 TENSORS, BLOCKS, BLOCK = 16, 256, 32 << 10  # 128 MiB per cache
 POISON = 0xA5
 PROMPT, DECODER = 11, 12
+NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
 @functools.cache
@@ -232,6 +234,73 @@ async def test_a_cancelled_pull_by_cache_key_keeps_the_key(pair: Pair, delay: fl
         await cm.pull_cache(key, local, 0)
     assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
     cm.deallocate_cache(local)
+    await pair.peer.call("release", cache_id=remote["cache_id"])
+    await _still_works(pair)
+
+
+async def test_concurrent_pulls_by_cache_key_cut_short_at_random_consume_each_key_at_most_once(pair: Pair) -> None:
+    """Eight tasks pull random keys of 200, a third under a random deadline and a fifth cancelled at a random
+    moment: a key is pulled successfully at most once, with its own slot's bytes; every key no pull consumed is
+    still bound afterwards and pulls byte-exact, the others are gone."""
+    keys, slot, tensors = 200, 4096, 4
+    remote = await pair.peer.call("allocate", num_tensors=tensors, shape=[keys, slot],
+                                  keys=[[PROMPT, 5000 + k] for k in range(keys)])
+    await pair.peer.call("fill", cache_id=remote["cache_id"], seed=23)
+    src = [pattern(23, t, keys * slot).reshape(keys, slot) for t in range(tensors)]
+    cm = pair.dd.cache_manager
+    desc = CacheDesc(tensors, (1, slot), DataType.DT_UINT8, Placement.HOST)
+    rng = np.random.default_rng(29)
+    pulled: dict[int, int] = {}
+
+    def check(cache: Cache, k: int) -> None:
+        for t, tensor in enumerate(cache.tensors):
+            assert np.array_equal(tensor.reshape(-1), src[t][k]), f"key {k}, tensor {t}"
+
+    async def puller(plan: list[tuple[int, float, float]]) -> None:
+        dst = cm.allocate_cache(desc)
+        for k, mode, delay in plan:
+            for tensor in dst.tensors:
+                tensor[...] = POISON
+            pull = cm.pull_cache(CacheKey(PROMPT, 5000 + k), dst, 0)
+            try:
+                if mode < 0.33:
+                    async with asyncio.timeout(delay):
+                        await pull
+                elif mode < 0.53:
+                    task = asyncio.ensure_future(pull)
+                    await asyncio.sleep(delay)
+                    task.cancel()
+                    await task
+                else:
+                    await pull
+            except (TimeoutError, asyncio.CancelledError):
+                continue
+            except LLMException as exc:
+                assert exc.status_code in (NOT_EXIST, LLMStatusCode.LLM_REPEAT_REQUEST), exc
+                continue
+            pulled[k] = pulled.get(k, 0) + 1
+            check(dst, k)
+        cm.deallocate_cache(dst)
+
+    plans = [[(int(rng.integers(keys)), float(rng.random()), float(rng.uniform(5e-5, 3e-3))) for _ in range(40)]
+             for _ in range(8)]
+    await asyncio.gather(*(puller(plan) for plan in plans))
+    assert all(count == 1 for count in pulled.values()), {k: c for k, c in pulled.items() if c > 1}
+    dst = cm.allocate_cache(desc)
+    for k in range(keys):
+        for _ in range(300):  # the END of a pull cut short is one-way: the owner may still be settling it
+            try:
+                await cm.pull_cache(CacheKey(PROMPT, 5000 + k), dst, 0)
+            except LLMException as exc:
+                if exc.status_code == LLMStatusCode.LLM_REPEAT_REQUEST:
+                    await asyncio.sleep(0.01)
+                    continue
+                assert exc.status_code == NOT_EXIST and k in pulled, (k, exc)
+            else:
+                assert k not in pulled, f"key {k} was pulled a second time"
+                check(dst, k)
+            break
+    cm.deallocate_cache(dst)
     await pair.peer.call("release", cache_id=remote["cache_id"])
     await _still_works(pair)
 
