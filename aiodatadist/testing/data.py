@@ -20,8 +20,12 @@ __all__ = ["block_rows", "fill_pattern", "pattern", "tensor_bytes", "write_tenso
 
 def pattern(seed: int, tensor_index: int, nbytes: int) -> np.ndarray:
     """Deterministic random test bytes (never 0) for tensor ``tensor_index`` of a cache filled with ``seed``."""
-    rng = np.random.default_rng([seed, tensor_index])
-    return rng.integers(1, 256, size=nbytes, dtype=np.uint8)
+    # The generator's raw 64-bit words, zeros made ones: four times faster than ``integers(1, 256)`` (tests fill
+    # hundreds of MiB this way).
+    words = np.random.default_rng([seed, tensor_index]).bit_generator.random_raw(-(-nbytes // 8))
+    data = words.view(np.uint8)[:nbytes]
+    np.maximum(data, 1, out=data)
+    return data
 
 
 def fill_pattern(cache: Cache, seed: int) -> list[np.ndarray]:

@@ -2,7 +2,8 @@
 
 Each test poisons the destination, cuts a large transfer short, then checks that no byte lands after the call
 has returned (two snapshots some time apart are identical), that the error is the right one, and that the
-link still moves data byte-exact afterwards.
+link still moves data byte-exact afterwards.  The tests of a plane share one prompt process and one link, in
+the order they run: each one also checks that whatever the ones before it cut short left that link whole.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+import pytest_asyncio
 from helpers.data import fill_pattern, pattern
 from helpers.marks import NIXL
 from helpers.prompt_process import linked_decoder, prompt_process
@@ -51,10 +53,24 @@ def _desc() -> CacheDesc:
     return CacheDesc(TENSORS, (BLOCKS, BLOCK), DataType.DT_UINT8, Placement.HOST)
 
 
-class Pair:
-    def __init__(self, peer: PeerProcess, dd: LLMDataDist, remote_cache: int, port: int) -> None:
-        self.peer, self.dd, self.remote_cache, self.port = peer, dd, remote_cache, port
-        self.cache = dd.cache_manager.allocate_blocks_cache(_desc())
+PULLED, PUSHED = BlocksCacheKey(PROMPT, 0), BlocksCacheKey(PROMPT, 1)  # the prompt's two caches
+
+
+class Linked:
+    """A prompt process with two blocks caches (``PULLED``: filled with seed 5 and never written; ``PUSHED``: the
+    destination of pushes) and a decoder here, linked to it."""
+
+    def __init__(self, peer: PeerProcess, dd: LLMDataDist, remote_cache: int, pushed_cache: int, port: int) -> None:
+        self.peer, self.dd, self.port = peer, dd, port
+        self.remote_cache, self.pushed_cache = remote_cache, pushed_cache
+
+
+class Pair(Linked):
+    """A module's :class:`Linked`, with a blocks cache of the decoder's own for one test."""
+
+    def __init__(self, linked: Linked) -> None:
+        super().__init__(linked.peer, linked.dd, linked.remote_cache, linked.pushed_cache, linked.port)
+        self.cache = self.dd.cache_manager.allocate_blocks_cache(_desc())
 
     def poison(self) -> None:
         for t in self.cache.tensors:
@@ -68,21 +84,35 @@ class Pair:
             assert np.array_equal(tensor[dst], expected(5, t)[src]), f"tensor {t}"
 
 
-@pytest.fixture(params=["shm", "tcp", "tcp-python", pytest.param("nixl", marks=NIXL)])
-async def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Pair]:
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module",
+                        params=["shm", "tcp", "tcp-python", pytest.param("nixl", marks=NIXL)])
+async def linked(request: pytest.FixtureRequest) -> AsyncIterator[Linked]:
     """A prompt process and a decoder here; with "tcp" the prompt forces the TCP data plane on all its links
     ("tcp-python": both ends use the Python I/O threads, the fallback where the native helper is not built;
     "nixl": the prompt forces the NIXL plane)."""
     transport, _, implementation = request.param.partition("-")
     env = {"AIODATADIST_NET": "python"} if implementation else None
-    if implementation:
-        monkeypatch.setenv("AIODATADIST_NET", "python")
-    async with prompt_process(PROMPT, transport, sync_kv_timeout_ms=30000, env=env) as (peer, port):
-        remote = await peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
-                                 blocks_key=[PROMPT, 0])
-        await peer.call("fill", cache_id=remote["cache_id"], seed=5)
-        async with linked_decoder(DECODER, PROMPT, port, transport, sync_kv_timeout_ms=30000) as dd:
-            yield Pair(peer, dd, remote["cache_id"], port)
+    with pytest.MonkeyPatch.context() as patch:
+        if implementation:
+            patch.setenv("AIODATADIST_NET", "python")
+        async with prompt_process(PROMPT, transport, sync_kv_timeout_ms=30000, env=env) as (peer, port):
+            caches = [(await peer.call("allocate", blocks=True, num_tensors=TENSORS, shape=[BLOCKS, BLOCK],
+                                       blocks_key=[key.cluster_id, key.model_id]))["cache_id"]
+                      for key in (PULLED, PUSHED)]
+            await peer.call("fill", cache_id=caches[0], seed=5)
+            async with linked_decoder(DECODER, PROMPT, port, transport, sync_kv_timeout_ms=30000) as dd:
+                yield Linked(peer, dd, caches[0], caches[1], port)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def pair(linked: Linked) -> AsyncIterator[Pair]:
+    """The module's link, and a destination cache of this test's."""
+    pair = Pair(linked)
+    yield pair
+    linked.dd.cache_manager.deallocate_blocks_cache(pair.cache)
 
 
 ALL = list(range(BLOCKS))
@@ -97,7 +127,7 @@ async def _no_late_writes(pair: Pair) -> None:
 
 async def _still_works(pair: Pair) -> None:
     pair.poison()
-    await pair.dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, [1, 2, 200], [9, 10, 11])
+    await pair.dd.cache_manager.pull_blocks(PULLED, pair.cache, [1, 2, 200], [9, 10, 11])
     pair.assert_pulled([1, 2, 200], [9, 10, 11])
 
 
@@ -105,7 +135,7 @@ async def _still_works(pair: Pair) -> None:
 async def test_cancelled_pull_writes_nothing_afterwards(pair: Pair, delay: float) -> None:
     pair.poison()
     task = asyncio.ensure_future(
-        pair.dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, ALL, REVERSED))
+        pair.dd.cache_manager.pull_blocks(PULLED, pair.cache, ALL, REVERSED))
     await asyncio.sleep(delay)
     task.cancel()
     try:
@@ -122,7 +152,7 @@ async def test_asyncio_timeout_behaves_like_cancel(pair: Pair) -> None:
     pair.poison()
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.005):
-            await pair.dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, ALL, REVERSED)
+            await pair.dd.cache_manager.pull_blocks(PULLED, pair.cache, ALL, REVERSED)
     await _no_late_writes(pair)
     await _still_works(pair)
 
@@ -141,7 +171,7 @@ async def test_sync_kv_timeout_raises_llm_timeout(pair: Pair) -> None:
         for t in cache.tensors:
             t[...] = POISON
         # 64 concurrent full pulls (8 GiB) share the bandwidth: they cannot all finish within 200 ms.
-        pulls = [dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), cache, ALL, REVERSED) for _ in range(64)]
+        pulls = [dd.cache_manager.pull_blocks(PULLED, cache, ALL, REVERSED) for _ in range(64)]
         results = await asyncio.gather(*pulls, return_exceptions=True)
         # The first pulls may still finish in time; the later ones cannot.
         timeouts = [r for r in results if isinstance(r, LLMTimeoutError)]
@@ -153,7 +183,7 @@ async def test_sync_kv_timeout_raises_llm_timeout(pair: Pair) -> None:
         await asyncio.sleep(0.2)
         assert [hashlib.sha256(t.tobytes()).digest() for t in cache.tensors] == first
         # A small transfer fits in 200 ms: the link that timed out is still usable.
-        await dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), cache, [4], [4])
+        await dd.cache_manager.pull_blocks(PULLED, cache, [4], [4])
         assert np.array_equal(cache.tensors[0][4], expected(5, 0)[4])
     await _still_works(pair)
 
@@ -161,9 +191,9 @@ async def test_sync_kv_timeout_raises_llm_timeout(pair: Pair) -> None:
 @pytest.mark.parametrize("delay", [0.0, 0.002, 0.005])
 async def test_cancelled_push_writes_nothing_afterwards(pair: Pair, delay: float) -> None:
     fill_pattern(pair.cache, 8)
-    await pair.peer.call("poison", cache_id=pair.remote_cache, value=POISON)
+    await pair.peer.call("poison", cache_id=pair.pushed_cache, value=POISON)
     task = asyncio.ensure_future(
-        pair.dd.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, ALL, REVERSED))
+        pair.dd.cache_manager.push_blocks(PUSHED, pair.cache, ALL, REVERSED))
     await asyncio.sleep(delay)
     task.cancel()
     try:
@@ -172,22 +202,22 @@ async def test_cancelled_push_writes_nothing_afterwards(pair: Pair, delay: float
         pass
     else:  # the push (128 MiB, ~5 ms here) won the race: then it must be complete
         for src in (0, 5, BLOCKS - 1):
-            got = await pair.peer.call("read", cache_id=pair.remote_cache, tensor=1, offset=(BLOCKS - 1 - src) * BLOCK,
+            got = await pair.peer.call("read", cache_id=pair.pushed_cache, tensor=1, offset=(BLOCKS - 1 - src) * BLOCK,
                                        nbytes=BLOCK)
             assert bytes.fromhex(got) == pattern(8, 1, BLOCKS * BLOCK)[src * BLOCK:(src + 1) * BLOCK].tobytes()
-    first = await pair.peer.call("digest", cache_id=pair.remote_cache)
+    first = await pair.peer.call("digest", cache_id=pair.pushed_cache)
     await asyncio.sleep(0.2)
-    assert await pair.peer.call("digest", cache_id=pair.remote_cache) == first
+    assert await pair.peer.call("digest", cache_id=pair.pushed_cache) == first
     # The link survives: the push can be redone in full.
-    await pair.dd.cache_manager.push_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, [3], [250])
-    got = await pair.peer.call("read", cache_id=pair.remote_cache, tensor=1, offset=250 * BLOCK, nbytes=BLOCK)
+    await pair.dd.cache_manager.push_blocks(PUSHED, pair.cache, [3], [250])
+    got = await pair.peer.call("read", cache_id=pair.pushed_cache, tensor=1, offset=250 * BLOCK, nbytes=BLOCK)
     assert bytes.fromhex(got) == pattern(8, 1, BLOCKS * BLOCK)[3 * BLOCK: 4 * BLOCK].tobytes()
 
 
 async def test_cancelling_one_transfer_leaves_the_others_intact(pair: Pair) -> None:
     pair.poison()
     cm = pair.dd.cache_manager
-    key = BlocksCacheKey(PROMPT, 0)
+    key = PULLED
     victim = asyncio.ensure_future(cm.pull_blocks(key, pair.cache, ALL[:128], ALL[:128]))
     survivors = [asyncio.ensure_future(cm.pull_blocks(key, pair.cache, [b], [b])) for b in range(128, 256, 8)]
     await asyncio.sleep(0.003)
@@ -318,7 +348,7 @@ async def test_a_pull_cut_short_while_the_owner_is_stalled_returns_at_once(pair:
     for _ in range(2):
         pair.poison()
         task = asyncio.ensure_future(
-            pair.dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), pair.cache, ALL, REVERSED))
+            pair.dd.cache_manager.pull_blocks(PULLED, pair.cache, ALL, REVERSED))
         sample = pair.cache.tensors[0].reshape(-1)[::4096]  # a byte per page
         deadline = loop.time() + 5
         while (sample == POISON).all() and not task.done() and loop.time() < deadline:
@@ -361,10 +391,10 @@ async def test_timeout_on_a_stalled_peer_then_recovery(pair: Pair) -> None:
             loop = asyncio.get_running_loop()
             start = loop.time()
             with pytest.raises(LLMTimeoutError):
-                await dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), cache, [1], [1])
+                await dd.cache_manager.pull_blocks(PULLED, cache, [1], [1])
             assert loop.time() - start < 1.0
         finally:
             os.kill(pair.peer.pid, signal.SIGCONT)
-        await dd.cache_manager.pull_blocks(BlocksCacheKey(PROMPT, 0), cache, [1], [1])
+        await dd.cache_manager.pull_blocks(PULLED, cache, [1], [1])
         assert np.array_equal(cache.tensors[2][1], expected(5, 2)[1])
     await _still_works(pair)

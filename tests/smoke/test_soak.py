@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_soak_verifies_every_transfer(tmp_path: Path, transport: str) -> None:
     out = tmp_path / "soak.json"
     result = subprocess.run(
-        [sys.executable, "-m", "aiodatadist", "soak", "--seconds", "8", "--concurrency", "8", "--transport",
+        [sys.executable, "-m", "aiodatadist", "soak", "--seconds", "5", "--concurrency", "8", "--transport",
          transport, "--json", str(out)],
         check=False, capture_output=True, text=True, timeout=90, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
