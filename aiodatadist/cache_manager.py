@@ -219,7 +219,9 @@ class CacheManager:
         Call it before the memory is in use: a write to it by another thread during the call may be lost.
         Ranges must not overlap; ranges scattered across the address space (holes larger than eight times the memory
         shared, and 64 MiB) and ranges without a whole page raise ``LLM_PARAM_INVALID``.  ``HostMemory.close()``
-        (or ``finalize``) stops sharing it; the memory stays the caller's.
+        (or ``finalize``) stops sharing it; the memory stays the caller's, and its pages stay shared file pages: a
+        ``fork`` shares them with the child, so never hand such memory back to ``malloc`` (share memory kept for
+        the process's life, or of its own ``mmap``).
         """
         self._check_open()
         check_isinstance("ranges", ranges, (list, tuple))

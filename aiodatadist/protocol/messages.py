@@ -479,7 +479,8 @@ class Begin:
     """Requester -> owner: resolve ``key`` for a transfer and take a lease.  ``peer`` is the requester's cache
     geometry, ``known`` the owner caches it already has descriptors of.  ``src``: a same-host push's source
     tensors (their addresses in the requester), offered so that the owner may copy the bytes itself (see
-    :class:`BeginReply`'s ``copies``)."""
+    :class:`BeginReply`'s ``copies``); ``sseg``: the requester's shared-memory segment that holds them, and its
+    base address there (the owner may map it rather than read the requester's memory)."""
 
     KIND: ClassVar[Kind] = Kind.BEGIN
     tid: int
@@ -488,12 +489,15 @@ class Begin:
     params: TransferParams
     known: tuple[int, ...] = ()
     src: tuple[int, ...] | None = None
+    sseg: tuple[SegmentIdentity, int] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         out = {"tid": self.tid, "key": self.key.to_wire(), "peer": geometry_to_wire(self.peer),
                "known": list(self.known), **params_to_wire(self.params)}
         if self.src is not None:
             out["src"] = list(self.src)
+            if self.sseg is not None:
+                out["sseg"] = segment_to_wire(*self.sseg)
         return out
 
     @classmethod
@@ -503,13 +507,14 @@ class Begin:
         params = params_from_wire(m)
         peer = geometry_from_wire(m.get("peer"))
         known = tuple(opt_int_list(m, "known", 1, I64_MAX))
-        src = None
+        src = sseg = None
         if m.get("src") is not None:
             src = tuple(opt_int_list(m, "src"))
             if len(src) != peer.num_tensors or params.op != "push":
                 raise ProtocolError(f"BEGIN offers {len(src)} source tensors for a {params.op} of "
                                     f"{peer.num_tensors}")
-        return cls(tid, key, peer, params, known, src)
+            sseg = segment_from_wire(m.get("sseg"))
+        return cls(tid, key, peer, params, known, src, sseg)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from ..protocol.messages import (
 )
 from ..registry import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
+from ..transport.plane import OfferedSource
 from .engine import CopyEngine
 from .state import Lease, LinkTransfers, TransferStates, transfer_id
 
@@ -121,7 +122,8 @@ class Owner:
         registry.acquire(entry)
         lease = state.leases[tid] = Lease(entry, release_key, op=params.op, nbytes=plan.total_bytes, started=started)
         try:
-            source = np.array(message.src, dtype=np.uint64) if message.src is not None else None
+            source = (OfferedSource(np.array(message.src, dtype=np.uint64), message.sseg)
+                      if message.src is not None else None)
             lease.job = link.plane.serve(tid, params.op == "pull", plan, entry, source)
         except LLMException:
             del state.leases[tid]

@@ -219,9 +219,10 @@ class Requester:
             try:
                 pending = plane.expect(tid, pull)
                 try:
-                    reply = await link.channel.request(Begin(tid, wkey, local.geometry, params,
-                                                             tuple(st.descriptors),
-                                                             None if source is None else tuple(source.tolist())))
+                    reply = await link.channel.request(Begin(
+                        tid, wkey, local.geometry, params, tuple(st.descriptors),
+                        None if source is None else tuple(source.addrs.tolist()),
+                        None if source is None else source.segment))
                 except LLMException as exc:
                     refused = not isinstance(exc, LLMLinkError)  # the owner answered: nothing of it runs there
                     raise

@@ -23,7 +23,7 @@ import asyncio
 import enum
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -36,7 +36,7 @@ from ..stats import OneSided
 from .directory import Resolved
 from .same_host import PeerCapabilities
 
-__all__ = ["Copies", "DataPlane", "LocalCache", "OnUntrusted", "Route", "ServedCache", "Transfer"]
+__all__ = ["Copies", "DataPlane", "LocalCache", "OfferedSource", "OnUntrusted", "Route", "ServedCache", "Transfer"]
 
 UInt64Array = npt.NDArray[np.uint64]
 OnUntrusted = Callable[[LLMException], Awaitable[None]]
@@ -55,15 +55,24 @@ class LocalCache(Protocol):
     @property
     def geometry(self) -> CacheGeometry: ...
 
-
-class ServedCache(LocalCache, Protocol):
-    """What a plane needs of the owner's cache it serves (the registry's entry)."""
-
     @property
     def shared_segment(self) -> Any: ...
 
     @property
     def shared_window(self) -> tuple[int, int] | None: ...
+
+
+class ServedCache(LocalCache, Protocol):
+    """What a plane needs of the owner's cache it serves (the registry's entry)."""
+
+
+class OfferedSource(NamedTuple):
+    """The source tensors of a push that ``BEGIN`` offers the owner to copy itself (``Begin.src``/``sseg``): their
+    addresses in the requester and, where they lie in one of its shared-memory segments, that segment and its
+    base address there (an owner that maps it copies with ``memcpy`` instead of ``process_vm_readv``)."""
+
+    addrs: UInt64Array
+    segment: tuple[SegmentIdentity, int] | None
 
 
 class Copies(Protocol):
@@ -158,7 +167,7 @@ class DataPlane:
         than this side can)."""
         return False
 
-    def source_for_owner(self, local: LocalCache, params: TransferParams) -> UInt64Array | None:
+    def source_for_owner(self, local: LocalCache, params: TransferParams) -> OfferedSource | None:
         """The source tensors ``BEGIN`` offers the owner to copy a push from itself (``Begin.src``), or None."""
         return None
 
@@ -214,7 +223,7 @@ class DataPlane:
         """Why this plane cannot serve that cache to the peer, or None."""
         return None
 
-    def serve(self, tid: int, pull: bool, plan: CopyPlan, cache: ServedCache, source: UInt64Array | None) -> Any:
+    def serve(self, tid: int, pull: bool, plan: CopyPlan, cache: ServedCache, source: OfferedSource | None) -> Any:
         """Start this side's end of a transfer the peer began on the owner's ``cache`` (``source``: the
         requester's tensors ``BEGIN`` offered for a push); returns its job, or None when the requester moves the
         bytes itself."""

@@ -38,9 +38,16 @@ INTERIOR = [1, 2, 3, 4, 5, 6]
 
 
 def unaligned_tensors(seed: int, desc: CacheDesc = DESC) -> tuple[np.ndarray, list[np.ndarray]]:
-    """One random buffer holding ``desc.num_tensors`` tensors, each 64 bytes past a page, a page apart."""
+    """One random buffer holding ``desc.num_tensors`` tensors, each 64 bytes past a page, a page apart.
+
+    The buffer is a mapping of its own, never memory of malloc's heap: once shared in place its pages are shared
+    file pages for good, and a heap chunk given back to malloc afterwards would be shared with every child this
+    process forks until it execs (each subprocess a later test starts), whose writes would then corrupt this
+    process's heap (docs/api.md, ``share_host_memory``)."""
     pitch = (desc.size + 2 * PAGE) // PAGE * PAGE
-    whole = np.random.default_rng(seed).integers(1, 256, desc.num_tensors * pitch + 2 * PAGE, dtype=np.uint8)
+    nbytes = desc.num_tensors * pitch + 2 * PAGE
+    whole = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)  # unmapped once no view is left
+    whole[:] = np.random.default_rng(seed).integers(1, 256, nbytes, dtype=np.uint8)
     first = -whole.ctypes.data % PAGE + HEAD
     return whole, [whole[first + i * pitch: first + i * pitch + desc.size] for i in range(desc.num_tensors)]
 

@@ -1,6 +1,7 @@
 """Large pushes into memory the owner registered without sharing it in place (an engine's KV as
-``register_blocks_cache`` takes it): the owner copies them itself, reading the pusher's memory with covering
-reads, and answers ``BEGIN`` once every byte landed; the pusher would otherwise write each span with
+``register_blocks_cache`` takes it): the owner copies them itself, from the pusher's shared-memory segment
+mapped in the owner where the source lies in one, else reading the pusher's memory with covering reads, and
+answers ``BEGIN`` once every byte landed; the pusher would otherwise write each span with
 ``process_vm_writev``, one pinned page per span.  The owner is a real process; this process pushes (so that the
 test can cancel a push at any moment)."""
 
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers.data import fill_pattern, pattern
+from helpers.internals import registry_of
 from helpers.requests import count_requests
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole, LLMStatusCode, Placement
@@ -28,12 +30,17 @@ OWNER, PUSHER = 91, 92
 
 class Pair:
     def __init__(self, dd: LLMDataDist, peer: PeerProcess, remote: int, tensors: int, blocks: int,
-                 block: int) -> None:
+                 block: int, registered: bool = False) -> None:
         self.dd, self.peer, self.remote = dd, peer, remote
         self.tensors, self.blocks, self.block = tensors, blocks, block
         self.key = BlocksCacheKey(OWNER, 0)
         desc = CacheDesc(tensors, (blocks, block), DataType.DT_UINT8, Placement.HOST)
-        self.local = dd.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(PUSHER, 0))
+        if registered:  # the source in this process's own memory, outside any shared segment
+            self.memory = [np.empty(blocks * block, dtype=np.uint8) for _ in range(tensors)]
+            self.local = dd.cache_manager.register_blocks_cache(desc, [int(m.ctypes.data) for m in self.memory],
+                                                                BlocksCacheKey(PUSHER, 0))
+        else:
+            self.local = dd.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(PUSHER, 0))
         self.source = [t.reshape(blocks, block) for t in fill_pattern(self.local, 9)]
         # What the owner's tensors hold: its pattern, then every block pushed.
         self.expected = [pattern(5, t, blocks * block).reshape(blocks, block) for t in range(tensors)]
@@ -52,11 +59,21 @@ class Pair:
     def plane(self) -> Any:
         return next(iter(self.dd._links.links.values())).plane
 
+    def owner_maps_the_source(self) -> bool:
+        """Whether the owner process maps the shared-memory segment of this side's source cache."""
+        segment = registry_of(self.dd.cache_manager).by_id(self.local.cache_id).shared_segment
+        if segment is None:
+            return False
+        with open(f"/proc/{self.peer.pid}/maps", encoding="ascii") as maps:
+            return any(len(f := line.split()) > 4 and f[4] == str(segment.identity.inode) for line in maps)
+
 
 @contextlib.asynccontextmanager
-async def _pair(tensors: int, blocks: int, block: int, env: dict[str, str] | None = None) -> AsyncIterator[Pair]:
+async def _pair(tensors: int, blocks: int, block: int, env: dict[str, str] | None = None, *,
+                registered: bool = False) -> AsyncIterator[Pair]:
     """A peer process owns a blocks cache over its own (unshared) memory, filled with pattern 5; this process
-    links to it and has a cache of the same shape, filled with pattern 9."""
+    links to it and has a cache of the same shape (allocated, or ``registered`` from its own memory), filled with
+    pattern 9."""
     peer = await PeerProcess.start(env=env)
     try:
         host, port = await peer.init(OWNER) or ("", 0)
@@ -68,7 +85,7 @@ async def _pair(tensors: int, blocks: int, block: int, env: dict[str, str] | Non
             code, _ = await dd.link_clusters([cluster_info_for(OWNER, host, port)], timeout=10000)
             assert code == S.LLM_SUCCESS
             assert dd.links()[0]["plane"] == "shm"
-            yield Pair(dd, peer, int(remote["cache_id"]), tensors, blocks, block)
+            yield Pair(dd, peer, int(remote["cache_id"]), tensors, blocks, block, registered)
     finally:
         await peer.close()
 
@@ -77,14 +94,19 @@ def _scattered(rng: np.random.Generator, blocks: int, count: int) -> list[int]:
     return [int(b) for b in rng.choice(blocks, count, replace=False)]
 
 
-async def test_a_large_push_into_unshared_memory_is_copied_by_the_owner_byte_for_byte() -> None:
+@pytest.mark.parametrize("registered", [False, True], ids=["source-in-a-segment", "source-registered"])
+async def test_a_large_push_into_unshared_memory_is_copied_by_the_owner_byte_for_byte(registered: bool) -> None:
+    """The owner copies from the pusher's segment, which it maps, where the source is an allocated cache; from
+    memory the pusher registered (no segment) it reads the pusher's memory."""
     tensors, blocks = 16, 512
     count = 2 * OWNER_COPY_SPANS // tensors  # scattered: about that many runs, each one span per tensor
-    async with _pair(tensors, blocks, 64) as pair:
+    async with _pair(tensors, blocks, 64, registered=registered) as pair:
         sent = count_requests(pair.dd)
         rng = np.random.default_rng(3)
+        assert not pair.owner_maps_the_source()
         await pair.push(_scattered(rng, blocks, count), _scattered(rng, blocks, count))  # first: through BEGIN
         assert pair.plane().owner_reads is True, "the owner did not copy the push itself"
+        assert pair.owner_maps_the_source() is not registered
         assert await pair.owner_digests() == pair.expected_digests()
         await pair.push(_scattered(rng, blocks, count), _scattered(rng, blocks, count))  # a resolved key
         assert sent.get(Kind.BEGIN) == 2, "a large push by a resolved key goes through the owner all the same"

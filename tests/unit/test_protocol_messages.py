@@ -176,6 +176,16 @@ def test_begin_golden() -> None:
             Begin.from_wire({**wire, "src": bad})
     with pytest.raises(ProtocolError):  # a pull's source is the owner's
         Begin.from_wire({**begin.to_wire(), "src": [1, 2]})
+    # ... and the shared-memory segment that holds them, if any: "sseg" after "src", only with it
+    in_segment = dataclasses.replace(push, sseg=(SEG, SEG_BASE))
+    wire = in_segment.to_wire()
+    assert list(wire)[-2:] == ["src", "sseg"] and wire["sseg"] == [4242, 11, 777, 66, 1 << 20, SEG_BASE]
+    assert Begin.from_wire(wire) == in_segment
+    assert "sseg" not in dataclasses.replace(begin, sseg=(SEG, SEG_BASE)).to_wire()  # no source offered
+    assert Begin.from_wire({**begin.to_wire(), "sseg": wire["sseg"]}).sseg is None  # ignored without "src"
+    for bad in ([1, 2, 3], [4242, 11, 777, 66, 1 << 20, -1], "segment", [4242, 11, 777, 66, True, 0]):
+        with pytest.raises(ProtocolError):
+            Begin.from_wire({**wire, "sseg": bad})
 
 
 def test_begin_reply_golden() -> None:

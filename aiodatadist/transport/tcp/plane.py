@@ -25,7 +25,15 @@ from ...protocol.messages import Descriptor
 from ...stats import OneSided
 from ..base import PULL, PUSH, TransferJob, plan_grid
 from ..directory import Resolved
-from ..plane import DataPlane, LocalCache, OnUntrusted, Route, ServedCache, Transfer, UInt64Array
+from ..plane import (
+    DataPlane,
+    LocalCache,
+    OfferedSource,
+    OnUntrusted,
+    Route,
+    ServedCache,
+    Transfer,
+)
 from ..same_host import PeerCapabilities
 from .native_connections import NativeConnections
 from .python_connections import PythonConnections
@@ -115,7 +123,7 @@ class TcpPlane(DataPlane):
         return None
 
     def serve(self, tid: int, pull: bool, plan: CopyPlan, cache: ServedCache,
-              source: UInt64Array | None) -> TransferJob:
+              source: OfferedSource | None) -> TransferJob:
         grid, lengths = plan_grid(plan, cache.addrs, pull), np.ascontiguousarray(plan.runs.length)
         if pull:  # start sending now: the requester's receiving end already exists
             return self.conns.send(PULL, tid, grid, lengths)
