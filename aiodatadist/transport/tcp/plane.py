@@ -25,15 +25,7 @@ from ...protocol.messages import Descriptor
 from ...stats import OneSided
 from ..base import PULL, PUSH, TransferJob, plan_grid
 from ..directory import Resolved
-from ..plane import (
-    DataPlane,
-    LocalCache,
-    OfferedSource,
-    OnUntrusted,
-    Route,
-    ServedCache,
-    Transfer,
-)
+from ..plane import DataPlane, LocalCache, OfferedSource, OnUntrusted, Route, ServedCache, Transfer
 from ..same_host import PeerCapabilities
 from .native_connections import NativeConnections
 from .python_connections import PythonConnections
