@@ -378,12 +378,11 @@ def _shared_in_place(plan: CopyPlan, cache: ServedCache) -> bool:
 def _reads_inside(addrs: UInt64Array, plan: CopyPlan, segment: tuple[SegmentIdentity, int]) -> bool:
     """Whether every byte ``plan`` reads from the tensors at ``addrs`` lies inside ``segment`` (its identity and
     base address in the process those addresses are of)."""
-    runs = plan.runs
-    if len(runs.length) == 0 or len(plan.src_tensor) == 0:
+    touched = _touched(plan, True)
+    if touched is None or len(plan.src_tensor) == 0:
         return True
-    identity, base = segment
+    (identity, base), (low, high) = segment, touched
     used = addrs[plan.src_tensor]
-    low, high = int(runs.src_offset.min()), int((runs.src_offset + runs.length).max())
     return base <= int(used.min()) + low and int(used.max()) + high <= base + identity.size
 
 
@@ -400,8 +399,14 @@ def _source_runs(blocks: Sequence[int]) -> int:
 
 def _inside(plan: CopyPlan, window: tuple[int, int], pull: bool) -> bool:
     """Whether every byte ``plan`` touches in the peer's tensors lies in their ``window``."""
+    touched = _touched(plan, pull)
+    return touched is None or (window[0] <= touched[0] and touched[1] <= window[1])
+
+
+def _touched(plan: CopyPlan, source: bool) -> tuple[int, int] | None:
+    """The bytes ``[low, high)`` of each tensor that ``plan`` reads (``source``) or writes; None: no run."""
     runs = plan.runs
-    offsets = runs.src_offset if pull else runs.dst_offset
+    offsets = runs.src_offset if source else runs.dst_offset
     if len(offsets) == 0:
-        return True
-    return bool(window[0] <= int(offsets.min()) and int((offsets + runs.length).max()) <= window[1])
+        return None
+    return int(offsets.min()), int((offsets + runs.length).max())
