@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Generator
 from typing import Any
 
 from .._env_knobs import env_knobs
@@ -21,6 +22,7 @@ __all__ = ["HANDLE_BYTES", "NotifyPipe", "Polling"]
 HANDLE_BYTES = 8  # one finished job's handle in the notify pipe (a uint64; writes this small are atomic)
 READ_HANDLES = 4096  # handles taken from the pipe per wake-up of the event loop
 MAX_POLL_SKIP = 1024
+MAX_POLLERS = 4  # tasks polling for their own jobs at once, per loop (see _ShortWaits)
 
 
 class NotifyPipe:
@@ -60,12 +62,20 @@ class Polling:
     """Which jobs of one executor or plane the event loop polls for instead of sleeping: those expected to end
     within ``AIODATADIST_POLL_US`` (default 300 us; 0: none) at ``rate`` bytes/s, read once, at creation.
 
-    A polled job's loop runs with a zero selector timeout for up to twice that budget (its other callbacks and
-    tasks run as usual), so the job's announcement is read as soon as it is written.  A sleeping loop learns of
-    a pipe write only after the kernel woke its thread on another CPU, and that thread resumes with cold caches:
-    on a 2-vCPU VM that cost 60-90 us of a 4 KiB one-sided TCP pull (210 -> 140 us when polled), more than such a
-    job takes.  A job is never waited for by polling alone: its announcement settles it as always, and past the
-    window the loop sleeps again."""
+    A polled job is awaited with the loop running at a zero selector timeout for up to twice that budget (its other
+    callbacks and tasks run as usual): a sleeping loop learns of a pipe write only after the kernel woke its thread
+    on another CPU, and that thread resumes with cold caches: on a 2-vCPU VM that cost 60-90 us of a 4 KiB one-sided
+    TCP pull (210 -> 140 us when polled), more than such a job takes.  Two ways, sharing one window and backoff per
+    loop (:class:`_ShortWaits`):
+
+    * :meth:`poll`: the waiting task itself asks the job whether it ended, once per iteration of the loop, and goes
+      on in the same step when it did (the copy pool, whose jobs say so without a system call): neither the
+      announcement's pipe read nor the wake-ups of the job's future cost an iteration then;
+    * :meth:`watch`: a callback rescheduled every iteration keeps the selector from blocking while the job's
+      announcement, read as soon as it is written, settles its future (the TCP planes).
+
+    A job is never waited for by polling alone: past the window its waiter awaits its future, which the job's
+    announcement settles as always, so a polled job ends exactly as an unpolled one, cancellation included."""
 
     __slots__ = ("budget", "limit")
 
@@ -78,18 +88,47 @@ class Polling:
         return self.budget > 0 and nbytes <= self.limit
 
     def watch(self, future: asyncio.Future[Any], nbytes: int) -> None:
-        """Poll for ``future`` (a job of ``nbytes``) if it is short enough."""
+        """Keep the loop polling while ``future`` (a job of ``nbytes``) is pending, if it is short enough."""
         if self.polls(nbytes):
             _short_waits(future.get_loop()).watch(future, 2 * self.budget)
 
+    async def poll(self, ended: Callable[[], bool]) -> None:
+        """Call ``ended`` (whether the job ended; when it returns True it has settled the job's future) between
+        iterations of the running loop until it returns True or the window is over; then await the job's future
+        (its announcement settles it either way).  A cancellation meanwhile propagates at once, as from the
+        future: the caller stops the job as usual."""
+        waits = _short_waits(asyncio.get_running_loop())
+        if not waits.admit():
+            return
+        until = time.monotonic() + 2 * self.budget
+        waits.pollers += 1
+        try:
+            while not ended():
+                if time.monotonic() >= until:
+                    waits.overran()
+                    return
+                await _next_iteration()
+            waits.in_time()
+        finally:
+            waits.pollers -= 1
+
+
+@types.coroutine
+def _next_iteration() -> Generator[None, None, None]:
+    """Let the loop run one iteration (what ``asyncio.sleep(0)`` does, one frame less)."""
+    yield
+
 
 class _ShortWaits:
-    """One event loop's short waits: while any is pending (each up to its own window), a callback rescheduled
-    every iteration keeps the loop's selector from blocking.  Where the CPUs are busy the polling loop can take
-    the CPU the job's threads need: a window that runs out with waits still pending leaves the next ones
-    unpolled, twice as many each time (up to MAX_POLL_SKIP); a window in which every wait ended resets that."""
+    """One event loop's short waits.  While any :meth:`watch` is pending (each up to its own window), a callback
+    rescheduled every iteration keeps the loop's selector from blocking; a task polling for its job
+    (:meth:`Polling.poll`) does so by itself, at most :data:`MAX_POLLERS` at a time (each costs a step of its task
+    per iteration; the others' announcements are read at once meanwhile, the selector not blocking).  Where the
+    CPUs are busy the polling loop can take the CPU the job's threads need: a wait that outlasts its window
+    leaves the next ones unpolled, twice as many each time (up to MAX_POLL_SKIP); one that ends within its window
+    resets that."""
 
-    __slots__ = ("_backoff", "_loop", "_pending", "_skip", "_ticking", "_until")
+    __slots__ = ("_backoff", "_loop", "_pending", "_skip", "_ticking", "_until", "pollers")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -97,13 +136,28 @@ class _ShortWaits:
         self._until = 0.0
         self._ticking = False
         self._skip = 0  # waits left to leave unpolled
-        self._backoff = 0  # how many the next window that runs out makes unpolled
+        self._backoff = 0  # how many the next wait that outlasts its window leaves unpolled
+        self.pollers = 0  # tasks in Polling.poll
 
-    def watch(self, future: asyncio.Future[Any], seconds: float) -> None:
-        if future.done():
-            return
+    def admit(self) -> bool:
+        """Whether the next wait is polled for (not while waits are left unpolled after one outlasted its window,
+        nor beyond MAX_POLLERS polling tasks)."""
         if self._skip:
             self._skip -= 1
+            return False
+        return self.pollers < MAX_POLLERS
+
+    def overran(self) -> None:
+        """A polled wait outlasted its window: leave the next ones unpolled."""
+        self._backoff = min(MAX_POLL_SKIP, max(1, 2 * self._backoff))
+        self._skip = self._backoff
+
+    def in_time(self) -> None:
+        """A polled wait ended within its window."""
+        self._backoff = 0
+
+    def watch(self, future: asyncio.Future[Any], seconds: float) -> None:
+        if future.done() or not self.admit():
             return
         self._pending += 1
         self._until = max(self._until, time.monotonic() + seconds)
@@ -121,10 +175,9 @@ class _ShortWaits:
             return
         self._ticking = False
         if self._pending:
-            self._backoff = min(MAX_POLL_SKIP, max(1, 2 * self._backoff))
-            self._skip = self._backoff
+            self.overran()
         else:
-            self._backoff = 0
+            self.in_time()
 
 
 _by_loop: dict[asyncio.AbstractEventLoop, _ShortWaits] = {}

@@ -61,7 +61,7 @@ class _Flag:
 class NativeJob:
     """A job in the native pool; arrays it was given stay referenced here until the pool is done with them."""
 
-    __slots__ = ("_executor", "error", "future", "handle", "keepalive", "spec", "stop_waiter", "stopped")
+    __slots__ = ("_executor", "error", "future", "handle", "keepalive", "polled", "spec", "stop_waiter", "stopped")
 
     def __init__(self, executor: NativeExecutor, spec: CopySpec, loop: asyncio.AbstractEventLoop) -> None:
         self.future: asyncio.Future[None] = loop.create_future()
@@ -71,7 +71,12 @@ class NativeJob:
         self.spec = spec
         self.handle: int | None = None
         self.keepalive: tuple[Any, ...] = ()
+        self.polled = False  # its waiter polls for its end (:meth:`Polling.poll`)
         self._executor = executor
+
+    def ended(self) -> bool:
+        """Whether the pool is done with the job (then finished: its future settled)."""
+        return self._executor._poll(self)
 
     def wait_stopped_sync(self, timeout: float) -> bool:
         """Block until the pool is done with the job (bounded by one span per worker)."""
@@ -172,7 +177,7 @@ class NativeExecutor(ExecutorBase):
         return self._track(self._lib.adt_job_submit(
             pool, dst.ctypes.data, src.ctypes.data, length.ctypes.data, bounds.ctypes.data, len(bounds) - 1,
             copier.mode, copier.pid, self._streams(copier, chunk), notifier.fd), loop, notifier, copier, arrays,
-            spans.total_bytes if polled else 0)
+            polled)
 
     def start_plan(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec, *,
                    chunk_bytes: int | None = None) -> NativeJob:
@@ -184,7 +189,7 @@ class NativeExecutor(ExecutorBase):
             pool, as_u64(src_addrs), as_u64(dst_addrs), plan.src_tensor, plan.dst_tensor, runs.src_offset,
             runs.dst_offset, runs.length, copier.src_delta, copier.dst_delta, chunk, min(PIECE, chunk),
             int(copier.mode), copier.pid, self._streams(copier, chunk), notifier.fd), loop, notifier, copier, (runs,),
-            total if polled else 0)
+            polled)
 
     def _target(self) -> tuple[asyncio.AbstractEventLoop, _Notifier, int]:
         """The running loop, its notify pipe and the pool a job is queued on (the executor must be open)."""
@@ -195,18 +200,22 @@ class NativeExecutor(ExecutorBase):
         return loop, self._notifiers.get(loop) or self._notifier(loop), pool
 
     def _track(self, handle: int | None, loop: asyncio.AbstractEventLoop, notifier: _Notifier, copier: CopySpec,
-               keepalive: tuple[Any, ...], polled_bytes: int) -> NativeJob:
-        """The job of a queued ``handle`` (0 or None: the helper was out of memory), awaited from now on (polled for,
-        when ``polled_bytes`` are short enough: 0, not at all)."""
+               keepalive: tuple[Any, ...], polled: bool) -> NativeJob:
+        """The job of a queued ``handle`` (0 or None: the helper was out of memory), awaited from now on (its waiter
+        polls for its end if ``polled``)."""
         if not handle:
             raise LLMException("cannot queue a copy job: out of memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         job = NativeJob(self, copier, loop)
         job.handle = handle
         job.keepalive = keepalive
         notifier.jobs[handle] = job
-        if polled_bytes:
-            self.polling.watch(job.future, polled_bytes)
+        job.polled = polled
         return job
+
+    async def _ended(self, job: NativeJob) -> None:
+        if job.polled:  # asked directly: its announcement in the pipe is then read and found reaped already
+            await self.polling.poll(job.ended)
+        await job.future
 
     def cancel(self, job: NativeJob, error: BaseException | None = None) -> None:
         """Stop the job at its next span; with ``error`` its waiter gets that exception."""

@@ -1,11 +1,13 @@
 """Short jobs are awaited with the event loop polling instead of sleeping in its selector (``Polling``): for
 a bounded window, and a window that runs out with waits still pending (the job's threads had no CPU, or it was
-slower than expected) leaves the next ones unpolled, more each time.  Every job still completes through its
-announcement, polled or not."""
+slower than expected) leaves the next ones unpolled, more each time.  A waiter that can ask its job whether it
+ended polls in its own task (``Polling.poll``), at most ``MAX_POLLERS`` at a time.  Every job still completes
+through its announcement, polled or not."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import selectors
 import threading
@@ -17,8 +19,8 @@ import pytest
 
 from aiodatadist._env_knobs import env_knobs_cache_clear
 from aiodatadist.copy import completion
-from aiodatadist.copy.completion import MAX_POLL_SKIP, Polling, _short_waits
-from aiodatadist.copy.native_pool import NativeExecutor
+from aiodatadist.copy.completion import MAX_POLL_SKIP, MAX_POLLERS, Polling, _short_waits
+from aiodatadist.copy.native_pool import NativeExecutor, NativeJob
 from aiodatadist.layout import Spans
 from aiodatadist.native import CopySpec, native_available
 
@@ -154,6 +156,108 @@ def test_only_jobs_expected_to_end_within_the_budget_are_polled(monkeypatch: pyt
         env_knobs_cache_clear()
 
 
+class Countdown:
+    """A job's ``ended`` that says True at its ``n``-th call, settling the job's future then."""
+
+    def __init__(self, future: asyncio.Future[None], n: int) -> None:
+        self.future, self.left, self.calls = future, n, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        self.left -= 1
+        if self.left > 0:
+            return False
+        if not self.future.done():
+            self.future.set_result(None)
+        return True
+
+
+def test_a_polling_waiter_asks_its_job_every_iteration_and_never_lets_the_loop_sleep(poll_us: None) -> None:
+    async def main() -> tuple[int, list[float | None]]:
+        loop = asyncio.get_running_loop()
+        selector = loop._selector  # type: ignore[attr-defined]
+        future = loop.create_future()
+        ended = Countdown(future, 50)
+        before = len(selector.timeouts)
+        await Polling(2e9).poll(ended)
+        assert future.done() and _short_waits(loop).pollers == 0
+        return ended.calls, selector.timeouts[before:]
+
+    (calls, timeouts), _ = run(main)
+    assert calls == 50
+    assert len(timeouts) == 49 and all(t == 0 for t in timeouts)  # one iteration between two questions
+
+
+def test_a_poll_whose_window_runs_out_returns_and_leaves_the_next_waits_unpolled(poll_us: None) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        polling = Polling(2e9)
+        polling.budget = 0.0  # every window is over at once
+        waits = _short_waits(loop)
+        stuck = loop.create_future()
+        never = Countdown(stuck, 10**9)
+        await polling.poll(never)
+        assert never.calls == 1 and not stuck.done()  # asked once, then left to its future
+        assert (waits._backoff, waits._skip, waits.pollers) == (1, 1, 0)
+        skipped = Countdown(loop.create_future(), 10**9)
+        await polling.poll(skipped)
+        assert skipped.calls == 0 and waits._skip == 0  # not polled for: left to its future
+        polling.budget = 10.0
+        ok = Countdown(loop.create_future(), 3)
+        await polling.poll(ok)
+        assert ok.calls == 3 and waits._backoff == 0  # polled, and in time: the backoff is reset
+
+    run(main)
+
+
+class Gate:
+    """A job's ``ended`` that says True once opened, settling the job's future then."""
+
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self.future, self.open, self.calls = future, False, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        if self.open and not self.future.done():
+            self.future.set_result(None)
+        return self.open
+
+
+def test_at_most_max_pollers_tasks_poll_at_once(poll_us: None) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        polling = Polling(2e9)
+        gates = [Gate(loop.create_future()) for _ in range(MAX_POLLERS + 3)]
+        tasks = [asyncio.create_task(polling.poll(gate)) for gate in gates]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert _short_waits(loop).pollers == MAX_POLLERS
+        assert sum(gate.calls > 1 for gate in gates) == MAX_POLLERS  # the others were asked once, then left
+        assert sum(task.done() for task in tasks) == 3
+        for gate in gates:
+            gate.open = True
+        await asyncio.gather(*tasks)
+        assert _short_waits(loop).pollers == 0 and all(gate.future.done() for gate in gates[:MAX_POLLERS])
+
+    run(main)
+
+
+def test_a_cancelled_poll_lets_go_of_its_place(poll_us: None) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gate = Gate(loop.create_future())
+        task = asyncio.create_task(Polling(2e9).poll(gate))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert _short_waits(loop).pollers == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert _short_waits(loop).pollers == 0 and not gate.future.done()
+
+    run(main)
+
+
 @pytest.mark.skipif(not native_available(), reason="the native helper is not built")
 def test_polled_and_unpolled_copy_jobs_land_every_byte(poll_us: None) -> None:
     rng = np.random.default_rng(5)
@@ -172,11 +276,72 @@ def test_polled_and_unpolled_copy_jobs_land_every_byte(poll_us: None) -> None:
         assert executor.polling is not None
         assert executor.polling.polls(src[0].nbytes) and not executor.polling.polls(big_src.nbytes)
         busy = executor.start(spans(big_src, big_dst), copier, chunk_bytes=64 << 20)  # the only worker
-        assert waits._pending == 0  # too big to be polled for
+        assert not busy.polled  # too big to be polled for
         jobs = [executor.start(spans(src[i], dst[i]), copier) for i in range(3)]  # queued behind it
+        assert all(job.polled for job in jobs)  # their windows run out behind `busy`: their futures end them
         await asyncio.gather(executor.wait(busy), *(executor.wait(job) for job in jobs))
         assert np.array_equal(dst, src) and np.array_equal(big_dst, big_src)
-        assert waits._pending == 0
+        assert waits._pending == 0 and waits.pollers == 0
+
+    try:
+        run(main)
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.skipif(not native_available(), reason="the native helper is not built")
+def test_polled_jobs_one_after_another_each_land_before_their_wait_returns(poll_us: None) -> None:
+    """A polled job is reaped by its waiter; its announcement is read later, when the helper may have handed the
+    same address to the next job: that job must not be taken for ended before it is."""
+    rng = np.random.default_rng(6)
+    executor = NativeExecutor(workers=1)
+
+    async def main() -> int:
+        copier = CopySpec(pid=os.getpid())
+        reaped_by_waiter = 0
+        for round_ in range(300):
+            src = rng.integers(1, 256, 64 << 10, dtype=np.uint8)
+            dst = np.zeros_like(src)
+            job: NativeJob = executor.start(Spans(np.array([src.ctypes.data], dtype=np.uint64),
+                                                  np.array([dst.ctypes.data], dtype=np.uint64),
+                                                  np.array([src.nbytes], dtype=np.uint64)), copier)
+            assert job.polled
+            await executor.wait(job)
+            assert job.stopped.is_set() and np.array_equal(dst, src), round_
+            reaped_by_waiter += not executor._notifiers[asyncio.get_running_loop()].jobs
+        return reaped_by_waiter
+
+    try:
+        reaped, _ = run(main)
+        assert reaped == 300
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.skipif(not native_available(), reason="the native helper is not built")
+def test_a_polled_wait_cancelled_returns_only_once_the_pool_let_go_of_the_job(poll_us: None) -> None:
+    executor = NativeExecutor(workers=1)
+    rng = np.random.default_rng(7)
+    src = rng.integers(1, 256, (64, 32 << 10), dtype=np.uint8)
+    dst = np.zeros_like(src)
+
+    async def main() -> None:
+        spans = Spans(np.array([row.ctypes.data for row in src], dtype=np.uint64),
+                      np.array([row.ctypes.data for row in dst], dtype=np.uint64),
+                      np.full(len(src), src.shape[1], dtype=np.uint64))
+        for round_ in range(50):
+            job: NativeJob = executor.start(spans, CopySpec(pid=os.getpid()))
+            assert job.polled
+            waiter = asyncio.create_task(executor.wait(job))
+            for _ in range(1 + round_ % 4):  # cut short while polling, at different points of the copy
+                await asyncio.sleep(0)
+            waiter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiter
+            assert job.stopped.is_set() and job.handle is None  # no worker touches dst any more
+            dst[:] = 0
+            await asyncio.sleep(0.001)
+            assert not dst.any(), round_  # nothing of it lands after the wait returned
 
     try:
         run(main)
