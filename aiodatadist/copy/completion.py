@@ -94,9 +94,9 @@ class Polling:
 
     async def poll(self, ended: Callable[[], bool]) -> None:
         """Call ``ended`` (whether the job ended; when it returns True it has settled the job's future) between
-        iterations of the running loop until it returns True or the window is over; then await the job's future
-        (its announcement settles it either way).  A cancellation meanwhile propagates at once, as from the
-        future: the caller stops the job as usual."""
+        iterations of the running loop until it returns True or the window is over.  The caller awaits the job's
+        future next, either way (past the window its announcement settles it).  A cancellation meanwhile
+        propagates at once, as from the future: the caller stops the job as usual."""
         waits = _short_waits(asyncio.get_running_loop())
         if not waits.admit():
             return
