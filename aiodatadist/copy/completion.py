@@ -13,7 +13,6 @@ import os
 import time
 import types
 from collections.abc import Callable, Generator
-from typing import Any
 
 from .._env_knobs import env_knobs
 
@@ -59,23 +58,18 @@ class NotifyPipe:
 
 
 class Polling:
-    """Which jobs of one executor or plane the event loop polls for instead of sleeping: those expected to end
-    within ``AIODATADIST_POLL_US`` (default 300 us; 0: none) at ``rate`` bytes/s, read once, at creation.
+    """Which jobs of one executor or plane are polled for instead of awaited with the event loop asleep: those
+    expected to end within ``AIODATADIST_POLL_US`` (default 300 us; 0: none) at ``rate`` bytes/s, read once, at
+    creation.
 
-    A polled job is awaited with the loop running at a zero selector timeout for up to twice that budget (its other
-    callbacks and tasks run as usual): a sleeping loop learns of a pipe write only after the kernel woke its thread
-    on another CPU, and that thread resumes with cold caches: on a 2-vCPU VM that cost 60-90 us of a 4 KiB one-sided
-    TCP pull (210 -> 140 us when polled), more than such a job takes.  Two ways, sharing one window and backoff per
-    loop (:class:`_ShortWaits`):
-
-    * :meth:`poll`: the waiting task itself asks the job whether it ended, once per iteration of the loop, and goes
-      on in the same step when it did (the copy pool, whose jobs say so without a system call): neither the
-      announcement's pipe read nor the wake-ups of the job's future cost an iteration then;
-    * :meth:`watch`: a callback rescheduled every iteration keeps the selector from blocking while the job's
-      announcement, read as soon as it is written, settles its future (the TCP planes).
-
-    A job is never waited for by polling alone: past the window its waiter awaits its future, which the job's
-    announcement settles as always, so a polled job ends exactly as an unpolled one, cancellation included."""
+    A sleeping loop learns of a pipe write only after the kernel woke its thread on another CPU, and that thread
+    resumes with cold caches: on a 2-vCPU VM that cost 60-90 us of a 4 KiB one-sided TCP pull (210 -> 140 us when
+    polled), more than such a job takes.  A polled job's waiter instead asks the job itself whether it ended
+    (:meth:`poll`), once per iteration of the loop, for up to twice the budget: the loop's selector does not block
+    meanwhile (its other callbacks and tasks run as usual), and the waiter goes on in the step that finds the job
+    ended, with no pipe read or future wake-up in between.  A job is never waited for by polling alone: past the
+    window its waiter awaits its future, which the job's announcement settles as always, so a polled job ends
+    exactly as an unpolled one, cancellation included."""
 
     __slots__ = ("budget", "limit")
 
@@ -86,11 +80,6 @@ class Polling:
     def polls(self, nbytes: int) -> bool:
         """Whether a job of ``nbytes`` is polled for."""
         return self.budget > 0 and nbytes <= self.limit
-
-    def watch(self, future: asyncio.Future[Any], nbytes: int) -> None:
-        """Keep the loop polling while ``future`` (a job of ``nbytes``) is pending, if it is short enough."""
-        if self.polls(nbytes):
-            _short_waits(future.get_loop()).watch(future, 2 * self.budget)
 
     async def poll(self, ended: Callable[[], bool]) -> None:
         """Call ``ended`` (whether the job ended; when it returns True it has settled the job's future) between
@@ -120,21 +109,15 @@ def _next_iteration() -> Generator[None, None, None]:
 
 
 class _ShortWaits:
-    """One event loop's short waits.  While any :meth:`watch` is pending (each up to its own window), a callback
-    rescheduled every iteration keeps the loop's selector from blocking; a task polling for its job
-    (:meth:`Polling.poll`) does so by itself, at most :data:`MAX_POLLERS` at a time (each costs a step of its task
+    """One event loop's polled waits: at most :data:`MAX_POLLERS` tasks poll at once (each costs a step of its task
     per iteration; the others' announcements are read at once meanwhile, the selector not blocking).  Where the
     CPUs are busy the polling loop can take the CPU the job's threads need: a wait that outlasts its window
     leaves the next ones unpolled, twice as many each time (up to MAX_POLL_SKIP); one that ends within its window
     resets that."""
 
-    __slots__ = ("_backoff", "_loop", "_pending", "_skip", "_ticking", "_until", "pollers")
+    __slots__ = ("_backoff", "_skip", "pollers")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._pending = 0
-        self._until = 0.0
-        self._ticking = False
+    def __init__(self) -> None:
         self._skip = 0  # waits left to leave unpolled
         self._backoff = 0  # how many the next wait that outlasts its window leaves unpolled
         self.pollers = 0  # tasks in Polling.poll
@@ -156,29 +139,6 @@ class _ShortWaits:
         """A polled wait ended within its window."""
         self._backoff = 0
 
-    def watch(self, future: asyncio.Future[Any], seconds: float) -> None:
-        if future.done() or not self.admit():
-            return
-        self._pending += 1
-        self._until = max(self._until, time.monotonic() + seconds)
-        future.add_done_callback(self._ended)
-        if not self._ticking:
-            self._ticking = True
-            self._loop.call_soon(self._tick)
-
-    def _ended(self, _: asyncio.Future[Any]) -> None:
-        self._pending -= 1
-
-    def _tick(self) -> None:
-        if self._pending and time.monotonic() < self._until:
-            self._loop.call_soon(self._tick)
-            return
-        self._ticking = False
-        if self._pending:
-            self.overran()
-        else:
-            self.in_time()
-
 
 _by_loop: dict[asyncio.AbstractEventLoop, _ShortWaits] = {}
 
@@ -188,5 +148,5 @@ def _short_waits(loop: asyncio.AbstractEventLoop) -> _ShortWaits:
     if waits is None:
         for closed in [other for other in _by_loop if other.is_closed()]:
             del _by_loop[closed]
-        waits = _by_loop[loop] = _ShortWaits(loop)
+        waits = _by_loop[loop] = _ShortWaits()
     return waits

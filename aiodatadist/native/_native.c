@@ -1604,6 +1604,7 @@ int adt_net_set_destination(void *net, void *job, const uint64_t *bases, size_t 
                             const uint64_t *lens, size_t nr);
 int adt_net_job_state(void *net, void *job, int *error, int *status);
 void adt_net_job_free(void *job);
+int adt_net_job_done(void *job);
 
 /* Take `count` grid arrays (C-contiguous, 8-byte items); -1 with an exception (none held then). */
 static int grid_buffers(PyObject *const *args, int count, Py_buffer *b)
@@ -1715,6 +1716,18 @@ static PyObject *py_net_reap(PyObject *self, PyObject *const *args, Py_ssize_t n
     int err = 0, status = 0, state = adt_net_job_state(net, job, &err, &status);
     adt_net_job_free(job);
     return Py_BuildValue("(iii)", state, err, status);
+}
+
+/* net_done(job) -> whether a TCP job ended (then net_reap gives its outcome); for a job not reaped yet. */
+static PyObject *py_net_done(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    void *job = PyLong_AsVoidPtr(arg);
+    if (job == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "net_done: no job");
+        return NULL;
+    }
+    return PyBool_FromLong(adt_net_job_done(job));
 }
 
 /* ---------------------------------------------------------------------------------------------------------
@@ -1878,6 +1891,7 @@ static PyMethodDef native_methods[] = {
     {"net_set_destination", (PyCFunction)(void (*)(void))py_net_set_destination, METH_FASTCALL,
      "A two-sided TCP receive's destination grid."},
     {"net_reap", (PyCFunction)(void (*)(void))py_net_reap, METH_FASTCALL, "An ended TCP job's state, freeing it."},
+    {"net_done", py_net_done, METH_O, "Whether a TCP job ended."},
     {"cuda_bind", (PyCFunction)(void (*)(void))py_cuda_bind, METH_FASTCALL, "CUDA driver functions, bound."},
     {"cuda_launch", (PyCFunction)(void (*)(void))py_cuda_launch, METH_FASTCALL, "cuLaunchKernel of a 1-D grid."},
     {"cuda_record", (PyCFunction)(void (*)(void))py_cuda_record, METH_FASTCALL, "cuEventRecord."},

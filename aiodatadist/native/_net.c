@@ -173,16 +173,17 @@ static int finish_if_idle(adt_net *n, net_job *j)
         for (int c = 0; c < n->nconns; c++) queue_ctrl_to(n, c, T_FENCE, j->key, 0, NULL, 0, 0, 0);
     }
     if (j->fence == 2 && j->fence_left > 0 && !n->closed) return 0;
-    j->done = 1;
+    __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);   /* adt_net_job_done reads it without the lock */
     if (j->kind == 0) n->live_rx--;
     unqueue(n, j);
     unlink_all(n, j);
     return j->kind != 2;     /* serve jobs belong to the helper, nobody waits for them */
 }
 
-static void end_job(adt_net *n, net_job *j)   /* after finish_if_idle returned 1, outside the lock */
+/* After finish_if_idle returned 1, outside the lock.  The job may be freed already (its waiter saw it done:
+ * adt_net_job_done), so only its address is used here. */
+static void end_job(adt_net *n, net_job *j)
 {
-    if (j->kind == 2) return;
     net_announce(n->notify_fd, j);
 }
 
@@ -1113,6 +1114,10 @@ int adt_net_job_state(void *net, void *job, int *error, int *status)
     if (!done) return 0;
     return fenced ? 3 : stop ? 2 : 1;
 }
+
+/* Whether a requester's job ended (then adt_net_job_state has its outcome): without the lock, so that a waiter
+ * can ask at every turn of its event loop. */
+int adt_net_job_done(void *job) { return __atomic_load_n(&((net_job *)job)->done, __ATOMIC_ACQUIRE); }
 
 void adt_net_job_free(void *job) { free_job((net_job *)job); }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -17,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._aio import wait_through_cancellation
+from ..copy.completion import Polling
 from ..layout import CopyPlan, coalesce
 from ..native import KEY_FLAG_SHIFT, StopFlag
 
@@ -36,7 +38,7 @@ class TransferJob:
     """One end of one transfer on a data plane (``send`` or ``receive``).  The native helper keeps the rest of a
     job in C (``handle``); :class:`PythonTransferJob` holds what the Python I/O threads need."""
 
-    __slots__ = ("done", "error", "fenced", "future", "handle", "key", "kind")
+    __slots__ = ("done", "error", "fenced", "future", "handle", "key", "kind", "polling")
 
     def __init__(self, kind: str, flag: int, tid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.kind = kind
@@ -47,6 +49,7 @@ class TransferJob:
         self.done = False
         self.handle: int | None = None  # native plane: the helper's job
         self.fenced = False  # send: cut short, and the peer confirmed that nothing of it is written any more
+        self.polling: Polling | None = None  # short enough for its waiter to poll for its end (Polling.poll)
 
 
 class PythonTransferJob(TransferJob):
@@ -91,10 +94,21 @@ class WaitingMixin(Generic[JobT]):
     def cancel(self, job: JobT, error: BaseException | None = None) -> None:
         raise NotImplementedError
 
+    def ended(self, job: JobT) -> bool:
+        """Whether ``job`` ended, its future settled (a plane whose threads say so directly settles it here)."""
+        return job.future.done()
+
+    async def settled(self, job: JobT) -> None:
+        """Await ``job``'s future, shielded (a cancellation of the caller leaves the job to it), polling for its end
+        first where the job is short enough (:attr:`TransferJob.polling`)."""
+        if isinstance(job, TransferJob) and job.polling is not None:
+            await job.polling.poll(functools.partial(self.ended, job))
+        await asyncio.shield(job.future)
+
     async def wait(self, job: JobT) -> None:
         """Await a job; if the caller is cancelled, stop the job and return only once no thread touches it."""
         try:
-            await asyncio.shield(job.future)
+            await self.settled(job)
         except asyncio.CancelledError:
             self.cancel(job)
             await self.wait_stopped(job)

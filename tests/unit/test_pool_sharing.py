@@ -132,7 +132,7 @@ async def test_jobs_of_any_number_of_chunks_land_with_workers_asleep_or_spinning
             await asyncio.wait_for(asyncio.gather(*(executor.wait(job) for job in jobs)), 10)
             for s, d in zip(srcs, dsts):
                 assert np.array_equal(d, s)
-        assert _short_waits(asyncio.get_running_loop())._pending == 0
+        assert _short_waits(asyncio.get_running_loop()).pollers == 0
     finally:
         await asyncio.to_thread(executor.shutdown)
         env_knobs_cache_clear()

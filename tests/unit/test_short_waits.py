@@ -1,8 +1,8 @@
 """Short jobs are awaited with the event loop polling instead of sleeping in its selector (``Polling``): for
-a bounded window, and a window that runs out with waits still pending (the job's threads had no CPU, or it was
-slower than expected) leaves the next ones unpolled, more each time.  A waiter that can ask its job whether it
-ended polls in its own task (``Polling.poll``), at most ``MAX_POLLERS`` at a time.  Every job still completes
-through its announcement, polled or not."""
+a bounded window, and a wait that outlasts it (the job's threads had no CPU, or it was slower than expected)
+leaves the next ones unpolled, more each time.  The waiter asks its job whether it ended, in its own task
+(``Polling.poll``), at most ``MAX_POLLERS`` at a time.  Every job still completes through its announcement, polled
+or not."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from aiodatadist._env_knobs import env_knobs_cache_clear
-from aiodatadist.copy import completion
 from aiodatadist.copy.completion import MAX_POLL_SKIP, MAX_POLLERS, Polling, _short_waits
 from aiodatadist.copy.native_pool import NativeExecutor, NativeJob
 from aiodatadist.layout import Spans
@@ -60,14 +59,16 @@ def set_later(future: asyncio.Future[None], delay: float) -> None:
     timer.start()
 
 
-def test_the_loop_does_not_sleep_while_a_short_wait_is_pending(poll_us: None) -> None:
+def test_the_loop_does_not_sleep_while_a_short_wait_is_polled_for(poll_us: None) -> None:
     async def main() -> tuple[int, int]:
         loop = asyncio.get_running_loop()
         selector = loop._selector  # type: ignore[attr-defined]
         future = loop.create_future()
-        _short_waits(loop).watch(future, 10.0)
         before = len(selector.timeouts)
-        set_later(future, 0.03)
+        polling = Polling(2e9)
+        polling.budget = 10.0  # a window longer than the wait
+        set_later(future, 0.03)  # settled by another thread, as a job's announcement settles its future
+        await polling.poll(future.done)
         await future
         during = selector.timeouts[before:]
         return len(during), sum(1 for t in during if t != 0)
@@ -90,47 +91,23 @@ def test_without_a_wait_the_loop_sleeps(poll_us: None) -> None:
     assert sleeps >= 1
 
 
-def test_a_window_that_runs_out_leaves_the_next_waits_unpolled(poll_us: None) -> None:
+def test_the_backoff_doubles_up_to_its_bound_and_a_wait_in_time_resets_it(poll_us: None) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        polling = Polling(2e9)
         waits = _short_waits(loop)
-        stuck = loop.create_future()
-        waits.watch(stuck, 0.0)  # its window is over at once, the wait still pending
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert (waits._backoff, waits._skip) == (1, 1)
-        skipped = loop.create_future()
-        waits.watch(skipped, 10.0)
-        assert waits._skip == 0 and waits._pending == 1  # not watched: only `stuck` is
-        again = loop.create_future()
-        waits.watch(again, 0.0)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert (waits._backoff, waits._skip) == (2, 2)
-        for future in (stuck, skipped, again):
-            future.set_result(None)
+        expected = 0
+        for _ in range(14):
+            polling.budget = 0.0  # the window is over at once
+            waits._skip = 0
+            await polling.poll(lambda: False)
+            expected = min(MAX_POLL_SKIP, max(1, 2 * expected))
+            assert waits._backoff == waits._skip == expected
+        assert expected == MAX_POLL_SKIP
+        polling.budget = 10.0
         waits._skip = 0
-        done = loop.create_future()
-        waits.watch(done, 10.0)
-        done.set_result(None)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert waits._backoff == 0 and waits._pending == 0 and not waits._ticking  # a window where all ended
-
-    run(main)
-
-
-def test_the_backoff_is_bounded(poll_us: None) -> None:
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        waits = _short_waits(loop)
-        waits._backoff = MAX_POLL_SKIP
-        stuck = loop.create_future()
-        waits.watch(stuck, 0.0)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        assert waits._backoff == waits._skip == MAX_POLL_SKIP
-        stuck.set_result(None)
+        await polling.poll(lambda: True)
+        assert waits._backoff == 0
 
     run(main)
 
@@ -142,16 +119,7 @@ def test_only_jobs_expected_to_end_within_the_budget_are_polled(monkeypatch: pyt
         assert Polling(2e9).polls(600_000) and not Polling(2e9).polls(600_001)
         monkeypatch.setenv("AIODATADIST_POLL_US", "0")
         env_knobs_cache_clear()
-        off = Polling(2e9)
-        assert not off.polls(1)
-
-        async def main() -> None:
-            future = asyncio.get_running_loop().create_future()
-            off.watch(future, 1)
-            assert completion._by_loop.get(asyncio.get_running_loop()) is None  # never watched
-            future.set_result(None)
-
-        run(main)
+        assert not Polling(2e9).polls(1)
     finally:
         env_knobs_cache_clear()
 
@@ -281,7 +249,7 @@ def test_polled_and_unpolled_copy_jobs_land_every_byte(poll_us: None) -> None:
         assert all(job.polled for job in jobs)  # their windows run out behind `busy`: their futures end them
         await asyncio.gather(executor.wait(busy), *(executor.wait(job) for job in jobs))
         assert np.array_equal(dst, src) and np.array_equal(big_dst, big_src)
-        assert waits._pending == 0 and waits.pollers == 0
+        assert waits.pollers == 0
 
     try:
         run(main)

@@ -231,9 +231,21 @@ class NativeConnections(WaitingMixin[TransferJob]):
 
     # -- completion ------------------------------------------------------------------------------------------
     def _on_finished(self, handle: int) -> None:
-        job = self._jobs.pop(handle, None)
-        if job is not None:
+        # A job its waiter reaped (ended) is gone; its address may be a new job's by now, which may still run.
+        job = self._jobs.get(handle)
+        if job is not None and _ext.net_done(handle):
+            del self._jobs[handle]
             self._finish(job)
+
+    def ended(self, job: TransferJob) -> bool:
+        handle = job.handle
+        if handle is None or self._net is None:
+            return job.future.done()
+        if not _ext.net_done(handle):
+            return False
+        self._jobs.pop(handle, None)
+        self._finish(job)
+        return True
 
     def _finish(self, job: TransferJob) -> None:
         state, err, status = _ext.net_reap(self._net, job.handle)

@@ -88,9 +88,10 @@ class TcpPlane(DataPlane):
             self._jobs.pop(transfer.tid, None)
 
     def _track(self, transfer: Transfer, job: TransferJob) -> None:
-        """A transfer's job, awaited from now on (a short one with the loop polling for its end)."""
+        """A transfer's job, awaited from now on (a short one polled for by its waiter)."""
         self._jobs[transfer.tid] = job
-        self._polling.watch(job.future, transfer.plan.total_bytes)
+        if self._polling.polls(transfer.plan.total_bytes):
+            job.polling = self._polling
 
     async def _await(self, transfer: Transfer, job: TransferJob) -> None:
         await self.conns.wait(job)
@@ -218,7 +219,7 @@ class NativeTcpPlane(TcpPlane):
         step, and this returns once the owner's I/O threads confirmed that nothing of it is written any more
         (``job.fenced``), with one wake-up of this loop, whatever the owner's loop is doing."""
         try:
-            await asyncio.shield(job.future)
+            await self.conns.settled(job)
         except asyncio.CancelledError:
             armed = self.conns.cancel_fenced(job)
             if armed or self._fenceable():
