@@ -162,6 +162,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_net_read.restype = lib.adt_net_write.restype = vp
     lib.adt_net_job_state.argtypes, lib.adt_net_job_state.restype = [vp, vp, vp, vp], c_int
     lib.adt_net_job_free.argtypes, lib.adt_net_job_free.restype = [vp], None
+    lib.adt_net_job_done.argtypes, lib.adt_net_job_done.restype = [vp], c_int
     lib.adt_net_flush.argtypes, lib.adt_net_flush.restype = [vp], None
     lib.adt_net_fence.argtypes, lib.adt_net_fence.restype = [vp, u64], vp
     lib.adt_net_cancel.argtypes, lib.adt_net_cancel.restype = [vp, vp, c_int], c_int
