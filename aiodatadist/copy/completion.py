@@ -146,7 +146,7 @@ _by_loop: dict[asyncio.AbstractEventLoop, _ShortWaits] = {}
 def _short_waits(loop: asyncio.AbstractEventLoop) -> _ShortWaits:
     waits = _by_loop.get(loop)
     if waits is None:
-        for closed in [other for other in _by_loop if other.is_closed()]:
-            del _by_loop[closed]
+        for closed in [other for other in list(_by_loop) if other.is_closed()]:  # (a copy: loops of other threads)
+            _by_loop.pop(closed, None)
         waits = _by_loop[loop] = _ShortWaits()
     return waits
