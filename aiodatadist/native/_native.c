@@ -1549,16 +1549,21 @@ static PyObject *py_grid_table(PyObject *self, PyObject *const *args, Py_ssize_t
     return Py_BuildValue("(nnK)", (Py_ssize_t)n, (Py_ssize_t)merged, (unsigned long long)longest);
 }
 
+/* A job handle given as a Python int; NULL with an exception set (``what``: the caller's name) if there is none. */
+static void *job_arg(PyObject *arg, const char *what)
+{
+    void *job = PyLong_AsVoidPtr(arg);
+    if (job == NULL && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s: no job", what);
+    return job;
+}
+
 /* reap(job) -> None while workers may touch the job, else (state, errno) with the job freed (the handle is then
  * invalid): state 1 = done, 2 = stopped (see JobState). */
 static PyObject *py_reap(PyObject *self, PyObject *arg)
 {
     (void)self;
-    adt_job *j = PyLong_AsVoidPtr(arg);
-    if (j == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "reap: no job");
-        return NULL;
-    }
+    adt_job *j = job_arg(arg, "reap");
+    if (j == NULL) return NULL;
     if (!__atomic_load_n(&j->done, __ATOMIC_ACQUIRE)) Py_RETURN_NONE;
     int state = __atomic_load_n(&j->stop, __ATOMIC_RELAXED) ? 2 : 1, err = j->error;
     adt_job_free(j);
@@ -1722,12 +1727,8 @@ static PyObject *py_net_reap(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyObject *py_net_done(PyObject *self, PyObject *arg)
 {
     (void)self;
-    void *job = PyLong_AsVoidPtr(arg);
-    if (job == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "net_done: no job");
-        return NULL;
-    }
-    return PyBool_FromLong(adt_net_job_done(job));
+    void *job = job_arg(arg, "net_done");
+    return job == NULL ? NULL : PyBool_FromLong(adt_net_job_done(job));
 }
 
 /* ---------------------------------------------------------------------------------------------------------
