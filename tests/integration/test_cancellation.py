@@ -220,7 +220,10 @@ async def test_cancelling_one_transfer_leaves_the_others_intact(pair: Pair) -> N
     key = PULLED
     victim = asyncio.ensure_future(cm.pull_blocks(key, pair.cache, ALL[:128], ALL[:128]))
     survivors = [asyncio.ensure_future(cm.pull_blocks(key, pair.cache, [b], [b])) for b in range(128, 256, 8)]
-    await asyncio.sleep(0.003)
+    first = pair.cache.tensors[0][0, :64]  # where the victim's first bytes land
+    async with asyncio.timeout(10):
+        while not (first != POISON).any():  # cut short mid-copy (its 64 MiB take milliseconds), whatever the pace
+            await asyncio.sleep(0)
     victim.cancel()
     await asyncio.gather(*survivors)
     with pytest.raises(asyncio.CancelledError):
