@@ -38,7 +38,9 @@ def test_bench_local_reports_a_ratio(tmp_path: Path) -> None:
     assert local["same_memory"] == "streaming copy 256 MiB within the local cache"  # its own pages, contiguous
     assert local["same_memory_ratio"] == pytest.approx(local["gbps"] / local["same_memory_gbps"])
     small = next(r for r in results if r["workload"] == "small")
-    assert 0 < small["p50_ms"] <= small["p99_ms"] and small["transport"] == "shm"
+    assert 0 < small["p50_ms"] <= small["p99_ms"] and small["transport"] == "shm" and "spaced_ms" not in small
+    spaced = [r for r in results if r["workload"] == "small" and "spaced_ms" in r]  # the same call, the loop idle
+    assert len(spaced) == 1 and spaced[0]["spaced_ms"] == 1 and 0 < spaced[0]["p50_ms"] <= spaced[0]["p99_ms"]
     assert "baseline: np.copyto" in result.stderr  # progress lines
 
 

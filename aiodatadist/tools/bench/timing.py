@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -27,12 +28,16 @@ def exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-async def times(fn: Callable[[], Awaitable[Any]], repeat: int, warmup: int = 1) -> list[float]:
-    """Seconds per call of ``fn``, ``repeat`` calls after ``warmup`` ones."""
+async def times(fn: Callable[[], Awaitable[Any]], repeat: int, warmup: int = 1, *,
+                idle: float | None = None) -> list[float]:
+    """Seconds per call of ``fn``, ``repeat`` calls after ``warmup`` ones; ``idle``: the event loop sleeps this many
+    seconds before each call (not timed)."""
     for _ in range(warmup):
         await fn()
     out = []
     for _ in range(repeat):
+        if idle is not None:
+            await asyncio.sleep(idle)
         start = time.perf_counter()
         await fn()
         out.append(time.perf_counter() - start)
