@@ -69,17 +69,18 @@ class CacheGeometry:
         return self.tensor_size // self.slots if self.slots else 0
 
 
-@dataclass(frozen=True, slots=True)
-class Runs:
-    """Byte runs inside one tensor: ``src_offset[i]`` -> ``dst_offset[i]``, ``length[i]`` bytes."""
+class Runs(NamedTuple):
+    """Byte runs inside one tensor: ``src_offset[i]`` -> ``dst_offset[i]``, ``length[i]`` bytes.
+
+    Named tuples, this and :class:`CopyPlan`: a new plan (an engine's new blocks at every call) builds both, and a
+    frozen dataclass's ``__init__`` costs several times a tuple's."""
 
     src_offset: Int64Array
     dst_offset: Int64Array
     length: Int64Array
 
 
-@dataclass(frozen=True, slots=True)
-class CopyPlan:
+class CopyPlan(NamedTuple):
     """Runs applied to every tensor pair: tensor ``src_tensor[k]`` -> ``dst_tensor[k]``."""
 
     src_tensor: Int64Array
