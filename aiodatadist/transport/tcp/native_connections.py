@@ -233,9 +233,8 @@ class NativeConnections(WaitingMixin[TransferJob]):
     def _on_finished(self, handle: int) -> None:
         # A job its waiter reaped (ended) is gone; its address may be a new job's by now, which may still run.
         job = self._jobs.get(handle)
-        if job is not None and _ext.net_done(handle):
-            del self._jobs[handle]
-            self._finish(job)
+        if job is not None:
+            self.ended(job)
 
     def ended(self, job: TransferJob) -> bool:
         handle = job.handle
