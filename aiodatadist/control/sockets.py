@@ -31,6 +31,7 @@ import zmq.utils.z85
 
 from .._aio import drop_cancellation
 from .._curve_keys import CurveKeys
+from .._log_limits import LimitedWarning
 from ..errors import LLMLinkError, LLMStatusCode
 from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode
 from ..protocol.messages import reply_to_wire
@@ -41,6 +42,7 @@ __all__ = ["LINGER_MS", "ZAP_DOMAIN", "Context", "Server", "ZapHandler", "abando
            "dealer_sender", "new_context", "read_dealer"]
 
 log = logging.getLogger("aiodatadist.control.sockets")
+_malformed = LimitedWarning(log)  # a peer sending garbage in a loop gets one line per interval
 
 W = TypeVar("W")
 
@@ -52,6 +54,7 @@ context's default, for every other close, is 0."""
 HEARTBEAT_IVL_MS: Final = 1000
 HEARTBEAT_TIMEOUT_MS: Final = 5000
 HEARTBEAT_TTL_MS: Final = 5000
+HANDSHAKE_IVL_MS: Final = 10_000  # server: a connection that has not finished its ZMTP handshake by then is closed
 ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"  # where libzmq asks a context's ZAP handler (RFC 27)
 ZAP_DOMAIN: Final = b"aiodatadist"
 _MAX_KEYED_ROUTES: Final = 4096  # server: routing ids remembered with their CURVE key beyond the linked ones
@@ -199,7 +202,7 @@ async def read_dealer(sock: LoopSocket, channel: Channel, tasks: TaskSet) -> Non
         try:
             messages = decode_batch(frames[-1])
         except Exception as exc:  # noqa: BLE001 - whatever a peer sends must not end the reader
-            log.warning("dropping malformed message on %s: %s", channel.name, exc)
+            _malformed("dropping malformed message on %s: %s", channel.name, exc)
             return
         for message in messages:
             if not inbox.resolved(channel, message):
@@ -218,7 +221,7 @@ def _decoded(routing_id: bytes, data: bytes) -> list[dict[str, Any]]:
     try:
         return decode_batch(data)
     except Exception as exc:  # noqa: BLE001
-        log.warning("dropping malformed message from %r: %s", routing_id[:8], exc)
+        _malformed("dropping malformed message from %r: %s", routing_id[:8], exc)
         return []
 
 
@@ -348,6 +351,7 @@ class Server:
         _tune(raw)
         raw.setsockopt(zmq.ROUTER_MANDATORY, 1)
         raw.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        raw.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)  # a half-open greeting holds its descriptor no longer
         if curve is not None:
             raw.setsockopt(zmq.CURVE_SERVER, 1)
             raw.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)

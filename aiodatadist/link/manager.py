@@ -11,17 +11,18 @@ import secrets
 import socket
 import time
 import weakref
-from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, Protocol, cast
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, NoReturn, Protocol
 
 import zmq
 import zmq.asyncio
 
 from .._aio import in_thread, wait_through_cancellation
+from .._log_limits import LimitedWarning
 from .._settings import Settings
 from ..control.channel import Channel, TaskSet
 from ..control.loop_socket import LoopSocket
-from ..control.monitor import ConnectionWatch, describe_failure, probe
+from ..control.monitor import ConnectionWatch, Disconnects, describe_failure, probe
 from ..control.sockets import (
     LINGER_MS,
     Context,
@@ -72,7 +73,7 @@ from ..transport.same_host import (
     probe_peer,
     probe_peer_fds,
 )
-from ..transport.tcp.connect import accept_data, connect_data, data_listener, read_data_hello
+from ..transport.tcp.connect import accept_data, connect_data, data_listener
 from ..transport.tcp.plane import Connections
 from ..types import LLMClusterInfo, LLMRole, ip_int_to_str
 from .attempts import LinkAttempts
@@ -88,6 +89,7 @@ PROBE_AGAIN_S = 0.02  # ... and, accepted, when to try once more (a dying proces
 R = LinkDropReason
 
 log = logging.getLogger("aiodatadist.link")
+_at_link_limit = LimitedWarning(log)
 
 RequestHook = Callable[["Link", dict[str, Any]], Awaitable["dict[str, Any] | None"]]
 """Serves a peer's transfer request on a link; returns the reply body (None: answered later, or never)."""
@@ -164,6 +166,7 @@ class LinkManager:
         self._server: Server | None = None
         self._server_task: asyncio.Task[Any] | None = None
         self._server_watch: asyncio.Task[Any] | None = None
+        self._disconnects: Disconnects | None = None  # the server's ended connections, counted
         self._accept_task: asyncio.Task[Any] | None = None
         self._data_listener: socket.socket | None = None
         self._data_tokens: dict[bytes, Link] = {}
@@ -174,6 +177,7 @@ class LinkManager:
         self._attempts = LinkAttempts(self._tasks.spawn, self._unlink_undone)  # links being made, by cluster id
         self._drops = DropLog()  # why recent links went away, by cluster id
         self._settling: dict[int, asyncio.Future[None]] = {}  # links unlisted, being dropped once it is known why
+        self._dropping: dict[int, set[asyncio.Future[None]]] = {}  # links being torn down, by cluster id
         # Hooks set by the transfer layer.
         self.on_request: RequestHook | None = None
         self.on_link_closed: ClosedHook | None = None
@@ -273,6 +277,7 @@ class LinkManager:
     async def _on_hello(self, routing_id: bytes, message: dict[str, Any]) -> None:
         assert self._server is not None
         server = self._server
+        seen = self._disconnects.total if self._disconnects is not None else 0
         req_id = message["i"]
         try:
             hello = Hello.from_wire(message)
@@ -300,7 +305,14 @@ class LinkManager:
                 code, msg = int(chosen.status_code), str(chosen)
             else:
                 await self._accept(server, routing_id, req_id, hello, nonces, caps, chosen)
+                link = self.links.get(cluster)
+                if link is not None:
+                    self._check_admitted(link, seen)
                 return
+        if code == S.LLM_CLUSTER_NUM_EXCEED_LIMIT:
+            _at_link_limit("cluster %d refused a link from cluster %d: it has %d links, the most it admits "
+                           "(without llm.AuthKey any client that says hello is a link)", self._cluster_id, cluster,
+                           MAX_LINKS)
         server.reply_raw(routing_id, reply_to_wire(req_id, code=code, msg=msg))
 
     def _choose(self, peer_transport: Any, caps: PeerCapabilities) -> Plane | LLMException:
@@ -421,6 +433,7 @@ class LinkManager:
         ``LLM_ALREADY_LINK``."""
         remote_id = cluster.remote_cluster_id
         assert remote_id is not None
+        await self.torn_down(remote_id)  # an old link to it is being dropped: its peer must not meet it still there
         if remote_id in self._attempts:
             return await self._attempts.join(remote_id, timeout_ms / 1000)
         status = may_link(remote_id, own_id=self._cluster_id, links=self.links, linking=self._attempts,
@@ -619,14 +632,12 @@ class LinkManager:
             return offer
         return await connect_data(host, offer.port, offer.token, offer.count, timeout, conns.attach)
 
-    async def _adopt_data(self, conn: socket.socket) -> None:
+    async def _adopt_data(self, conn: socket.socket, token: bytes) -> None:
         """Server side: a data connection that presents a link's token joins that link."""
-        token = await read_data_hello(conn)
-        link = self._data_tokens.get(token) if token is not None else None
+        link = self._data_tokens.get(token)
         if link is None or link.closed or link.offered is None:
             conn.close()
             return
-        assert token is not None
         link.data_admits -= 1
         if link.data_admits <= 0:  # every agreed connection is in: nobody else gets in with this token
             self._data_tokens.pop(token, None)
@@ -669,30 +680,57 @@ class LinkManager:
         link.channel.notify(msg)
 
     async def _watch_server(self, server: Server) -> None:
-        """Server side: when a client connection breaks, find which links lost their peer (a PING to a vanished
-        routing id fails at once) and drop them, so that their transfers fail fast instead of timing out."""
-        monitor = cast(zmq.asyncio.Socket, server.sock.raw.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+        """Server side: when client connections break, find which links lost their peer (a PING to a vanished
+        routing id fails at once) and drop them, so that their transfers fail fast instead of timing out.  Every
+        connection that ends is counted at once, however many end (port scanners, probes, clients that never say
+        hello): one round of pings serves all that ended before it."""
+        disconnects = self._disconnects = Disconnects(server.sock.raw, self._tasks.spawn, server.endpoint)
+        seen = 0
         try:
             while True:
-                await monitor.recv_multipart()
-                # zmq may still take a send to a routing id whose connection is being torn down (seen on a loaded
-                # machine): ping again a little later before concluding that every peer is alive.
-                for pause in DISCONNECT_PINGS_S:
-                    served = [link for link in self.links.values() if not link.is_client and not link.closed]
-                    for link in served:  # a vanished routing id fails the send at once (ROUTER_MANDATORY)
-                        link.channel.notify(Ping())
-                    await asyncio.sleep(pause)  # a slow but living peer is never dropped: only failed sends count
-                    gone = [link for link in served if link.channel.closed is not None and not link.closed]
-                    for link in gone:
-                        await self.drop(link, LLMLinkError(
-                            f"the connection of cluster {link.remote_cluster_id} broke: its process died, or it "
-                            f"stopped answering heartbeats ({R.CONNECTION_LOST})", reason=R.CONNECTION_LOST))
-                    if gone:
-                        break
+                await disconnects.after(seen)
+                seen = disconnects.total
+                await self._sweep(disconnects, self._served)
         finally:
-            if not server.sock.closed:
-                server.sock.raw.disable_monitor()
-            monitor.close(linger=0)
+            if self._disconnects is disconnects:
+                self._disconnects = None
+            disconnects.close()
+
+    def _served(self) -> list[Link]:
+        return [link for link in self.links.values() if not link.is_client and not link.closed]
+
+    async def _sweep(self, disconnects: Disconnects, links: Callable[[], list[Link]]) -> None:
+        """Ping ``links()`` after connections ended, and drop those whose peer is gone.  zmq may still take a send
+        to a routing id whose connection is being torn down (seen on a loaded machine): the pings go again after
+        growing pauses (:data:`DISCONNECT_PINGS_S`) before every peer is taken to be alive, and start over when
+        more connections ended meanwhile.  A slow but living peer is never dropped: only failed sends count."""
+        step = 0
+        while step < len(DISCONNECT_PINGS_S):
+            seen = disconnects.total
+            served = links()
+            for link in served:  # a vanished routing id fails the send at once (ROUTER_MANDATORY)
+                link.channel.notify(Ping())
+            await asyncio.sleep(DISCONNECT_PINGS_S[step])
+            gone = [link for link in served if link.channel.closed is not None and not link.closed]
+            for link in gone:
+                await self.drop(link, LLMLinkError(
+                    f"the connection of cluster {link.remote_cluster_id} broke: its process died, or it "
+                    f"stopped answering heartbeats ({R.CONNECTION_LOST})", reason=R.CONNECTION_LOST))
+            if disconnects.total != seen:
+                step = 0
+            elif gone:
+                return
+            else:
+                step += 1
+
+    def _check_admitted(self, link: Link, seen: int) -> None:
+        """Server side: connections ended while ``link``'s HELLO was being answered (``seen``: how many had before),
+        perhaps its own (a client that said hello and vanished): ping it as after any disconnect, so that a
+        half-open link goes at once instead of holding a slot."""
+        disconnects = self._disconnects
+        if disconnects is not None and disconnects.total != seen:
+            self._tasks.spawn(self._sweep(disconnects, lambda: [] if link.closed else [link]),
+                              name=f"check-{link.remote_cluster_id}")
 
     async def _watch(self, link: Link) -> None:
         """Client side: a broken connection (the server died, closed it, or stopped answering heartbeats) drops
@@ -723,7 +761,13 @@ class LinkManager:
         if self.links.get(cluster) is not link:  # (already unlisted)
             await self.drop(link, error)
             return
-        del self.links[cluster]
+        with self._tearing_down(cluster):
+            del self.links[cluster]
+            await self._settle(link, what, alive, error)
+
+    async def _settle(self, link: Link, what: str, alive: LinkDropReason, error: LLMLinkError) -> None:
+        """The rest of :meth:`_connection_lost`, once ``link`` is unlisted: why it dropped, then the drop."""
+        cluster = link.remote_cluster_id
         settled = self._settling[cluster] = asyncio.get_running_loop().create_future()
         try:
             if link.is_client:
@@ -766,22 +810,42 @@ class LinkManager:
         if link.closed:
             return
         link.closed = True
-        self._unlist(link, error.reason if isinstance(error, LLMLinkError) else None, str(error))
-        link.channel.close(error)
-        if link.data_token is not None:
-            self._data_tokens.pop(link.data_token, None)
-        if link.fd_grant is not None:
-            self._fd_grants.pop(link.fd_grant, None)
-        try:
-            await link.plane.stop(error)  # no thread touches memory any more before leases are released
-            if link.offered is not None:  # (closing twice is harmless: the TCP plane closed it if it owned it)
-                await link.offered.aclose(error)
-            if self.on_link_closed is not None:
-                await self.on_link_closed(link, error)
-            await link.plane.close()
-        finally:
-            await self._close_sockets(link)
+        with self._tearing_down(link.remote_cluster_id):
+            self._unlist(link, error.reason if isinstance(error, LLMLinkError) else None, str(error))
+            link.channel.close(error)
+            if link.data_token is not None:
+                self._data_tokens.pop(link.data_token, None)
+            if link.fd_grant is not None:
+                self._fd_grants.pop(link.fd_grant, None)
+            try:
+                await link.plane.stop(error)  # no thread touches memory any more before leases are released
+                if link.offered is not None:  # (closing twice is harmless: the TCP plane closed it if it owned it)
+                    await link.offered.aclose(error)
+                if self.on_link_closed is not None:
+                    await self.on_link_closed(link, error)
+                await link.plane.close()
+            finally:
+                await self._close_sockets(link)
         log.info("cluster %d dropped link to %d: %s", self._cluster_id, link.remote_cluster_id, error)
+
+    @contextlib.contextmanager
+    def _tearing_down(self, cluster: int) -> Iterator[None]:
+        """A link to ``cluster`` is being torn down for the body (:meth:`torn_down` waits for it)."""
+        done = asyncio.get_running_loop().create_future()
+        self._dropping.setdefault(cluster, set()).add(done)
+        try:
+            yield
+        finally:
+            done.set_result(None)
+            dropping = self._dropping[cluster]
+            dropping.discard(done)
+            if not dropping:
+                del self._dropping[cluster]
+
+    async def torn_down(self, cluster: int) -> None:
+        """Return once no link to ``cluster`` is being torn down (its sockets closed, its peer told)."""
+        while cluster in self._dropping:
+            await asyncio.shield(asyncio.gather(*self._dropping[cluster]))
 
     async def _close_sockets(self, link: Link) -> None:
         if link.routing_id is not None and self._server is not None:

@@ -8,15 +8,24 @@ which token is whose.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import sys
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
+from ..._log_limits import LimitedWarning
 from .frames import DATA_HELLO, MAGIC
 
-__all__ = ["accept_data", "connect_data", "data_listener", "read_data_hello"]
+__all__ = ["MAX_UNNAMED", "accept_data", "connect_data", "data_listener", "read_data_hello"]
 
 HELLO_TIMEOUT = 5.0  # an accepted connection that does not present its token by then is closed
+MAX_UNNAMED = 256
+"""Accepted data connections that may wait at once to present their token."""
+
+log = logging.getLogger("aiodatadist.transport.tcp")
+_unnamed = LimitedWarning(log)
+_accept_failed = LimitedWarning(log)
 
 
 def data_listener(ip: str) -> socket.socket:
@@ -58,19 +67,48 @@ async def connect_data(host: str, port: int, token: bytes, count: int, timeout: 
 
 
 async def accept_data(listener: socket.socket,
-                      adopt: Callable[[socket.socket], Coroutine[Any, Any, None]],
-                      spawn: Callable[[Coroutine[Any, Any, None]], object]) -> None:
-    """Server side: accept data connections until the listener closes; each is adopted in a task of its own."""
+                      adopt: Callable[[socket.socket, bytes], Coroutine[Any, Any, None]],
+                      spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]) -> None:
+    """Server side: accept data connections until the listener closes; each that presents a token in time is handed
+    to ``adopt`` with it (others are closed).  At most :data:`MAX_UNNAMED` connections wait to present theirs (a
+    real peer sends it with its connect); beyond that the one that has waited longest is closed."""
     loop = asyncio.get_running_loop()
+    waiting: dict[asyncio.Task[None], socket.socket] = {}  # in accepting order
     while True:
         try:
             conn, _ = await loop.sock_accept(listener)
         except OSError:
             if listener.fileno() == -1:
                 return  # stopped listening
+            _accept_failed("cannot accept data connections: %s", sys.exc_info()[1])
             await asyncio.sleep(0.05)  # e.g. out of descriptors: try again shortly
             continue
-        spawn(adopt(conn))
+        if len(waiting) >= MAX_UNNAMED:
+            oldest = next(iter(waiting))
+            _unnamed("closing a data connection that did not present a token: %d are waiting, the most kept",
+                     len(waiting))
+            oldest.cancel()
+            waiting.pop(oldest).close()
+        task = spawn(_named(conn, adopt, waiting))
+        waiting[task] = conn
+        task.add_done_callback(lambda done: waiting.pop(done, None))
+
+
+async def _named(conn: socket.socket, adopt: Callable[[socket.socket, bytes], Coroutine[Any, Any, None]],
+                 waiting: dict[asyncio.Task[None], socket.socket]) -> None:
+    """Read the token ``conn`` presents, then (no longer waiting) hand it over; closed without one."""
+    try:
+        token = await read_data_hello(conn)
+    except BaseException:
+        conn.close()
+        raise
+    current = asyncio.current_task()
+    if current is not None:
+        waiting.pop(cast(asyncio.Task[None], current), None)
+    if token is None:
+        conn.close()
+        return
+    await adopt(conn, token)
 
 
 async def read_data_hello(conn: socket.socket) -> bytes | None:
