@@ -15,7 +15,11 @@ first always a kill:
 * ``data_cut``: shut down the decoder's TCP data connections to the prompt (``shutdown(2)`` on a duplicate of
   their descriptors: the library's threads see the connection break).  The data listener's port is ephemeral
   and announced in the handshake, so the proxy cannot carry them.  Only where the link has data connections
-  (``--transport tcp``); elsewhere the event is a ``proxy_cut``.
+  (``--transport tcp``); elsewhere the event is a ``proxy_cut``;
+* ``port_churn``: for 1-4 s, a hostile process (:mod:`aiodatadist.tools.port_churn`, ``mixed``) opens and drops
+  connections to the prompt's listen port as fast as it can: ZeroMQ clients that say nothing, random bytes,
+  greetings cut short, random msgpack maps.  The link and its transfers must carry on meanwhile, and a link made
+  after it must be admitted.
 
 A relinker in the decoder calls ``link_clusters`` again whenever its link to the prompt is gone (the library
 drops it when the connection breaks) and the prompt is ready (its caches filled: a link to a half-built prompt
@@ -88,10 +92,14 @@ from .soak import (
 __all__ = ["chaos_summary", "run_chaos_soak"]
 
 CHAOS_EVERY_S = (5.0, 20.0)  # the pause before each event, drawn uniformly
-EVENT_WEIGHTS = {"kill": 0.35, "sigstop": 0.2, "proxy_stall": 0.15, "proxy_cut": 0.15, "data_cut": 0.15}
+EVENT_WEIGHTS = {"kill": 0.3, "sigstop": 0.15, "proxy_stall": 0.15, "proxy_cut": 0.15, "data_cut": 0.15,
+                 "port_churn": 0.1}
 SHORT_STALL_S = (0.1, 1.5)  # below sync_kv_timeout
 LONG_STALL_S = (2.5, 5.0)  # beyond it
 CUT_S = (0.1, 2.0)
+CHURN_S = (1.0, 4.0)
+CHURN_PROBE_ID = 7_000_001  # a decoder linking once after a port churn
+CHURN_LINK_MS = 1000
 LINK_TIMEOUT_MS = 3000
 RELINK_POLL_S = 0.02
 RELINK_RETRY_S = 0.1
@@ -398,6 +406,8 @@ class _ChaosSoak(_Soak):
             event.kind = "proxy_cut"  # this link has no TCP data connections
         if event.kind == "kill":
             await self._restart(event)
+        elif event.kind == "port_churn":
+            await self._churn(event)
         elif event.kind == "sigstop":
             event.hold_s = self._hold()
             event.detail = f"prompt stopped for {event.hold_s:.2f} s"
@@ -415,6 +425,25 @@ class _ChaosSoak(_Soak):
                 await asyncio.sleep(event.hold_s)
             finally:
                 await self._proxy.command("pass")
+
+    async def _churn(self, event: _Event) -> None:
+        event.hold_s = float(self._rng.uniform(*CHURN_S))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "aiodatadist.tools.port_churn", "mixed", str(self._prompt.port),
+            f"{event.hold_s:.3f}", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        words = out.split()
+        made = words[-1].decode() if words[-2:-1] == [b"done"] else "?"
+        if proc.returncode != 0:
+            raise RuntimeError(f"the port churn process failed ({proc.returncode}): {err.decode()[-800:]}")
+        event.detail = f"{made} hostile connections to the listen port in {event.hold_s:.2f} s"
+        async with LLMDataDist(LLMRole.DECODER, CHURN_PROBE_ID) as probe:  # a new link is admitted at once
+            await probe.init({})
+            code, _ = await probe.link_clusters([cluster_info(PROMPT, self._prompt.port)], timeout=CHURN_LINK_MS)
+            if code != LLMStatusCode.LLM_SUCCESS:
+                self.problems.append(f"a link after {event.detail} failed: {code.name}")
+            else:
+                await probe.unlink_clusters([cluster_info(PROMPT, self._prompt.port)], timeout=CHURN_LINK_MS)
 
     async def _restart(self, event: _Event) -> None:
         prompt = self._prompt

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                              "always a kill")
     parser.add_argument("--chaos-events", metavar="K,K,...",
                         help="with --chaos: inject these kinds in this order, cyclically (kill, sigstop, proxy_stall, "
-                             "proxy_cut, data_cut; default: random kinds, the first a kill)")
+                             "proxy_cut, data_cut, port_churn; default: random kinds, the first a kill)")
     args = parser.parse_args(argv)
     if args.seconds <= 0 or args.concurrency < 1 or args.seed < 0:
         parser.error("--seconds must be > 0, --concurrency >= 1 and --seed >= 0")

@@ -1,5 +1,5 @@
 """A listen port that anything can reach: connection churn, garbage, half-finished handshakes held open and floods
-of HELLOs, each from a hostile client in its own OS process (``helpers/hostile_clients.py``).
+of HELLOs, each from a hostile client in its own OS process (``aiodatadist.tools.port_churn``).
 
 After each, within a second, a new decoder links, pulls byte-exact and unlinks cleanly, and a decoder linked before
 it still gets its requests answered and unlinks cleanly (the control socket answers).  The rule asserted is that
@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,14 +32,13 @@ from aiodatadist.testing import cluster_info, free_port
 
 S = LLMStatusCode
 DESC = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)
-CLIENTS = Path(__file__).resolve().parent.parent / "helpers" / "hostile_clients.py"
 LINK_WITHIN_MS = 1000  # a legitimate link after the hostile client is done (a link takes milliseconds)
 WAIT_S = 30.0  # generous bound for what happens in the background (the machine may be loaded)
 
 
 async def _clients(kind: str, port: int, n: int) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, str(CLIENTS), kind, str(port), str(n), str(PROTOCOL_VERSION),
+        sys.executable, "-m", "aiodatadist.tools.port_churn", kind, str(port), str(n), str(PROTOCOL_VERSION),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
 
 

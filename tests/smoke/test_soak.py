@@ -35,7 +35,7 @@ def test_soak_verifies_every_transfer(tmp_path: Path, transport: str) -> None:
     assert "result             PASS" in result.stdout
 
 
-@pytest.mark.parametrize(("transport", "events"), [("shm", "kill,proxy_cut"), ("tcp", "kill,data_cut")])
+@pytest.mark.parametrize(("transport", "events"), [("shm", "kill,proxy_cut"), ("tcp", "kill,port_churn,data_cut")])
 def test_chaos_soak_relinks_after_a_restart(tmp_path: Path, transport: str, events: str) -> None:
     """``soak --chaos``: the prompt process is killed and restarted (the first event, forced early), the decoder
     relinks and its transfers go on, byte-exact, with no late call and no descriptor, thread, mapping or memfd
