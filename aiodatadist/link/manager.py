@@ -90,6 +90,7 @@ R = LinkDropReason
 
 log = logging.getLogger("aiodatadist.link")
 _at_link_limit = LimitedWarning(log)
+_challenges_full = LimitedWarning(log)
 
 RequestHook = Callable[["Link", dict[str, Any]], Awaitable["dict[str, Any] | None"]]
 """Serves a peer's transfer request on a link; returns the reply body (None: answered later, or never)."""
@@ -390,6 +391,9 @@ class LinkManager:
         outcome = authenticate(self._auth_key, self._challenges, routing_id, hello, self._cluster_id,
                                time.monotonic())
         if isinstance(outcome, HelloChallenge):
+            if len(self._challenges) >= auth.MAX_PENDING:
+                _challenges_full("cluster %d has %d authentication challenges pending, the most it keeps: a HELLO "
+                                 "flood? (each new one replaces the oldest)", self._cluster_id, auth.MAX_PENDING)
             server.reply_raw(routing_id, outcome.reply_to_wire(req_id))
             return None
         if isinstance(outcome, Refused):

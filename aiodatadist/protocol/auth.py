@@ -28,7 +28,9 @@ __all__ = ["CHALLENGE_TTL", "MAX_PENDING", "NONCE_BYTES", "ChallengeTable", "dat
 
 NONCE_BYTES = 32
 CHALLENGE_TTL = 10.0
-MAX_PENDING = 1024
+MAX_PENDING = 16384
+"""Challenges pending at once (about 4 MiB): a flood must issue this many between a legitimate client's challenge
+and its answer to push that challenge out."""
 
 
 def derive_key(auth_key: str) -> bytes:
@@ -67,12 +69,17 @@ class ChallengeTable:
 
     def issue(self, routing_id: bytes, client_nonce: bytes, now: float) -> bytes:
         """A fresh server nonce for this connection (replacing any earlier one); at :data:`MAX_PENDING`
-        challenges, the expired ones go first, else the one issued first."""
-        if len(self._pending) >= MAX_PENDING:
-            for rid in [r for r, (_, _, t) in self._pending.items() if t < now] or list(self._pending)[:1]:
-                del self._pending[rid]
+        challenges, the expired ones go first, else the one issued first.  The table is in issuing order, which is
+        the order of the deadlines (one TTL for all): both are found at its front, in constant time a challenge."""
+        pending = self._pending
+        pending.pop(routing_id, None)
+        if len(pending) >= MAX_PENDING:
+            while pending and next(iter(pending.values()))[2] < now:
+                del pending[next(iter(pending))]
+            if len(pending) >= MAX_PENDING:
+                del pending[next(iter(pending))]
         server_nonce = new_nonce()
-        self._pending[routing_id] = (client_nonce, server_nonce, now + CHALLENGE_TTL)
+        pending[routing_id] = (client_nonce, server_nonce, now + CHALLENGE_TTL)
         return server_nonce
 
     def take(self, routing_id: bytes, now: float) -> tuple[bytes, bytes] | None:

@@ -146,3 +146,16 @@ def test_data_token() -> None:
 def test_new_nonce() -> None:
     assert len(auth.new_nonce()) == NONCE_BYTES
     assert auth.new_nonce() != auth.new_nonce()
+
+
+def test_a_challenge_issued_again_counts_from_its_new_issue() -> None:
+    """A connection challenged again moves to the back: the table stays in deadline order, so a full table
+    pushes out the oldest challenge, never one just issued."""
+    table = ChallengeTable()
+    for n in range(MAX_PENDING):
+        table.issue(rid(n), CN, T0)
+    again = table.issue(rid(0), CN, T0 + 1)
+    table.issue(rid(MAX_PENDING), CN, T0 + 1)  # full: the oldest goes, rid(1)
+    assert len(table) == MAX_PENDING
+    assert table.take(rid(1), T0 + 1) is None
+    assert table.take(rid(0), T0 + 1 + CHALLENGE_TTL) == (CN, again)  # its deadline is the new issue's
