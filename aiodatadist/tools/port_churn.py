@@ -71,9 +71,9 @@ def _one(ctx: zmq.Context[zmq.Socket[bytes]], kind: str, port: int, i: int, rng:
     if kind in ("raw", "greeting"):
         payload = rng.bytes(int(rng.integers(1, 256))) if kind == "raw" else \
             GREETING[:int(rng.integers(1, len(GREETING)))]
-        with contextlib.suppress(OSError):  # a full backlog, or the server closed it already: on to the next
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-                conn.sendall(payload)
+        # a full backlog, or the server closed it already: on to the next
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(payload)
         return
     sock = _dealer(ctx, port)
     if kind == "zmq":
