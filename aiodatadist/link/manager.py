@@ -342,7 +342,7 @@ class LinkManager:
             # lost because of it (the unlink drops the link itself).
             if not link.closed and not link.unlinking:
                 if isinstance(error, LLMLinkError) and error.reason is None:
-                    error.reason = R.CONNECTION_LOST  # (the transfers it fails raise it now: the probe comes later)
+                    error.reason = R.DATA_CONNECTION_LOST  # (its transfers raise it now: the probe comes later)
                 self._tasks.spawn(self._connection_lost(link, str(error), R.DATA_CONNECTION_LOST),
                                   name=f"drop-{link.remote_cluster_id}")
 
@@ -760,10 +760,11 @@ class LinkManager:
         if link.closed:
             return
         cluster = link.remote_cluster_id
-        error = LLMLinkError(f"the connection to cluster {cluster} broke: {what} ({R.CONNECTION_LOST})",
-                             reason=R.CONNECTION_LOST)
-        if self.links.get(cluster) is not link:  # (already unlisted)
-            await self.drop(link, error)
+        reason = alive if link.is_client else R.CONNECTION_LOST
+        error = LLMLinkError(f"the connection to cluster {cluster} broke: {what} ({reason})", reason=reason)
+        if self.links.get(cluster) is not link:  # already unlisted: by another failure of it (probing why), or not
+            if cluster not in self._settling:  # (else that failure's drop names the reason)
+                await self.drop(link, error)
             return
         with self._tearing_down(cluster):
             del self.links[cluster]
