@@ -4,12 +4,15 @@ control connection (stalled or cut by a proxy) and its TCP data connections (shu
 A decoder sees control-connection faults only when it linked through the proxy: link to
 ``faults.cluster_info()`` (or ``faults.address``) instead of the server's own address.  The proxy follows the
 server when :meth:`FaultInjector.restart` (or ``server.restart``) moves it to another port.
+``await faults.taken_effect(decoder)`` returns once a decoder has dropped its link to the server (it noticed the
+fault), instead of sleeping.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from ..types import LLMClusterInfo
 from ._opening import Opening
@@ -17,6 +20,11 @@ from .netcut import cut_data_connections
 from .peer import Exit, Stopped
 from .prompt_server import PromptAddress, PromptServer
 from .proxy_thread import ThreadedFaultProxy
+from .waiting import DEFAULT_TIMEOUT_S, wait_unlinked
+
+if TYPE_CHECKING:
+    from ..datadist import LLMDataDist
+    from ..errors import LinkDropReason
 
 __all__ = ["FaultInjector"]
 
@@ -104,6 +112,15 @@ class FaultInjector:
     async def restart(self, *, port: int | None = None) -> None:
         """``server.restart(port=port)``; the proxy forwards to the new process."""
         await self.server.restart(port=port)
+
+    # -- its effect ------------------------------------------------------------------------------------------
+    async def taken_effect(self, decoder: LLMDataDist, timeout: float = DEFAULT_TIMEOUT_S) -> LinkDropReason | None:
+        """Return once ``decoder`` has no link to the server any more: it noticed the fault (a kill or a cut at
+        once; a stop or a stall once its heartbeats ran out, about 6 s).  Returns the drop's reason
+        (:class:`~aiodatadist.errors.LinkDropReason`, what the decoder's later calls to the server raise), or
+        None when the decoder does not know it.  ``TimeoutError`` after ``timeout`` seconds; call it on the
+        decoder's event loop (:func:`~aiodatadist.testing.wait_unlinked` for the server's cluster)."""
+        return await wait_unlinked(decoder, self.server.cluster_id, timeout)
 
     async def close(self) -> None:
         """Stop the proxy (its connections are cut); the server stays as it is.  Idempotent."""

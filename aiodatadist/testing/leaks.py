@@ -9,6 +9,10 @@ allowed: the worker threads of event loops' default executors (``asyncio_N``, wh
 the threads and pipes of the library's copy executor while an instance still holds it (it is shared), the CUDA
 driver's threads and descriptors; and the modules that start threads on import (numpy's BLAS pool) are imported
 before the baseline.
+
+Each thing left is a :class:`Leak`; :meth:`LeakCheck.report` names each descriptor (its number, kind, target, a
+socket's addresses, the Python object holding it), and :meth:`LeakCheck.allow` lets a test leave known leaks
+(by kind, with a count, or by a predicate).
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import sys
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeAlias
 
-__all__ = ["LeakCheck", "Resources"]
+from ._fds import fd_detail, fd_holders, fd_kind
+
+__all__ = ["RESOURCES", "Leak", "LeakCheck", "LeakMatch", "Resources"]
 
 DEFAULT_IGNORED_THREADS = (r"asyncio_\d+", r"cuda[-\w]* \(native\)")
 """Thread names (regular expressions, matched whole) never counted as leaks: the worker threads of event loops'
@@ -38,6 +44,45 @@ IGNORED_FDS = ("/dev/nvidia",)
 PRELOADED = ("numpy", "zmq", "aiodatadist.datadist")
 """Imported before the baseline: what they start on import (numpy's BLAS threads) is process-wide, not the
 test's."""
+
+
+RESOURCES = ("instance", "process", "thread", "fd", "mapping", "task")
+"""What a :class:`Leak` can be, in the order of a report: an unfinalized ``LLMDataDist``, a child process, a
+thread, a file descriptor, a shared-memory mapping, a pending task of the test's event loop."""
+
+
+@dataclass(frozen=True)
+class Leak:
+    """One thing a test left behind, as :meth:`LeakCheck.leaks` finds it and an allowance
+    (:meth:`LeakCheck.allow`) sees it."""
+
+    resource: str
+    """One of :data:`RESOURCES`."""
+    kind: str
+    """A descriptor's kind (``pipe``, ``socket``, ``eventfd``, ``epoll``, ``memfd``, ``file``, ...: see
+    :func:`~aiodatadist.testing._fds.fd_kind`); for the other resources, the resource."""
+    description: str
+    """What it is: a descriptor's ``fd 12: pipe, read end (pipe:[4242])``, a thread's name, a child process's
+    state and command line, an instance with its links."""
+    fd: int | None = None
+    """A descriptor's number."""
+    target: str = ""
+    """A descriptor's ``/proc/self/fd`` link (``socket:[4243]``, a path); a mapping's file."""
+    detail: str = ""
+    """A pipe's end, a socket's protocol and addresses (``tcp 127.0.0.1:40000 -> 127.0.0.1:39163``)."""
+    holder: str | None = None
+    """The Python object holding a descriptor (``socket.socket``, ``_io.BufferedReader '/tmp/x'``), ``""``
+    when none does (``os.pipe()``, native code); None when not looked up (in reports only: the last look)."""
+
+    def __str__(self) -> str:
+        if self.holder is None:
+            return self.description
+        return f"{self.description}, " + (f"held by {self.holder}" if self.holder else "no Python object holds it")
+
+
+LeakMatch: TypeAlias = "str | Callable[[Leak], bool]"
+"""What :meth:`LeakCheck.allow` allows: a resource or kind (``"pipe"``, ``"socket"``, ``"fd"``, ``"thread"``,
+...: it matches a :class:`Leak` whose ``resource`` or ``kind`` it is), or a predicate on a :class:`Leak`."""
 
 
 @dataclass
@@ -162,9 +207,11 @@ def _tally(items: Iterable[str]) -> str:
     return ", ".join(f"{item} x{n}" if n > 1 else item for item, n in counts.items())
 
 
-def _fd_kind(target: str) -> str:
-    """What a descriptor refers to, without the per-object part (``socket``, not ``socket:[1234]``)."""
-    return re.sub(r":\[\d+\]$", "", target)
+def _fd_leak(fd: int, target: str) -> Leak:
+    kind = fd_kind(fd, target)
+    detail = fd_detail(fd, kind)
+    what = f"{kind}, {detail}" if detail else kind
+    return Leak("fd", kind, f"fd {fd}: {what} ({target})", fd=fd, target=target, detail=detail)
 
 
 def _library_pool() -> tuple[set[int], bool]:
@@ -181,10 +228,26 @@ def _library_pool() -> tuple[set[int], bool]:
     return fds, True
 
 
+@dataclass
+class _Allowance:
+    match: LeakMatch
+    count: int | None
+
+    def matches(self, leak: Leak) -> bool:
+        if isinstance(self.match, str):
+            return self.match in (leak.resource, leak.kind)
+        return bool(self.match(leak))
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
 class LeakCheck:
-    """``check = LeakCheck(); check.start()`` before a test, ``problems = await check.problems()`` after it
-    (on the same event loop, or anywhere without ``loop``); ``await check.assert_clean()`` raises
-    ``AssertionError`` listing them.  The pytest fixture ``leak_check`` does all this around a test."""
+    """``check = LeakCheck(); check.start()`` before a test, ``leaks = await check.leaks()`` after it (on the
+    same event loop); ``await check.assert_clean()`` raises ``AssertionError`` listing them
+    (:meth:`report`).  ``check.allow(...)`` lets known leaks pass.  The pytest fixture ``leak_check`` does all
+    this around a test."""
 
     def __init__(self, *, settle_s: float = 3.0, ignore_threads: Iterable[str] = DEFAULT_IGNORED_THREADS) -> None:
         self.settle_s = settle_s
@@ -193,6 +256,19 @@ class LeakCheck:
         self._baseline: Resources | None = None
         self._baseline_instances: dict[int, weakref.ref[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._allowed: list[_Allowance] = []
+
+    def allow(self, what: LeakMatch, count: int | None = None) -> None:
+        """Let leaks matching ``what`` pass: a resource or a kind (``"pipe"``, ``"socket"``, ``"eventfd"``,
+        ``"fd"`` for any descriptor, ``"thread"``, ``"process"``, ``"task"``, ...; see :class:`Leak`), or a
+        predicate on a :class:`Leak` (``lambda leak: leak.kind == "socket" and ":6379" in leak.detail``).
+        ``count``: at most that many of them (None: any number); more are reported.  Calls add up: each leak
+        is taken by the first allowance, in the order given, that matches it and has room left."""
+        if not isinstance(what, str) and not callable(what):
+            raise TypeError(f"allow() takes a resource or kind (str) or a predicate on a Leak, not {what!r}")
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise ValueError(f"count must be None or an int >= 0, not {count!r}")
+        self._allowed.append(_Allowance(what, count))
 
     def ignore_thread(self, pattern: str) -> None:
         """Never count threads whose name matches ``pattern`` (a regular expression, matched whole)."""
@@ -218,49 +294,73 @@ class LeakCheck:
                 out.append(description)
         return out
 
-    def _problems_now(self) -> list[str]:
-        """One line per instance and per child process, one per other kind of resource (counted)."""
+    def _leaks_now(self) -> list[Leak]:
+        """Everything left since the baseline, allowed or not, in the order of :data:`RESOURCES`."""
         assert self._baseline is not None, "start() was not called"
         gc.collect()
         before, now = self._baseline, Resources.take(self._loop)
         pool_fds, pool_alive = _library_pool()
-        out = self._new_instances(now.instances)
-        out += [now.children[k] for k in now.children.keys() - before.children.keys()]
-        threads = [name for tid, name in sorted(now.threads.items()) if tid not in before.threads
-                   and not any(p.fullmatch(name) for p in self._ignored)
-                   and not (pool_alive and name.startswith("aiodatadist-copy"))]
-        fds = [target for fd, target in sorted(now.fds.items()) if before.fds.get(fd) != target
-               and fd not in pool_fds and not target.startswith(IGNORED_FDS)]
-        memfds = [t for t in fds if t.startswith("/memfd:")]
-        others = [_fd_kind(t) for t in fds if not t.startswith("/memfd:")]
-        mappings = [now.shared_memory[r] for r in sorted(now.shared_memory.keys() - before.shared_memory.keys())]
-        tasks = [now.tasks[k] for k in now.tasks.keys() - before.tasks.keys()]
-        for what, items in (("threads", threads), ("file descriptors", others),
-                            ("shared-memory descriptors", memfds), ("shared-memory mappings", mappings),
-                            ("pending tasks", tasks)):
-            if items:
-                out.append(f"{len(items)} {what}: {_tally(items)}")
+        out = [Leak("instance", "instance", d) for d in self._new_instances(now.instances)]
+        out += [Leak("process", "process", now.children[k]) for k in sorted(now.children.keys()
+                                                                             - before.children.keys())]
+        out += [Leak("thread", "thread", name) for tid, name in sorted(now.threads.items())
+                if tid not in before.threads and not any(p.fullmatch(name) for p in self._ignored)
+                and not (pool_alive and name.startswith("aiodatadist-copy"))]
+        for fd, target in sorted(now.fds.items()):
+            if before.fds.get(fd) != target and fd not in pool_fds and not target.startswith(IGNORED_FDS):
+                out.append(_fd_leak(fd, target))
+        out += [Leak("mapping", "mapping", now.shared_memory[r], target=now.shared_memory[r])
+                for r in sorted(now.shared_memory.keys() - before.shared_memory.keys())]
+        out += [Leak("task", "task", now.tasks[k]) for k in now.tasks.keys() - before.tasks.keys()]
         return out
 
-    def report(self, problems: list[str]) -> str:
-        """The text of a failure for ``problems`` (from :meth:`problems`)."""
-        return "the test left these behind:\n  " + "\n  ".join(problems)
+    def _not_allowed(self, found: list[Leak]) -> list[Leak]:
+        room = [a.count for a in self._allowed]
+        out = []
+        for leak in found:
+            for i, allowance in enumerate(self._allowed):
+                left = room[i]
+                if left != 0 and allowance.matches(leak):
+                    room[i] = None if left is None else left - 1
+                    break
+            else:
+                out.append(leak)
+        return out
 
-    async def problems(self) -> list[str]:
-        """What is left since :meth:`start`, once ``settle_s`` passed or nothing is left (checked every 20 ms
-        meanwhile, letting the loop run)."""
+    def report(self, leaks: Sequence[Leak]) -> str:
+        """The text of a failure for ``leaks`` (from :meth:`leaks`): a line per instance and per child process,
+        a line per other resource (threads, mappings and tasks counted), and a line per descriptor under
+        theirs."""
+        lines = [str(leak) for leak in leaks if leak.resource in ("instance", "process")]
+        for resource, what in (("thread", "thread"), ("fd", "file descriptor"), ("mapping", "shared-memory mapping"),
+                               ("task", "pending task")):
+            items = [leak for leak in leaks if leak.resource == resource]
+            if not items:
+                continue
+            if resource == "fd":
+                lines.append(f"{_plural(len(items), what)}:" + "".join(f"\n    {leak}" for leak in items))
+            else:
+                lines.append(f"{_plural(len(items), what)}: {_tally(str(leak) for leak in items)}")
+        return "the test left these behind:\n  " + "\n  ".join(lines)
+
+    async def leaks(self) -> list[Leak]:
+        """What is left since :meth:`start` and not allowed (:meth:`allow`), once ``settle_s`` passed or nothing
+        is left (checked every 20 ms meanwhile, letting the loop run); descriptors name the Python object that
+        holds them (:attr:`Leak.holder`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settle_s
         while True:
-            found = self._problems_now()
+            found = self._not_allowed(self._leaks_now())
             if not found or loop.time() >= deadline:
-                return found
+                break
             await asyncio.sleep(0.02)
+        holders = fd_holders([leak.fd for leak in found if leak.fd is not None])
+        return [replace(leak, holder=holders.get(leak.fd, "")) if leak.fd is not None else leak for leak in found]
 
     async def assert_clean(self) -> None:
         """Raise ``AssertionError`` listing what the test left behind (after cleaning it up: see
         :meth:`clean_up`)."""
-        found = await self.problems()
+        found = await self.leaks()
         if found:
             await self.clean_up()
             raise AssertionError(self.report(found))

@@ -21,6 +21,12 @@ Fixtures (all function-scoped; see ``docs/testing.md``):
                             :class:`~aiodatadist.testing.LeakCheck`.  Request it first, or with
                             ``pytest.mark.usefixtures("leak_check")`` (it is moved before the test's other
                             function-scoped fixtures either way).
+
+Marker: ``@pytest.mark.aiodatadist_leaks(allow=..., count=None)`` lets ``leak_check`` pass known leaks of a test
+(``allow``: a kind such as ``"pipe"``, a predicate on a :class:`~aiodatadist.testing.Leak`, or a list of them;
+see :meth:`~aiodatadist.testing.LeakCheck.allow`).
+
+Works in pytest-asyncio's strict and auto modes alike: the fixtures are ``pytest_asyncio`` fixtures.
 """
 
 from __future__ import annotations
@@ -48,6 +54,16 @@ __all__ = ["datadist_factory", "fault_injector", "leak_check", "linked_decoder",
 F = TypeVar("F", bound=Callable[..., Any])
 _FOLLOWS_TEST_LOOP = "_aiodatadist_follows_test_loop"
 LINK_TIMEOUT_MS = 5000
+LEAKS_MARKER = "aiodatadist_leaks"
+"""``@pytest.mark.aiodatadist_leaks(allow=..., count=None)``: known leaks ``leak_check`` lets pass."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the marker (projects run with ``--strict-markers``)."""
+    config.addinivalue_line(
+        "markers", f"{LEAKS_MARKER}(allow, count=None): leaks the aiodatadist leak_check fixture lets pass in "
+                   "this test: allow is a kind ('pipe', 'socket', 'fd', 'thread', ...), a predicate on a Leak, or "
+                   "a list of them; count: at most that many of each (docs/testing.md)")
 
 
 def _async_fixture(func: F) -> F:
@@ -206,17 +222,35 @@ async def linked_decoder(request: pytest.FixtureRequest, prompt_server: PromptSe
 
 
 @_async_fixture
-async def leak_check() -> AsyncIterator[LeakCheck]:
+async def leak_check(request: pytest.FixtureRequest) -> AsyncIterator[LeakCheck]:
     """Fails the test (an error at its teardown) if it left unfinalized ``LLMDataDist`` instances (with their
     links), child processes, threads, file descriptors, shared-memory mappings or pending tasks behind; what it
     found is cleaned up first (instances finalized, processes killed).  Yields the
-    :class:`~aiodatadist.testing.LeakCheck` (``ignore_thread(pattern)``, ``settle_s``)."""
+    :class:`~aiodatadist.testing.LeakCheck` (``allow(what, count=None)``, ``ignore_thread(pattern)``,
+    ``settle_s``); the test's ``aiodatadist_leaks`` markers are its first allowances."""
     from .leaks import LeakCheck
 
     check = LeakCheck()
+    for marker in request.node.iter_markers(LEAKS_MARKER):
+        _allow_from_marker(check, marker)
     check.start()
     yield check
-    found = await check.problems()
+    found = await check.leaks()
     if found:
         await check.clean_up()
-        pytest.fail(f"leak_check: {check.report(found)}", pytrace=False)
+        pytest.fail(f"leak_check: {check.report(found)}\n  (a known leak: leak_check.allow(kind or predicate, "
+                    f"count=None), or @pytest.mark.{LEAKS_MARKER}(allow=..., count=...))", pytrace=False)
+
+
+def _allow_from_marker(check: LeakCheck, marker: pytest.Mark) -> None:
+    """``aiodatadist_leaks(allow, count=None)`` (``allow`` also positional): ``check.allow`` for each."""
+    unknown = set(marker.kwargs) - {"allow", "count"}
+    if unknown or len(marker.args) > 1 or (marker.args and "allow" in marker.kwargs):
+        pytest.fail(f"@pytest.mark.{LEAKS_MARKER} takes (allow, count=None), not {marker.args!r} "
+                    f"{marker.kwargs!r}", pytrace=False)
+    allow = marker.args[0] if marker.args else marker.kwargs.get("allow")
+    if allow is None:
+        pytest.fail(f"@pytest.mark.{LEAKS_MARKER} needs allow= (a kind, a predicate or a list of them)",
+                    pytrace=False)
+    for what in allow if isinstance(allow, (list, tuple)) else [allow]:
+        check.allow(what, marker.kwargs.get("count"))

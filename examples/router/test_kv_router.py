@@ -20,7 +20,14 @@ import pytest_asyncio
 from kv_router import KVRouter, Prompt
 
 from aiodatadist import CacheDesc, DataType, LLMException, LLMLinkError, LLMStatusCode, Placement
-from aiodatadist.testing import FaultInjector, PromptServer, block_rows, new_cluster_id, tensor_bytes
+from aiodatadist.testing import (
+    FaultInjector,
+    PromptServer,
+    assert_blocks_landed,
+    block_rows,
+    new_cluster_id,
+    tensor_bytes,
+)
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("leak_check")]
 
@@ -64,8 +71,7 @@ def rows(router: KVRouter, blocks: list[int]) -> list[np.ndarray[Any, Any]]:
 
 
 def assert_landed(router: KVRouter, server: PromptServer, src: list[int], dst: list[int]) -> None:
-    for have, want in zip(rows(router, dst), server.expected("kv", src), strict=True):
-        np.testing.assert_array_equal(have, want)
+    assert_blocks_landed(router.cache, dst, server, src)
 
 
 # -- the data path -------------------------------------------------------------------------------------------

@@ -5,12 +5,16 @@ suites run by ``pytester`` in a pytest subprocess each, with pytest-asyncio in a
   session loop serves function-scoped tests on their own loops);
 * ``leak_check`` passes clean tests and fails (at teardown) a test that leaves a link, a child process or a
   peer process behind, and cleans up after it so that the next test passes;
+* ``leak_check`` names each leaked descriptor (number, kind, target, a socket's addresses, its holder), and
+  lets known leaks pass (the ``aiodatadist_leaks`` marker, ``leak_check.allow``);
 * a test that uses none of the fixtures runs as without the plugin: its import loads neither numpy nor ZeroMQ
   (and ``leak_check`` on the first test that loads them does not take their import-time threads for leaks).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import textwrap
 
 import pytest
@@ -214,3 +218,93 @@ def test_a_test_without_the_fixtures_runs_as_without_the_plugin(pytester: pytest
         assert name in listed.stdout.str()
     disabled = pytester.runpytest_subprocess(*QUIET, "-p", "no:aiodatadist", "--fixtures")
     assert "prompt_server_factory" not in disabled.stdout.str()
+
+
+DESCRIPTOR_TESTS = '''
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+KEEP = []
+
+
+def record(name, **fds):
+    Path(f"{name}.json").write_text(json.dumps(fds))
+
+
+def test_leaks_a_pipe(leak_check):
+    leak_check.settle_s = 0.2
+    r, w = os.pipe()
+    KEEP.append((r, w))
+    record("pipe", r=r, w=w)
+
+
+def test_leaks_a_connection(leak_check):
+    leak_check.settle_s = 0.2
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    KEEP.extend([server, client])
+    record("connection", server=server.fileno(), client=client.fileno(), port=server.getsockname()[1],
+           local=client.getsockname()[1])
+
+
+@pytest.mark.aiodatadist_leaks(allow="pipe", count=2)
+def test_an_allowed_pipe(leak_check):
+    KEEP.append(os.pipe())
+
+
+@pytest.mark.aiodatadist_leaks("pipe", count=1)
+def test_one_pipe_end_allowed(leak_check):
+    leak_check.settle_s = 0.2
+    r, w = os.pipe()
+    KEEP.append((r, w))
+    record("one", r=r, w=w)
+
+
+@pytest.mark.aiodatadist_leaks(allow=[lambda leak: leak.kind == "socket" and "unix" in leak.detail, "eventfd"])
+async def test_allowed_by_a_predicate_and_by_a_call(leak_check):
+    KEEP.extend(socket.socketpair())
+    leak_check.allow("pipe")
+    KEEP.append(os.pipe())
+
+
+@pytest.mark.aiodatadist_leaks(allow="pipe", colour="red")
+def test_a_wrong_marker(leak_check):
+    pass
+'''
+
+
+def test_leak_reports_name_each_descriptor_and_known_leaks_are_allowed(pytester: pytest.Pytester) -> None:
+    pytester.makeini(INI + "addopts = --strict-markers\n")
+    pytester.makepyfile(test_descriptors=DESCRIPTOR_TESTS)
+    result = pytester.runpytest_subprocess(*QUIET, "-rE")
+    result.assert_outcomes(passed=5, errors=4)
+    out = result.stdout.str()
+    reports = {name: out.split(f"ERROR at teardown of {name}", 1)[1].split("\n_", 1)[0]
+               for name in ("test_leaks_a_pipe", "test_leaks_a_connection", "test_one_pipe_end_allowed")}
+
+    pipe = json.loads((pytester.path / "pipe.json").read_text())
+    assert re.search(rf"2 file descriptors:\n\s+fd {pipe['r']}: pipe, read end \(pipe:\[\d+\]\), no Python "
+                     rf"object holds it\n\s+fd {pipe['w']}: pipe, write end \(pipe:\[\d+\]\)",
+                     reports["test_leaks_a_pipe"])
+    assert "a known leak: leak_check.allow(kind or predicate, count=None), or " \
+           "@pytest.mark.aiodatadist_leaks(allow=..., count=...)" in reports["test_leaks_a_pipe"]
+
+    conn = json.loads((pytester.path / "connection.json").read_text())
+    report = reports["test_leaks_a_connection"]
+    assert re.search(rf"fd {conn['server']}: socket, tcp listening on 127\.0\.0\.1:{conn['port']} "
+                     rf"\(socket:\[\d+\]\), held by socket\.socket", report)
+    assert re.search(rf"fd {conn['client']}: socket, tcp 127\.0\.0\.1:{conn['local']} -> "
+                     rf"127\.0\.0\.1:{conn['port']} \(socket:\[\d+\]\), held by socket\.socket", report)
+
+    one = json.loads((pytester.path / "one.json").read_text())  # the first end allowed, the second reported
+    assert f"1 file descriptor:\n    fd {one['w']}: pipe, write end" in reports["test_one_pipe_end_allowed"]
+    assert f"fd {one['r']}:" not in reports["test_one_pipe_end_allowed"]
+
+    for allowed in ("test_an_allowed_pipe", "test_allowed_by_a_predicate_and_by_a_call"):
+        assert f"ERROR at teardown of {allowed}" not in out
+    assert "ERROR at setup of test_a_wrong_marker" in out
+    assert "@pytest.mark.aiodatadist_leaks takes (allow, count=None)" in out

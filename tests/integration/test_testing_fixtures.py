@@ -20,6 +20,7 @@ from aiodatadist import (
     Cache,
     CacheDesc,
     DataType,
+    LinkDropReason,
     LLMDataDist,
     LLMException,
     LLMStatusCode,
@@ -31,10 +32,13 @@ from aiodatadist.testing import (
     PeerError,
     PeerProcess,
     PromptServer,
+    assert_blocks_landed,
     block_rows,
     cluster_info,
     local_prompt,
     tensor_bytes,
+    wait_linked,
+    wait_unlinked,
 )
 
 GONE = (LLMStatusCode.LLM_NOT_YET_LINK, LLMStatusCode.LLM_LINK_FAILED)
@@ -136,10 +140,9 @@ async def test_cut_control_connection_drops_the_link(prompt_server: PromptServer
                 await linked_decoder.cache_manager.pull_blocks(prompt_server.caches["kv"].key, cache, [1], [1])
                 await asyncio.sleep(0.05)
     assert info.value.status_code in GONE
+    # the proxy's port still accepts connections: the decoder cannot tell a cut from a silent peer
+    assert await fault_injector.taken_effect(linked_decoder) == LinkDropReason.HEARTBEAT_LOST
     fault_injector.pass_control()
-    async with asyncio.timeout(10):
-        while linked_decoder.links():
-            await asyncio.sleep(0.02)
     code, _ = await linked_decoder.link_clusters([fault_injector.cluster_info()], timeout=5000)
     assert code == LLMStatusCode.LLM_SUCCESS
     await pull_and_check(linked_decoder, prompt_server, cache, [6], [7])
@@ -165,14 +168,29 @@ async def test_killed_prompt_restarts_with_its_bytes(prompt_server: PromptServer
     old_pid, port = prompt_server.pid, prompt_server.port
     assert await fault_injector.kill() == -9
     assert not prompt_server.alive
-    async with asyncio.timeout(10):
-        while linked_decoder.links():
-            await asyncio.sleep(0.02)
+    # through the proxy, whose port still accepts connections (linked directly: PEER_GONE)
+    assert await fault_injector.taken_effect(linked_decoder) == LinkDropReason.HEARTBEAT_LOST
     await fault_injector.restart(port=0)  # elsewhere: the proxy follows
     assert prompt_server.pid != old_pid and prompt_server.port != port
-    code, _ = await linked_decoder.link_clusters([fault_injector.cluster_info()], timeout=5000)
+    relink = asyncio.create_task(linked_decoder.link_clusters([fault_injector.cluster_info()], timeout=5000))
+    link = await wait_linked(linked_decoder, prompt_server.cluster_id)  # as code linking in the background
+    assert str(link["endpoint"]).endswith(f":{fault_injector.address.port}")
+    code, _ = await relink
     assert code == LLMStatusCode.LLM_SUCCESS
     await pull_and_check(linked_decoder, prompt_server, cache, [9, 10], [0, 1])
+    assert_blocks_landed(cache, [0, 1], prompt_server, [9, 10])
+
+
+async def test_wait_unlinked_waits_for_the_drop_and_says_why(prompt_server: PromptServer,
+                                                             linked_decoder: LLMDataDist) -> None:
+    cluster = prompt_server.cluster_id
+    with pytest.raises(TimeoutError, match=f"dropping its link to cluster {cluster} not true within 0.1 s"):
+        await wait_unlinked(linked_decoder, cluster, 0.1)
+    assert await wait_unlinked(linked_decoder, cluster + 1) is None  # never linked
+    await linked_decoder.unlink_clusters([prompt_server.cluster_info()])
+    assert await wait_unlinked(linked_decoder, cluster) == LinkDropReason.UNLINKED
+    with pytest.raises(TimeoutError, match=f"linked to cluster {cluster} not true"):
+        await wait_linked(linked_decoder, cluster, 0.1)
 
 
 # -- PeerProcess ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """docs/testing.md stays true: the example router and its suite shown there are the files CI runs, the agent's
-commands table lists every command, and the fixture table every fixture of the pytest plugin."""
+commands table lists every command, the fixture table every fixture of the pytest plugin, and the page names
+every public helper (its other examples run in ``tests/integration/test_testing_docs_examples.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from aiodatadist import testing
 from aiodatadist.testing import _agent, plugin
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,3 +41,14 @@ def test_the_fixture_table_lists_every_fixture() -> None:
     table = _doc().split("| fixture | what it gives", 1)[1].split("\n\n", 1)[0]
     documented = set(re.findall(r"^\| `(\w+)` \|", table, re.MULTILINE))
     assert documented == set(plugin.__all__)
+
+
+def test_the_page_names_every_public_helper() -> None:
+    """Each name of ``aiodatadist.testing`` is documented (in code, on the page)."""
+    doc = _doc()
+    missing = [name for name in testing.__all__ if not re.search(rf"`[^`]*\b{name}\b[^`]*`", doc)]
+    assert not missing, f"docs/testing.md does not name {missing}"
+
+
+def test_the_leaks_marker_is_documented() -> None:
+    assert f"@pytest.mark.{plugin.LEAKS_MARKER}(allow=" in _doc()
