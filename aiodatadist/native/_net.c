@@ -560,7 +560,15 @@ static void *receiver(void *arg)
             if (!j) { if (got < 0) break; continue; }
             pthread_mutex_lock(&n->lock);
             j->inflight--;
-            if (got < 0) { pthread_mutex_unlock(&n->lock); err = (int)-got; break; }
+            /* The frame broke off with part of it written: its job fails, and does so before another receiver can
+             * end it as complete (this frame counts as in flight until now). */
+            if (got < 0) {
+                err = (int)-got;
+                if (!j->error) j->error = err;
+                broken(n);
+                pthread_mutex_unlock(&n->lock);
+                break;
+            }
             if (!j->stop) {
                 if ((uint64_t)got != h.length) { j->error = EPROTO; j->stop = 1; }
                 j->moved += (uint64_t)got;

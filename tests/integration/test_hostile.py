@@ -9,6 +9,7 @@ once the hostile peer is gone.  The TCP data port gets the same treatment.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from typing import Any
 
@@ -38,6 +39,8 @@ from aiodatadist.testing import cluster_info, free_port
 from aiodatadist.transport.tcp.frames import HEADER, MAGIC
 
 S = LLMStatusCode
+# tools/fuzz_long.py raises it (with --hypothesis-seed) for long runs
+CONTROL_EXAMPLES = int(os.environ.get("AIODATADIST_FUZZ_EXAMPLES", "60") or 60)
 DESC = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)
 GEOMETRY = geometry_to_wire(CacheGeometry(2, 8 * 4096, 8, True, DESC.data_type.value))
 FIELDS = ["tid", "key", "peer", "known", "op", "api", "sb", "db", "sr", "dr", "n", "size", "slot", "ok", "confirm",
@@ -148,7 +151,8 @@ async def scenario(sent: list[tuple[str, Any]]) -> None:
             assert np.array_equal(src.tensors[t].reshape(-1), data[t])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=CONTROL_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(frames, min_size=1, max_size=8))
 def test_the_control_plane_survives_anything(sent: list[tuple[str, Any]]) -> None:
     asyncio.run(scenario(sent))

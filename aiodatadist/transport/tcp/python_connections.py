@@ -266,6 +266,10 @@ class PythonConnections(WaitingMixin[TransferJob]):
         with self._cv:
             if job is not None:
                 job.inflight -= 1
+                # Its frame broke off (only part of it was written or sent): the job fails, even if its byte count
+                # is reached by other frames (the helper's threads fail every job of a broken connection too).
+                if job.error is None and not job.done:
+                    job.error = error
                 self._finish_if_idle(job)
         if self.closed is None:
             self._loop.call_soon_threadsafe(self._broken, error)
