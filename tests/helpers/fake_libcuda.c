@@ -73,7 +73,14 @@ static int nstreams;
 static pthread_mutex_t smu = PTHREAD_MUTEX_INITIALIZER;
 
 static double now(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec + ts.tv_nsec * 1e-9; }
-static void delay(void) { int us = env_int("FAKE_CUDA_DELAY_US", 0); if (us > 0) usleep(us); }
+/* While set (a test's gate, written through ctypes), every copy and kernel waits before it runs, at most
+   60 s: a copy stays "on the GPU" for exactly as long as a test needs, however slow the machine. */
+volatile int fake_hold;
+static void delay(void) {
+    int us = env_int("FAKE_CUDA_DELAY_US", 0);
+    if (us > 0) usleep(us);
+    for (double until = now() + 60; fake_hold && now() < until;) usleep(100);
+}
 
 static void run(stream *s, op *o) {
     if (o->kind == OP_COPY) {

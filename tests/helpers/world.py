@@ -560,7 +560,7 @@ def assert_changed(before: list[np.ndarray], expected: list[np.ndarray]) -> None
 
 # -- async helpers -------------------------------------------------------------------------------------------
 
-async def eventually(predicate: Callable[[], Any], timeout: float = 3.0, what: str = "condition") -> None:
+async def eventually(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> None:
     """Poll ``predicate`` (sync or async) until it is true; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:

@@ -149,10 +149,16 @@ async def test_cancelled_pull_writes_nothing_afterwards(pair: Pair, delay: float
 
 
 async def test_asyncio_timeout_behaves_like_cancel(pair: Pair) -> None:
-    pair.poison()
-    with pytest.raises(TimeoutError):
-        async with asyncio.timeout(0.005):
-            await pair.dd.cache_manager.pull_blocks(PULLED, pair.cache, ALL, REVERSED)
+    for _ in range(5):  # 128 MiB may beat 5 ms on a fast machine: then it is complete, and cut short the next time
+        pair.poison()
+        try:
+            async with asyncio.timeout(0.005):
+                await pair.dd.cache_manager.pull_blocks(PULLED, pair.cache, ALL, REVERSED)
+        except TimeoutError:
+            break
+        pair.assert_pulled(ALL, REVERSED)
+    else:
+        pytest.fail("five pulls of 128 MiB each beat a 5 ms deadline: none was cut short")
     await _no_late_writes(pair)
     await _still_works(pair)
 
@@ -370,7 +376,8 @@ async def test_a_pull_cut_short_while_the_owner_is_stalled_returns_at_once(pair:
             first = pair.snapshot()
         finally:
             os.kill(pair.peer.pid, signal.SIGCONT)
-        assert took < 0.5, f"the cancelled pull took {took * 1e3:.0f} ms to return while its owner was stopped"
+        # (at once: milliseconds; a receiver left waiting mid-frame took ~6 s, so 2 s leaves a loaded machine room)
+        assert took < 2.0, f"the cancelled pull took {took * 1e3:.0f} ms to return while its owner was stopped"
         await asyncio.sleep(0.3)  # the owner runs again and sends the rest of what it had started
         assert pair.snapshot() == first, "bytes landed in the destination after the call returned"
         if completed:
@@ -395,7 +402,7 @@ async def test_timeout_on_a_stalled_peer_then_recovery(pair: Pair) -> None:
             start = loop.time()
             with pytest.raises(LLMTimeoutError):
                 await dd.cache_manager.pull_blocks(PULLED, cache, [1], [1])
-            assert loop.time() - start < 1.0
+            assert loop.time() - start < 5.0  # the 200 ms deadline (late on a loaded machine), not a hang
         finally:
             os.kill(pair.peer.pid, signal.SIGCONT)
         await dd.cache_manager.pull_blocks(PULLED, cache, [1], [1])

@@ -94,7 +94,7 @@ async def test_data_connections_cut_then_relinked_at_once_lose_no_request(
     for i in range(ROUNDS):
         await _served(router, fault_injector, prompt_server, cache, i)
         assert fault_injector.cut_data() > 0
-        code, (per,) = await linked_decoder.link_clusters([fault_injector.cluster_info()], timeout=3000)
+        _, (per,) = await linked_decoder.link_clusters([fault_injector.cluster_info()], timeout=3000)
         assert per in LINKED
         if per == S.LLM_ALREADY_LINK:  # then there is a link, and it serves
             assert [link["remote_cluster_id"] for link in linked_decoder.links()] == [prompt_server.address.cluster_id]

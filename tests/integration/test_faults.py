@@ -66,13 +66,15 @@ async def test_a_stalled_network_gives_a_timeout_never_a_hang_and_the_link_recov
         with pytest.raises(LLMTimeoutError) as info:
             await client.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [2])  # resolved via the owner
         assert info.value.status_code == S.LLM_TIMEOUT
-        assert loop.time() - start < 0.4 + 0.3, "the timeout came late"
+        assert loop.time() - start < 0.4 + 2.6, "the timeout came late"  # (its 400 ms, late on a loaded machine)
         proxy.set("pass")  # the held bytes arrive late: their replies are dropped, the link goes on
         await asyncio.sleep(0.2)
         await client.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [2])
         assert np.array_equal(dst.tensors[0].reshape(8, -1)[2], data[0].reshape(8, -1)[1])
-        await asyncio.sleep(0.1)
-        assert all(entry.leases == 0 for entry in registry_of(server.cache_manager).entries())
+        deadline = loop.time() + 10  # the server lets go of what the late requests took, once it answered them
+        while not all(entry.leases == 0 for entry in registry_of(server.cache_manager).entries()):
+            assert loop.time() < deadline, "the server kept a lease for 10 s after the link recovered"
+            await asyncio.sleep(0.01)
 
 
 async def test_a_cut_network_fails_fast_with_a_link_error_and_relinking_works() -> None:
@@ -89,7 +91,7 @@ async def test_a_cut_network_fails_fast_with_a_link_error_and_relinking_works() 
         proxy.set("cut")
         with pytest.raises(LLMLinkError):
             await pull
-        assert loop.time() - cut < 3.0, "the cut was not noticed promptly"
+        assert loop.time() - cut < 5.0, "the cut was not noticed promptly"  # (not at the 20 s deadline)
         assert client.links() == []
         proxy.set("pass")
         assert (await client.link_clusters([cluster_info(1, proxy.port)], timeout=3000))[0] == S.LLM_SUCCESS
@@ -124,8 +126,8 @@ async def test_a_peer_killed_during_a_push_fails_it_fast(transport: str) -> None
             killed = loop.time()
             with contextlib.suppress(LLMException):  # shm: the mapped pages outlive the peer, it may complete
                 await push
-            assert loop.time() - killed < 3.0
-            deadline = loop.time() + 5
+            assert loop.time() - killed < 5.0  # (not at the 30 s deadline)
+            deadline = loop.time() + 15
             while dd.links() and loop.time() < deadline:
                 await asyncio.sleep(0.05)
             assert dd.links() == []
@@ -165,8 +167,8 @@ async def test_unlink_or_finalize_during_transfers_is_safe(transport: str, actio
             await requester.finalize()
         else:
             await owner.finalize()
-        results = await asyncio.wait_for(asyncio.gather(*pulls, return_exceptions=True), 5)
-        assert loop.time() - start < 5
+        results = await asyncio.wait_for(asyncio.gather(*pulls, return_exceptions=True), 15)
+        assert loop.time() - start < 15  # (not at the 30 s deadline)
         for r in results:  # each pull finished before the cut, or failed cleanly
             assert r is None or isinstance(r, LLMException), repr(r)
         if action != "finalize-requester":
@@ -204,8 +206,8 @@ async def test_a_server_notices_a_dead_client_at_once() -> None:
             peer.kill()
             with pytest.raises(LLMLinkError):
                 await pull
-            assert loop.time() - killed < 3.0, "the server did not notice the dead client"
-            while server.links() and loop.time() - killed < 3.0:
+            assert loop.time() - killed < 5.0, "the server did not notice the dead client"  # (deadline: 30 s)
+            while server.links() and loop.time() - killed < 10.0:
                 await asyncio.sleep(0.02)
             assert server.links() == []
         finally:

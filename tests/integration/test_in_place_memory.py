@@ -177,11 +177,16 @@ async def test_transfers_inside_the_shared_pages_take_the_mapped_path(same_host:
         await dcm.pull_blocks(BlocksCacheKey(1, 3), dst, [4], [4])  # the link still works
         assert np.array_equal(blocks(src, [4])[0], blocks(dst, [4])[0])
         # The file holds the tensors' whole pages and nothing else: the peer's mapping did not fill its holes
-        # (pre-faulting runs in the background: give it time to).
-        await asyncio.sleep(0.3)
+        # (pre-faulting runs in the background: wait until it reached the tensors' pages, then a while longer).
         fd = memory.segment.fd
         assert fd is not None
-        assert os.fstat(fd).st_blocks * 512 == DESC.num_tensors * (DESC.size // PAGE - 1) * PAGE < memory.size
+        pages = DESC.num_tensors * (DESC.size // PAGE - 1) * PAGE
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while os.fstat(fd).st_blocks * 512 < pages and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert os.fstat(fd).st_blocks * 512 == pages < memory.size
 
 
 async def test_another_process_s_memory_shared_in_place_without_pvm(

@@ -130,7 +130,7 @@ async def drop_reason(dd: LLMDataDist, p: Prompt, dst: Cache) -> LLMLinkError:
 
 async def unlinked_everywhere(dd: LLMDataDist, p: Prompt) -> None:
     assert dd.links() == []
-    await eventually(lambda: _no_links(p), timeout=3.0, what="the prompt dropped its end")
+    await eventually(lambda: _no_links(p), timeout=10.0, what="the prompt dropped its end")
 
 
 async def _no_links(p: Prompt) -> bool:
@@ -281,7 +281,8 @@ async def test_linking_to_a_closed_port_fails_at_once() -> None:
         code, codes = await dd.link_clusters([info], timeout=3000)
         elapsed = time.monotonic() - start
         assert (code, codes) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-        assert elapsed < 0.1, f"a refused connection took {elapsed:.3f} s to fail"
+        # (at once: milliseconds, however loaded the machine, against the attempt's 3 s timeout)
+        assert elapsed < 1.0, f"a refused connection took {elapsed:.3f} s to fail"
         assert dd.links() == []
 
 

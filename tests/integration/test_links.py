@@ -181,7 +181,7 @@ async def test_unreachable_port_fails_within_the_timeout(peer: PeerSide, make_lo
     code, codes = await local.dd.link_clusters([cluster_info(peer.cluster_id, free_port())], timeout=300)
     elapsed = time.monotonic() - start
     assert (code, codes) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
-    assert elapsed < 1.5, f"link_clusters(timeout=300) took {elapsed:.2f} s"
+    assert elapsed < 3.0, f"link_clusters(timeout=300) took {elapsed:.2f} s"  # (10x: a loaded machine's room)
     assert local.dd.links() == []
     # The failure leaves nothing behind: the real server links fine afterwards.
     assert await link(local, peer) == OK
@@ -397,7 +397,8 @@ async def test_forced_unlink_still_tells_a_healthy_peer(make_world: MakeWorld) -
     w = await make_world(peer_listens=True)
     assert await w.local.unlink(w.peer.cluster_id, force=True) == OK
     assert await w.local.links() == []
-    await eventually(lambda: _no_links(w.peer), timeout=1.5, what="the server drops the force-unlinked link")
+    # (by the BYE: well before the 5 s heartbeat timeout would drop it, however loaded the machine)
+    await eventually(lambda: _no_links(w.peer), timeout=3.0, what="the server drops the force-unlinked link")
 
 
 async def test_relink_after_unlink_repeatedly(make_world: MakeWorld) -> None:

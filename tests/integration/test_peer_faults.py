@@ -50,7 +50,7 @@ async def test_killed_server_fails_waiting_pull_fast_and_relink_works() -> None:
         peer.kill()
         with pytest.raises(LLMLinkError) as info:
             await pull
-        assert loop.time() - killed < 3.0, "the broken connection was not noticed promptly"
+        assert loop.time() - killed < 5.0, "the broken connection was not noticed promptly"  # (deadline: 20 s)
         assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
         assert dd.links() == []
         assert all(entry.leases == 0 for entry in registry_of(dd.cache_manager).entries())
@@ -98,7 +98,7 @@ async def test_peer_killed_mid_transfer_fails_fast_and_never_reports_success(tra
             peer.kill()
             with pytest.raises(LLMLinkError) as info:
                 await pull
-            assert loop.time() - killed < 3.0, "the broken stream was not noticed promptly"
+            assert loop.time() - killed < 5.0, "the broken stream was not noticed promptly"  # (deadline: 20 s)
             assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
             assert dd.links() == []
             assert all(entry.leases == 0 and not entry.jobs for entry in registry_of(dd.cache_manager).entries())

@@ -10,6 +10,7 @@ import concurrent.futures
 import hashlib
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -245,9 +246,9 @@ def test_a_transfer_that_times_out_leaves_both_sides_usable(peer: SyncPeer) -> N
             with pytest.raises(LLMTimeoutError) as info:
                 decoder.cache_manager.pull_blocks(key, local, [1, 2], [1, 2])
             assert info.value.status_code == LLMStatusCode.LLM_TIMEOUT
-            assert time.monotonic() - start < 2.0
+            assert time.monotonic() - start < 5.0  # its 300 ms (late on a loaded machine), not a hang
             future = decoder.cache_manager.submit.push_blocks(key, local, [3], [3])
-            assert isinstance(future.exception(timeout=5), LLMTimeoutError)
+            assert isinstance(future.exception(timeout=30), LLMTimeoutError)
         finally:
             os.kill(peer.peer.pid, signal.SIGCONT)
         # both sides still work: this side pulls and pushes, the peer answers and holds the pushed bytes
@@ -295,7 +296,8 @@ def test_keyboard_interrupt_cancels_the_transfer_and_returns_after_it() -> None:
                 timer.start()
                 decoder.cache_manager.pull_blocks(key, local, everything, reversed_)
                 returned = True
-                time.sleep(0.5)  # a signal sent just after the call returned lands here
+                timer.join()  # a signal sent just after the call returned lands here (however late its thread ran)
+                time.sleep(0.05)  # (or just after the join)
             except KeyboardInterrupt:
                 if not returned:
                     interrupted += 1
@@ -407,7 +409,10 @@ def test_future_cancel_and_wait_while_running() -> None:
         remote_data = fill_rows(remote, 8)
         everything, reversed_ = list(range(BIG_BLOCKS)), list(range(BIG_BLOCKS))[::-1]
         cancelled = 0
-        for delay in (0.0, 0.002, 0.005):
+        for attempt in range(20):  # until a cancel landed mid-transfer (at least 3 tries: a loaded machine may let
+            if attempt >= 3 and cancelled:  # every transfer win the race a few times)
+                break
+            delay = (0.0, 0.002, 0.005)[attempt % 3]
             for t in local.tensors:
                 t[...] = POISON
             future = decoder.cache_manager.submit.pull_blocks(key, local, everything, reversed_)
@@ -509,8 +514,10 @@ def test_asyncio_instance_used_from_another_loop_raises_a_clear_error() -> None:
         decoder = AsyncLLMDataDist(LLMRole.DECODER, new_cluster_id())
         server = LLMConfig()
         server.listen_ip_info = f"127.0.0.1:{port}"
+        client = LLMConfig()
+        client.sync_kv_timeout = 30000  # far above "at once" below, however loaded the machine
         home.run(prompt.init(server.generate_options()))
-        home.run(decoder.init(LLMConfig().generate_options()))
+        home.run(decoder.init(client.generate_options()))
         assert home.run(decoder.link_clusters([cluster_info(prompt_id, port)]))[0] == LLMStatusCode.LLM_SUCCESS
         key = BlocksCacheKey(prompt_id, 0)
         prompt.cache_manager.allocate_blocks_cache(_desc(), key)
@@ -529,7 +536,7 @@ def test_asyncio_instance_used_from_another_loop_raises_a_clear_error() -> None:
             start = time.monotonic()
             with pytest.raises(LLMException) as info:
                 elsewhere.run(call())
-            assert time.monotonic() - start < 0.5  # at once, not after sync_kv_timeout
+            assert time.monotonic() - start < 5.0  # at once, not after sync_kv_timeout (30 s)
             assert not isinstance(info.value, LLMTimeoutError)
             assert info.value.status_code == LLMStatusCode.LLM_FAILED
             assert "initialized on another event loop" in str(info.value)
@@ -545,7 +552,15 @@ def test_asyncio_instance_used_from_another_loop_raises_a_clear_error() -> None:
 
 # -- interpreter exit ----------------------------------------------------------------------------------------
 _EXIT_PRELUDE = textwrap.dedent("""
-    import logging, sys, threading
+    import atexit, logging, sys, threading, time
+    _returned = []
+    def main_returned():
+        _returned.append(time.monotonic())
+        print("main returned", flush=True)
+    # Registered before the library's exit hooks, so run after them (atexit runs last-in first-out, after
+    # threading's hooks): how long the exit took, whatever the interpreter's start and imports cost.
+    atexit.register(lambda: _returned and print(f"exit took {time.monotonic() - _returned[0]:.3f} s",
+                                                file=sys.stderr, flush=True))
     import numpy as np
     from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMRole, LLMStatusCode, Placement, sync
     from aiodatadist.testing import cluster_info, fill_pattern, free_port
@@ -572,23 +587,26 @@ _EXIT_PRELUDE = textwrap.dedent("""
 
 
 def _run_exit_script(body: str, expect_finalized: list[int]) -> None:
+    """Run the prelude and ``body`` (which calls ``main_returned()`` last) in a child interpreter: it exits
+    cleanly, its exit hooks finalized what was left, and the exit (from ``main_returned`` on) took well under
+    the hooks' own bound (``EXIT_TIMEOUT_S``, 30 s): none of them waited it out."""
     script = _EXIT_PRELUDE + textwrap.dedent(body)
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
-                          timeout=60)
-    elapsed = time.monotonic() - start
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "main returned" in proc.stdout
     for cluster_id in expect_finalized:  # the exit hook finalized what was left
         assert f"cluster {cluster_id} finalized" in proc.stderr, proc.stderr
-    assert elapsed < 20, f"exit took {elapsed:.1f} s"
+    took = re.search(r"exit took ([0-9.]+) s", proc.stderr)
+    assert took is not None, proc.stderr
+    assert float(took.group(1)) < 20, f"exit took {took.group(1)} s"
 
 
 def test_interpreter_exit_without_finalize() -> None:
     _run_exit_script("""
         keep = [pair(1, 2), pair(3, 4)]
         extra = sync.LLMDataDist(LLMRole.MIX, 5)   # created, never initialized
-        print("main returned", flush=True)
+        main_returned()
     """, [1, 2, 3, 4])
 
 
@@ -602,5 +620,5 @@ def test_interpreter_exit_after_the_worker_threads_exited() -> None:
         for t in threads: t.join()
         assert not any(t.is_alive() for t in threads)
         del made   # dropped too: the library keeps what it must finalize
-        print("main returned", flush=True)
+        main_returned()
     """, [10, 11, 12, 13, 14, 15])

@@ -25,9 +25,9 @@ from aiodatadist.testing import PeerProcess
 TENSORS, BLOCKS, BLOCK = 16, 512, 32 << 10  # 256 MiB
 PROMPT, DECODER = 31, 32
 POISON = 0xA5
-BLOCKED = 1.0  # seconds the owner's event loop is kept busy
-RETURN_WITHIN = 0.3  # after the cancellation: well before the owner's loop is free again (a few ms when idle;
-# a return that waited for the owner's loop would take about BLOCKED)
+BLOCKED = 2.0  # seconds the owner's event loop is kept busy
+RETURN_WITHIN = 0.6  # after the cancellation: well before the owner's loop is free again (a few ms when idle,
+# with room for a loaded machine; a return that waited for the owner's loop would take about BLOCKED)
 
 
 def _desc() -> CacheDesc:

@@ -337,7 +337,7 @@ def test_a_withdrawal_held_up_by_a_frame_is_bounded_and_retires_the_row(caplog: 
     words[DirWord.STAMP], words[DirWord.BUSY] = 5, 1
     started = time.monotonic()
     assert lib.adt_dir_withdraw(words.ctypes.data, 0, 50) == 1
-    assert 0.04 < time.monotonic() - started < 2.0 and words[DirWord.STAMP] == 0
+    assert 0.04 < time.monotonic() - started < 5.0 and words[DirWord.STAMP] == 0  # its 50 ms, then withdrawn
     words[DirWord.BUSY] = 0
     assert lib.adt_dir_withdraw(words.ctypes.data, 0, 50) == 0
 

@@ -86,9 +86,8 @@ async def test_both_sides_come_up_ok_then_pull_and_unlink() -> None:
         with pytest.raises(LLMException) as info:
             decoder.query_register_mem_status(d_comm)  # forgotten
         assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
-        for _ in range(200):
-            if not prompt.links():
-                break
+        deadline = time.monotonic() + 10  # the prompt drops its end once it hears of the unlink
+        while prompt.links() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert prompt.links() == [] and decoder.links() == []
         with pytest.raises(LLMException) as info:
@@ -117,7 +116,7 @@ async def test_a_peer_that_never_comes_up_fails_within_link_total_time(side: str
         comm = dd.link("pd_comm", ranks, table)
         assert dd.query_register_mem_status(comm) == RegisterMemStatus.PREPARING
         assert await wait_status(dd, comm) == RegisterMemStatus.FAILED
-        assert 0.9 < time.monotonic() - started < 5
+        assert 0.9 < time.monotonic() - started < 10  # its 1 s (late on a loaded machine), not a hang
         await dd.unlink(comm)
         assert dd.links() == []
     finally:

@@ -124,7 +124,7 @@ async def test_a_peer_that_does_not_stop_loses_its_link_and_the_call_times_out(
         started = loop.time()
         with pytest.raises(LLMTimeoutError, match=str(PUSHER)):
             await dd.cache_manager.unregister_cache_and_wait(cache_id, timeout=0.3)
-        assert loop.time() - started < 2.0
+        assert loop.time() - started < 5.0  # its 0.3 s (late on a loaded machine), not the peer's 30 s
         assert dd.links() == []
     finally:
         os.kill(peer.pid, signal.SIGCONT)

@@ -48,7 +48,8 @@ U64_MAX = 2**64 - 1
 HAS_CUDA_DEVICE = os.path.exists("/dev/nvidiactl")
 
 # 128 MiB: many executor chunks per copy; the tests that race with a running copy pace its chunks (the
-# ``paced_copier`` fixture) so that it is still running when they act, however fast the machine is.
+# ``paced_copier`` fixture) so that it is still running when they act, however fast the machine is, and hold
+# its later chunks until they let them go (or stop the copy), so that it cannot end first, however slow.
 BIG_TENSORS, BIG_BLOCKS, BIG_BLOCK_BYTES = 64, 64, 32 << 10
 
 
@@ -99,7 +100,7 @@ async def spawn() -> Any:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+async def wait_until(predicate: Any, timeout: float = 30.0) -> None:
     """Poll ``predicate`` on the event loop (yielding to it) until true."""
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -840,6 +841,7 @@ async def test_deallocate_during_copy_keeps_memory_alive(cache_manager: CacheMan
     with raises_status(NOT_EXIST):
         await cache_manager.copy_blocks(cache, {0: [1]})
     assert not entry.segment.closed
+    paced_copier.release()
     await task  # completes successfully
     assert entry.segment.closed
     assert views[-1][-1].any()
@@ -893,14 +895,14 @@ async def test_cancel_running_copy_stops_writes(cache_manager: CacheManager, pac
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.002):
                 await cache_manager.copy_blocks(cache, info)
-    assert time.monotonic() - started < 2.0  # promptly
+    assert time.monotonic() - started < 5.0  # promptly (the chunks in flight pause 15 ms)
     snap = [v.copy() for v in views]
     await asyncio.sleep(0.05)
     for view, before in zip(views, snap, strict=True):
         assert np.array_equal(view, before)
     assert not views[-1][-1].any()  # cut short
     # the cache and the manager still work
-    paced_copier.delay = 0.0
+    paced_copier.release()
     await cache_manager.copy_blocks(cache, info)
     for view, row in zip(views, block0, strict=True):
         assert (view == row).all()
@@ -958,31 +960,54 @@ async def test_concurrent_copies_on_one_cache(cache_manager: CacheManager) -> No
 # deterministic versions: a copier whose chunks stay "in flight" for a known time
 # ------------------------------------------------------------------------------------------------------------
 
+HOLD_S = 30.0
+"""The longest a held chunk waits for the gate or its job's stop (a test that never opens it still ends)."""
+
+
 class SlowCopier:
     """Wraps the manager's local copier: each chunk signals that it started, then waits ``delay`` seconds (or
     until ``gate`` is set) before really copying.  Late writes therefore land long after a broken
-    implementation would have returned."""
+    implementation would have returned.
 
-    def __init__(self, delay: float | None, *, hold_after_first: bool = False) -> None:
+    With ``hold_from``, chunks started after the first ``hold_from`` first wait until the gate opens or their
+    job is stopped: a copy cannot end before its test lets it (:meth:`release`), however long the event loop
+    is kept from running on a loaded machine; a stop lets them go at once (to copy nothing, if it works)."""
+
+    def __init__(self, delay: float | None, *, hold_after_first: bool = False,
+                 hold_from: int | None = None) -> None:
         self.delay = delay
         self.hold_after_first = hold_after_first  # the chunk at span 0 runs at once, every other one is held
+        self.hold_from = hold_from
         self.started = threading.Event()
         self.gate = threading.Event()
         self.chunks = 0
+        self._count = threading.Lock()
+
+    def release(self) -> None:
+        """Let every held chunk go, and later ones run without a pause."""
+        self.delay = 0.0
+        self.gate.set()
+
+    def _hold(self, stop: Any) -> None:
+        deadline = time.monotonic() + HOLD_S
+        while not self.gate.is_set() and not stop.is_set() and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def before_chunk(self, lo: int, stop: Any) -> None:
-        self.chunks += 1
+        with self._count:
+            index = self.chunks
+            self.chunks += 1
         self.started.set()
         if self.hold_after_first:
-            # Held until the gate opens or the job is stopped: the copy stays mid-way however slow the machine,
-            # and a stop lets the chunk go at once (to copy nothing, if the stop works).
-            deadline = time.monotonic() + 10.0
-            while lo != 0 and not self.gate.is_set() and not stop.is_set() and time.monotonic() < deadline:
-                time.sleep(0.001)
+            # Held until the gate opens or the job is stopped: the copy stays mid-way, however slow.
+            if lo != 0:
+                self._hold(stop)
         elif self.delay is not None:
+            if self.hold_from is not None and index >= self.hold_from:
+                self._hold(stop)
             time.sleep(self.delay)
         else:
-            self.gate.wait(10.0)
+            self.gate.wait(HOLD_S)
 
     def install(self, monkeypatch: pytest.MonkeyPatch, manager: CacheManager) -> CopyExecutor:
         """Give ``manager`` its own Python executor whose chunk runners pause first (the native pool runs no
@@ -1006,7 +1031,9 @@ class SlowCopier:
 
 @pytest.fixture
 def slow_copier(monkeypatch: pytest.MonkeyPatch, cache_manager: CacheManager) -> Iterator[SlowCopier]:
-    copier = SlowCopier(0.1)
+    """The real copier, 100 ms pause before each chunk; a 16 MiB copy's first two chunks (one per worker) run,
+    its others are held until the test releases them or stops the copy."""
+    copier = SlowCopier(0.1, hold_from=2)
     executor = copier.install(monkeypatch, cache_manager)
     yield copier
     copier.gate.set()
@@ -1026,10 +1053,12 @@ def held_copier(monkeypatch: pytest.MonkeyPatch, cache_manager: CacheManager) ->
 
 @pytest.fixture
 def paced_copier(monkeypatch: pytest.MonkeyPatch, cache_manager: CacheManager) -> Iterator[SlowCopier]:
-    """The real copier, 15 ms pause before each chunk (<= 16 MiB): a 128 MiB copy takes over 100 ms."""
-    copier = SlowCopier(0.015)
+    """The real copier, 15 ms pause before each chunk (<= 16 MiB): a 128 MiB copy (eight chunks) copies its
+    first four, the others held until the test releases them or stops the copy."""
+    copier = SlowCopier(0.015, hold_from=4)
     executor = copier.install(monkeypatch, cache_manager)
     yield copier
+    copier.gate.set()
     executor.shutdown()
 
 
@@ -1053,13 +1082,13 @@ async def test_cancel_waits_for_chunks_in_flight(cache_manager: CacheManager, sl
     with pytest.raises(asyncio.CancelledError):
         await task
     quick, full = edges(views), [v.copy() for v in views]
-    assert time.monotonic() - started < 1.0  # bounded by the chunks in flight
+    assert time.monotonic() - started < 5.0  # bounded by the chunks in flight (100 ms each), not 30 s
     await asyncio.sleep(0.25)  # well past the in-flight chunks' delay
     assert np.array_equal(edges(views), quick)
     assert all(np.array_equal(v, f) for v, f in zip(views, full, strict=True))
     assert not views[-1][-1].any()  # pending chunks were dropped
     # the manager still works afterwards
-    slow_copier.delay = 0.0
+    slow_copier.release()
     await cache_manager.copy_blocks(cache, {0: list(range(1, 64))})
     assert all((v == row).all() for v, row in zip(views, block0, strict=True))
 
@@ -1093,6 +1122,7 @@ async def test_deallocate_during_slow_copy(cache_manager: CacheManager, slow_cop
     await wait_until(slow_copier.started.is_set)
     cache_manager.deallocate_blocks_cache(cache)
     assert not entry.segment.closed
+    slow_copier.gate.set()  # the held chunks go on (after their pause)
     await task
     assert entry.segment.closed
     assert all((v == row).all() for v, row in zip(views, block0, strict=True))
@@ -1123,7 +1153,7 @@ async def test_finalize_waits_for_chunks_in_flight(datadist: LLMDataDist, slow_c
         # the other instance is unaffected
         small = other.cache_manager.allocate_blocks_cache(host_desc(1, [4, 64]))
         data = fill_rows(small, 2)
-        slow_copier.delay = 0.0
+        slow_copier.release()
         await other.cache_manager.copy_blocks(small, {1: [2]})
         assert np.array_equal(row_views(small)[0][2], data[0][1])
     finally:

@@ -68,12 +68,12 @@ async def test_wait_through_cancellation_result_error_and_timeout() -> None:
 
     # asyncio.timeout still becomes TimeoutError, after the guarded work ended (no swallowed cancellation)
     slow: asyncio.Future[None] = loop.create_future()
+    started = loop.time()  # (before the timer is armed: a lower bound however late this thread runs)
     loop.call_later(0.05, settle, slow, ValueError("failed too"))
-    started = loop.time()
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.01):
             await wait_through_cancellation(slow)
-    assert loop.time() - started >= 0.04 and slow.done()
+    assert slow.done() and loop.time() - started >= 0.04
 
 
 async def test_an_anyio_shield_does_not_stop_asyncio_cancellation() -> None:

@@ -570,10 +570,13 @@ async def test_executor_registered_host_memory_and_ipc(dev: Device, executor: Cu
         dev.unregister_host(host_dst.ctypes.data)
 
 
-async def test_completion_does_not_block_the_loop(dev: Device, executor: CudaExecutor,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FAKE_CUDA_DELAY_US", "500000")  # the copy takes 1 s: far above start()'s time under load
+async def test_completion_does_not_block_the_loop(drv: CudaDriver, dev: Device,
+                                                  executor: CudaExecutor) -> None:
+    """The copy stays on the "GPU" until the loop has ticked five times: neither ``start()`` nor the wait may
+    block the loop for it (a held copy is let go after 60 s at most, far past these bounds)."""
     arena = Arena(dev, 1 << 20, 6)
+    hold = _hold(drv)
+    hold.value = 1
     try:
         ticks = 0
 
@@ -588,29 +591,38 @@ async def test_completion_does_not_block_the_loop(dev: Device, executor: CudaExe
         job = executor.start(arena.spans([0, 1000], [5000, 9000], [1000, 1000]))
         started = time.perf_counter() - t0
         assert not job.future.done() and not job.stopped.is_set()
-        assert started < 0.5, f"start() took {started:.3f} s: it waited for the (1 s) copy?"
-        await executor.wait(job)
+        assert started < 10, f"start() took {started:.3f} s: it waited for the (held) copy?"
+        waiter = asyncio.create_task(executor.wait(job))
+        while ticks < 5:
+            await asyncio.sleep(0.005)
+            assert time.perf_counter() - t0 < 30, f"{ticks} loop ticks in 30 s"
+        assert not waiter.done() and not job.stopped.is_set()  # (still held)
+        hold.value = 0
+        await asyncio.wait_for(waiter, 30)
         task.cancel()
         assert job.stopped.is_set()
-        assert ticks >= 5, f"{ticks} loop ticks in {time.perf_counter() - t0:.3f} s"
         arena.check()
     finally:
+        hold.value = 0
         arena.free()
 
 
-async def test_cancelled_wait_returns_after_the_gpu(dev: Device, executor: CudaExecutor,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FAKE_CUDA_DELAY_US", "300000")
+async def test_cancelled_wait_returns_after_the_gpu(drv: CudaDriver, dev: Device,
+                                                   executor: CudaExecutor) -> None:
     arena = Arena(dev, 1 << 20, 7)
+    hold = _hold(drv)
+    hold.value = 1  # the copy stays on the "GPU" until let go
     try:
         job = executor.start(arena.spans([0, 4096], [8192, 65536], [4096, 4096]))
         task = asyncio.create_task(executor.wait(job))
         await asyncio.sleep(0.02)
-        t0 = time.perf_counter()
         task.cancel()
+        await asyncio.sleep(0.05)  # (many loop iterations: a wait that gave up at the cancellation has ended)
+        assert not task.done() and not job.stopped.is_set()  # the cancelled wait waits for the held copy
+        hold.value = 0
         with pytest.raises(asyncio.CancelledError):
-            await task
-        assert job.stopped.is_set() and time.perf_counter() - t0 > 0.2
+            await asyncio.wait_for(task, 30)
+        assert job.stopped.is_set()
         arena.check()  # the copy ran to its end
         # cancel with an error: the waiter gets it, once the GPU is done
         job = executor.start(arena.spans([0, 4096], [8192, 65536], [4096, 4096]))
@@ -619,23 +631,26 @@ async def test_cancelled_wait_returns_after_the_gpu(dev: Device, executor: CudaE
             await executor.wait(job)
         assert job.stopped.is_set()
     finally:
+        hold.value = 0
         arena.free()
 
 
-async def test_descriptor_buffers_are_reused(dev: Device, executor: CudaExecutor,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_descriptor_buffers_are_reused(drv: CudaDriver, dev: Device, executor: CudaExecutor) -> None:
     arena = Arena(dev, 4 << 20, 8)
+    hold = _hold(drv)
     try:
         for i in range(5):
             await executor.run(arena.spans([i, 10_000 + i], [1 << 20, 2 << 20], [1000, 3000]), None)
         assert len(executor._all) == 1 and len(executor._free) == 1
-        monkeypatch.setenv("FAKE_CUDA_DELAY_US", "50000")
+        hold.value = 1  # three copies on the "GPU" at once: none gives its buffer back before the next starts
         jobs = [executor.start(arena.spans([i, 10_000 + i], [(1 << 20) + 8192 * i, (2 << 20) + 8192 * i],
                                            [1000, 3000])) for i in range(3)]
+        hold.value = 0
         await asyncio.gather(*(executor.wait(j) for j in jobs))
         assert len(executor._all) == 3 and len(executor._free) == 3
         arena.check()
     finally:
+        hold.value = 0
         arena.free()
 
 
@@ -655,6 +670,12 @@ def _plan_jobs(executor: CudaExecutor, arena: Arena, count: int) -> list[CudaJob
         jobs.append(executor.start_plan(plan, np.array([arena.src + s], np.uint64),
                                         np.array([arena.dst + d], np.uint64)))
     return jobs
+
+
+def _hold(drv: CudaDriver) -> ctypes.c_int:
+    """The fake's gate (``fake_hold``): while it is set, each copy and kernel waits before it runs (60 s at
+    most), so a copy stays on the "GPU" until the test lets it go, however slow the machine."""
+    return ctypes.c_int.in_dll(drv.lib, "fake_hold")
 
 
 def _launch_spans(launch: Any) -> list[tuple[int, int, int]]:
@@ -724,7 +745,7 @@ async def test_a_repeated_plan_launches_from_its_table_on_the_device(dev: Device
 
 
 async def test_an_evicted_launch_keeps_its_table_until_the_stream_is_past_it(
-        dev: Device, executor: CudaExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+        drv: CudaDriver, dev: Device, executor: CudaExecutor) -> None:
     """A launch pushed out of the cache while its copy still waits in the stream gives its descriptor buffer
     back only once the stream is past that copy: handed to a later copy at once, the later copy's descriptors
     would overwrite the staged ones before the stream read them, and the earlier copy would land elsewhere."""
@@ -732,16 +753,19 @@ async def test_an_evicted_launch_keeps_its_table_until_the_stream_is_past_it(
 
     arena = Arena(dev, 1 << 20, 13)
     count = executor_module.LAUNCH_CACHE + 8
+    hold = _hold(drv)
     try:
         await asyncio.gather(*(executor.wait(j) for j in _plan_jobs(executor, arena, count)))  # seen once: not kept
         assert len(executor._launches) == 0
-        monkeypatch.setenv("FAKE_CUDA_DELAY_US", "500000")
-        blocker = executor.start(arena.spans([0], [(1 << 20) - 4096], [4096]))
-        await asyncio.sleep(0.05)  # the stream's thread is now inside the blocker's delay
-        monkeypatch.delenv("FAKE_CUDA_DELAY_US")
+        hold.value = 1
+        blocker = executor.start(arena.spans([0], [(1 << 20) - 4096], [4096]))  # held: the stream waits on it
+        await asyncio.sleep(0.05)
         jobs = _plan_jobs(executor, arena, count)
-        assert not blocker.stopped.is_set(), "the machine is too slow for this test's timing"
+        assert not blocker.stopped.is_set()
         assert len(executor._retired) == count - executor_module.LAUNCH_CACHE  # evicted, still in the stream
+        await asyncio.sleep(0.05)
+        assert len(executor._retired) == count - executor_module.LAUNCH_CACHE  # (until the stream passes)
+        hold.value = 0
         await asyncio.gather(*(executor.wait(j) for j in (blocker, *jobs)))
         arena.check()
         assert executor._retired == []  # back in the pool once the stream passed them
@@ -750,6 +774,7 @@ async def test_an_evicted_launch_keeps_its_table_until_the_stream_is_past_it(
         arena.check()
         assert len(executor._all) == buffers  # the evicted ones' buffers were reused
     finally:
+        hold.value = 0
         arena.free()
 
 
@@ -950,12 +975,18 @@ async def test_the_loop_learns_the_end_from_an_event(dev: Device, executor: Cuda
 
 
 async def test_the_waiting_task_polls_the_event_and_a_cancelled_one_still_waits_for_the_gpu(
-        dev: Device, executor: CudaExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+        drv: CudaDriver, dev: Device, executor: CudaExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
     """While a job's event is queried every loop iteration, the awaiting task queries it too (it goes on in the
-    iteration that saw the end); cancelled there, it raises only once the GPU is done, and the bytes landed."""
+    iteration that saw the end); cancelled there, it raises only once the GPU is done, and the bytes landed.
+    (The copy is held on the "GPU", and polled for a minute past its expected end instead of 2 ms before a
+    thread waits for it: a loop held up for 2 ms on a loaded machine would see the thread instead.)"""
+    from aiodatadist.cuda import executor as executor_module
+
+    monkeypatch.setattr(executor_module, "POLL_FOR_S", 60.0)
     arena = Arena(dev, 1 << 20, 15)
+    hold = _hold(drv)
     try:
-        monkeypatch.setenv("FAKE_CUDA_DELAY_US", "20000")  # the emulated copy takes 20 ms
+        hold.value = 1
         job = executor.start(arena.spans([0, 5000], [100, 9000], [3000, 4000]))
         waiter = asyncio.create_task(executor.wait(job))
         for _ in range(5):
@@ -966,16 +997,20 @@ async def test_the_waiting_task_polls_the_event_and_a_cancelled_one_still_waits_
         await asyncio.sleep(0)
         assert watch.queries >= polled + 2  # the loop's query and the waiting task's, each iteration
         waiter.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiter.done() and not watch.done  # cancelled, it still waits for the held copy
+        hold.value = 0
         with pytest.raises(asyncio.CancelledError):
-            await waiter
+            await asyncio.wait_for(waiter, 30)
         assert job.stopped.is_set() and watch.done
         arena.check()
-        monkeypatch.delenv("FAKE_CUDA_DELAY_US")
         job = executor.start(arena.spans([10], [20_000], [100]))
         await executor.wait(job)
         assert job.stopped.is_set() and job.watch is not None and job.watch.done
         arena.check()
     finally:
+        hold.value = 0
         arena.free()
 
 

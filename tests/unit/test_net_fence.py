@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers.native_net import job_state, joined_helpers, send_spans, set_destination_spans, wait_job_state
+from helpers.native_net import (
+    job_state,
+    joined_helpers,
+    send_spans,
+    set_destination_spans,
+    unread_bytes,
+    wait_job_state,
+)
 
 from aiodatadist.native import JobState, native_pool
 
@@ -22,17 +29,24 @@ FRAME = 1 << 20
 
 
 @pytest.fixture
-def nets() -> Iterator[tuple[Any, int, int]]:
+def nets(sockets: list[tuple[int, int]]) -> Iterator[tuple[Any, int, int]]:
     """Two helpers (sender, receiver) joined by one connection."""
-    with joined_helpers(FRAME) as joined:
+    with joined_helpers(FRAME, sockets=sockets) as joined:
         yield joined
+
+
+@pytest.fixture
+def sockets() -> list[tuple[int, int]]:
+    """The descriptors of the connection of ``nets`` (sender's end, receiver's end)."""
+    return []
 
 
 def _span(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.array([array.ctypes.data], np.uint64), np.array([array.nbytes], np.uint64)
 
 
-def test_a_cancelled_send_ends_fenced_and_nothing_lands_afterwards(nets: tuple[Any, int, int]) -> None:
+def test_a_cancelled_send_ends_fenced_and_nothing_lands_afterwards(nets: tuple[Any, int, int],
+                                                                   sockets: list[tuple[int, int]]) -> None:
     lib, a, b = nets
     rng = np.random.default_rng(5)
     src = rng.integers(1, 256, 64 * FRAME, dtype=np.uint8)
@@ -40,7 +54,11 @@ def test_a_cancelled_send_ends_fenced_and_nothing_lands_afterwards(nets: tuple[A
     # The receiving end has no destination yet, so its thread holds the first frame: the send is mid-way.
     rx = lib.adt_net_receive(b, KEY)
     tx = send_spans(lib, a, KEY, *_span(src))
-    time.sleep(0.05)
+    (_, received), = sockets
+    deadline = time.monotonic() + 30
+    while unread_bytes(received) == 0:  # the sender has begun its first frame (which the fence lets it finish)
+        assert time.monotonic() < deadline, "the sender sent nothing in 30 s"
+        time.sleep(0.001)
     assert job_state(lib, a, tx) == JobState.RUNNING
     assert lib.adt_net_cancel(a, tx, CANCEL_FENCE) == 1  # armed
     time.sleep(0.05)
@@ -49,7 +67,7 @@ def test_a_cancelled_send_ends_fenced_and_nothing_lands_afterwards(nets: tuple[A
     assert set_destination_spans(lib, b, rx, addr, length) == 0
     assert wait_job_state(lib, a, tx) == JobState.FENCED
     # The FENCE stopped the receiving end: what landed is a prefix of the source, and nothing lands any more.
-    assert wait_job_state(lib, b, rx, within=1.0) == JobState.STOPPED
+    assert wait_job_state(lib, b, rx) == JobState.STOPPED
     landed = dst.copy()
     time.sleep(0.1)
     assert np.array_equal(dst, landed)

@@ -49,7 +49,7 @@ async def test_the_inbox_queues_in_order_drops_when_full_and_ends_on_close() -> 
     inbox.deliver(7, b"a")
     await asyncio.sleep(0)
     inbox.close()
-    results = await asyncio.wait_for(asyncio.gather(*consumers), 1)
+    results = await asyncio.wait_for(asyncio.gather(*consumers), 10)
     assert sorted(results, key=len) == [[], [Notification(7, b"a")]]
     assert not inbox.deliver(7, b"after close")  # dropped and counted, no warning
     assert stats.snapshot().notifications_of(7) == NotificationStats(7, 0, 1, 1)
@@ -63,7 +63,7 @@ async def test_a_cancelled_consumer_passes_its_notification_on() -> None:
     await asyncio.sleep(0)
     inbox.deliver(1, b"x")  # wakes the first consumer ...
     first.cancel()  # ... which is cancelled before it runs: the second one gets it
-    assert await asyncio.wait_for(second, 1) == Notification(1, b"x")
+    assert await asyncio.wait_for(second, 10) == Notification(1, b"x")
 
 
 async def _drain(inbox: NotificationInbox) -> list[Notification]:

@@ -157,7 +157,9 @@ def test_a_polling_waiter_asks_its_job_every_iteration_and_never_lets_the_loop_s
         future = loop.create_future()
         ended = Countdown(future, 50)
         before = len(selector.timeouts)
-        await Polling(2e9).poll(ended)
+        polling = Polling(2e9)
+        polling.budget = 10.0  # a window longer than the wait (50 iterations outlast 600 us on a loaded machine)
+        await polling.poll(ended)
         assert future.done() and _short_waits(loop).pollers == 0
         return ended.calls, selector.timeouts[before:]
 
@@ -205,6 +207,7 @@ def test_at_most_max_pollers_tasks_poll_at_once(poll_us: None) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         polling = Polling(2e9)
+        polling.budget = 10.0  # windows longer than the test (five iterations may outlast 600 us)
         gates = [Gate(loop.create_future()) for _ in range(MAX_POLLERS + 3)]
         tasks = [asyncio.create_task(polling.poll(gate)) for gate in gates]
         for _ in range(5):
@@ -224,7 +227,9 @@ def test_a_cancelled_poll_lets_go_of_its_place(poll_us: None) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         gate = Gate(loop.create_future())
-        task = asyncio.create_task(Polling(2e9).poll(gate))
+        polling = Polling(2e9)
+        polling.budget = 10.0  # a window longer than the test (three iterations may outlast 600 us)
+        task = asyncio.create_task(polling.poll(gate))
         for _ in range(3):
             await asyncio.sleep(0)
         assert _short_waits(loop).pollers == 1
@@ -243,6 +248,7 @@ def test_polled_and_unpolled_copy_jobs_land_every_byte(poll_us: None) -> None:
     src = rng.integers(1, 256, (3, 256 << 10), dtype=np.uint8)
     dst = np.zeros_like(src)
     executor = NativeExecutor(workers=1)  # reads the budget (the fixture set it)
+    executor.cpus = 2  # a CPU left for the polling loop, on any machine (with one, no job is polled)
 
     def spans(a: np.ndarray, b: np.ndarray) -> Spans:
         return Spans(np.array([a.ctypes.data], dtype=np.uint64), np.array([b.ctypes.data], dtype=np.uint64),
@@ -274,6 +280,7 @@ def test_polled_jobs_one_after_another_each_land_before_their_wait_returns(long_
     same address to the next job: that job must not be taken for ended before it is."""
     rng = np.random.default_rng(6)
     executor = NativeExecutor(workers=1)
+    executor.cpus = 2  # a CPU left for the polling loop, on any machine (with one, no job is polled)
     asked = NativeJob.ended
     by_waiter = 0
 
@@ -308,6 +315,7 @@ def test_polled_jobs_one_after_another_each_land_before_their_wait_returns(long_
 @pytest.mark.skipif(not native_available(), reason="the native helper is not built")
 def test_a_polled_wait_cancelled_returns_only_once_the_pool_let_go_of_the_job(poll_us: None) -> None:
     executor = NativeExecutor(workers=1)
+    executor.cpus = 2  # a CPU left for the polling loop, on any machine (with one, no job is polled)
     rng = np.random.default_rng(7)
     src = rng.integers(1, 256, (64, 32 << 10), dtype=np.uint8)
     dst = np.zeros_like(src)

@@ -115,7 +115,7 @@ async def test_wait_until_times_out_naming_what_it_waited_for() -> None:
     started = loop.time()
     with pytest.raises(TimeoutError, match=r"wait_until: the moon not true within 0.05 s"):
         await wait_until(lambda: False, 0.05, what="the moon")
-    assert loop.time() - started < 1
+    assert loop.time() - started < 5  # (it gave up: the predicate never holds)
 
     async def hangs() -> bool:
         await asyncio.sleep(10)
