@@ -103,7 +103,7 @@ async def test_data_connections_cut_then_relinked_at_once_lose_no_request(
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("run", range(10))
+@pytest.mark.parametrize("run", range(5))
 async def test_a_tcp_prompt_killed_while_a_pull_waits_then_the_test_ends(
         leak_check, prompt_server, fault_injector, linked_decoder, run: int) -> None:  # type: ignore[no-untyped-def]
     """The test ends right after the kill: what the dropped link held is gone by the leak check."""
@@ -122,7 +122,7 @@ BIG = CacheDesc(4, (64, 256 * 1024), DataType.DT_UINT8, Placement.HOST)  # 64 Mi
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("run", range(10))
+@pytest.mark.parametrize("run", range(5))
 async def test_a_tcp_prompt_killed_while_its_bytes_stream_then_the_test_ends(
         leak_check, prompt_server_factory, datadist_factory, run: int) -> None:  # type: ignore[no-untyped-def]
     """Killed at some moment of a 64 MiB pull (before, during or after its bytes; which one does not matter)."""
