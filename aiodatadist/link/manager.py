@@ -225,8 +225,8 @@ class LinkManager:
 
     async def stop_listening(self) -> None:
         """Stop serving: the server's tasks end before its sockets close.  A socket's descriptor number names what
-        the event loop and ZeroMQ registered for it (the loop's reader, the monitor's inproc address), and a
-        server listening again at once may get the same numbers: nothing of the old one may be left then."""
+        the event loop registered for it (its reader), and a server listening again at once may get the same
+        numbers: nothing of the old one may be left then."""
         server, listener = self._server, self._data_listener
         tasks = [task for task in (self._server_watch, self._server_task, self._accept_task) if task is not None]
         self._server = self._server_task = self._server_watch = self._accept_task = None
@@ -858,7 +858,7 @@ class LinkManager:
         if link.reader is not None:
             link.reader.cancel()
         if link.watch is not None:  # before any await (a cancellation below must not leave it open), and before
-            link.watch.close()  # the socket: the monitor's inproc address is named after the socket's descriptor
+            link.watch.close()  # the socket (disabling the monitor needs it open)
         if link.sock is not None and not link.sock.closed:
             link.sock.close(linger=LINGER_MS)
         if link.watcher is not None and link.watcher is not asyncio.current_task():

@@ -1,4 +1,4 @@
-"""Hostile bytes on the TCP data connections (issue 48), for both I/O thread implementations: the native helper
+"""Hostile bytes on the TCP data connections, for both I/O thread implementations: the native helper
 (``llm.Net`` "native") and the Python fallback ("python").
 
 Two targets, on real linked instances in this process:
