@@ -20,11 +20,11 @@ from ._checks import (
     check_isinstance,
     require,
 )
-from ._settings import Settings
+from .settings.options import Settings
 from .cache import Cache
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
 from .layer_transfer import CacheTask, run_layers
-from .layout import (
+from .layout.plans import (
     CacheGeometry,
     CopyPlan,
     all_tensor_indices,
@@ -36,7 +36,7 @@ from .layout import (
 from .memory import HostMemory, cache_segment
 from .native import int_bounds
 from .notifications import check_notification
-from .registry import CacheEntry, CacheRegistry, geometry_of
+from .registry.caches import CacheEntry, CacheRegistry, geometry_of
 from .transfer import validate
 from .transfer.engine import CopyEngine
 from .transfer.service import TransferService

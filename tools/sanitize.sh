@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The native helpers (aiodatadist/native/_native.c + _net.c, aiodatadist/_blocks.c) under AddressSanitizer and
+# The native helpers (aiodatadist/native/_native.c + _net.c, aiodatadist/layout/_blocks.c) under AddressSanitizer and
 # UndefinedBehaviorSanitizer, against the tests that drive them: copies, frames, fences, TCP links, cancellation,
 # the data-frame fuzzer and the hostile-peer tests.
 #
@@ -38,10 +38,10 @@ read -r INCLUDE SUFFIX < <("$PY" -c 'import sysconfig; print(sysconfig.get_paths
 SAN="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 FLAGS="-O1 -g -fPIC -shared -pthread -Wall $SAN -I$INCLUDE"
 NATIVE_SO="$WORK/src/aiodatadist/native/_native$SUFFIX"
-BLOCKS_SO="$WORK/src/aiodatadist/_blocks$SUFFIX"
+BLOCKS_SO="$WORK/src/aiodatadist/layout/_blocks$SUFFIX"
 set -e
 $CC $FLAGS -o "$NATIVE_SO" "$WORK/src/aiodatadist/native/_native.c" "$WORK/src/aiodatadist/native/_net.c"
-$CC $FLAGS -o "$BLOCKS_SO" "$WORK/src/aiodatadist/_blocks.c"
+$CC $FLAGS -o "$BLOCKS_SO" "$WORK/src/aiodatadist/layout/_blocks.c"
 set +e
 for so in "$NATIVE_SO" "$BLOCKS_SO"; do
   SYMBOLS=$(nm -D "$so")
@@ -61,7 +61,7 @@ import pytest
 
 def pytest_configure(config):
     import aiodatadist
-    import aiodatadist._blocks as blocks
+    import aiodatadist.layout._blocks as blocks
     from aiodatadist import native
     from aiodatadist.native import _native
 

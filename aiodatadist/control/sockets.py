@@ -7,7 +7,7 @@ message it receives to that task's :class:`_Inbox`, which delivers them in order
 :class:`~.channel.TaskSet`).  A reply goes to the request awaiting it at once, without waking the task, when
 nothing received before it is still waiting or being handled.
 
-With :class:`~aiodatadist._curve_keys.CurveKeys` (``llm.CurveSecretKey``), every socket uses ZeroMQ CURVE: the
+With :class:`~aiodatadist.settings.curve_keys.CurveKeys` (``llm.CurveSecretKey``), every socket uses ZeroMQ CURVE: the
 server is a CURVE server whose context runs a ZAP handler (:class:`ZapHandler`) admitting only the listed client
 keys, fails closed (``ZAP_ENFORCE_DOMAIN``), and checks that a client's HELLO claims a cluster id its key is listed
 for; a DEALER is a CURVE client that expects the server key listed for the cluster it links to.  See
@@ -30,7 +30,7 @@ import zmq.asyncio
 import zmq.utils.z85
 
 from .._aio import drop_cancellation
-from .._curve_keys import CurveKeys
+from ..settings.curve_keys import CurveKeys
 from .._log_limits import LimitedWarning
 from ..errors import LLMLinkError, LLMStatusCode
 from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode

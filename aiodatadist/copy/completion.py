@@ -14,7 +14,7 @@ import time
 import types
 from collections.abc import Callable, Generator
 
-from .._env_knobs import env_knobs
+from ..settings.environment import env_knobs
 
 __all__ = ["HANDLE_BYTES", "NotifyPipe", "Polling"]
 

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._env_knobs import usable_cpus
+from ..settings.environment import usable_cpus
 from ..errors import LLMException, LLMStatusCode
-from ..layout import CopyPlan, Spans
+from ..layout.plans import CopyPlan, Spans
 from ..native import CopySpec, Streaming, native_extension, native_pool
 from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
 from .completion import NotifyPipe, Polling

@@ -13,7 +13,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from ..layout import Spans
+from ..layout.plans import Spans
 from ..native import CopySpec, StopFlag, bind_runner
 from .base import ExecutorBase, default_workers, resolve_job
 from .spans import PIECE, split_spans

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..layout import CopyPlan, Spans
+from ..layout.plans import CopyPlan, Spans
 from ..native import CopySpec, local_copier, native_extension, native_pool
 
 __all__ = [

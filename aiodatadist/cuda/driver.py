@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Self
 
-from .._env_knobs import ENV_LIBCUDA as _ENV_LIBCUDA
-from .._env_knobs import env_knobs
+from ..settings.environment import ENV_LIBCUDA as _ENV_LIBCUDA
+from ..settings.environment import env_knobs
 from ..errors import LLMException, LLMStatusCode
 
 __all__ = [

@@ -39,7 +39,7 @@ import numpy as np
 from ..copy.base import ExecutorBase, resolve_job
 from ..copy.spans import as_u64
 from ..errors import LLMException, LLMStatusCode
-from ..layout import CopyPlan, PlanCache, Spans, plan_to_spans
+from ..layout.plans import CopyPlan, PlanCache, Spans, plan_to_spans
 from ..native import native_extension
 from .copy_calls import CTX_FAILED, STAGE_FAILED, CopyCalls
 from .driver import CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, STREAM_CALLBACK, CudaError, Device

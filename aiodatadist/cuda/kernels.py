@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..copy.spans import split_spans
-from ..layout import Spans
+from ..layout.plans import Spans
 
 __all__ = [
     "KERNEL_NAME",

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from .._aio import in_thread, wait_through_cancellation
 from .._log_limits import LimitedWarning
-from .._settings import Settings
+from ..settings.options import Settings
 from ..control.channel import Channel, TaskSet
 from ..control.loop_socket import LoopSocket
 from ..control.monitor import ConnectionWatch, Disconnects, describe_failure, probe
@@ -64,7 +64,7 @@ from ..protocol.messages import (
     is_challenge,
     reply_to_wire,
 )
-from ..segment_identity import SegmentIdentity
+from ..protocol.identity import SegmentIdentity
 from ..transport.fd_passing import FdServer
 from ..transport.same_host import (
     HostProbe,

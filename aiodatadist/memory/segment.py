@@ -20,10 +20,10 @@ import threading
 
 import numpy as np
 
-from .._env_knobs import HUGE_PAGE_MODES, env_knobs
+from ..settings.environment import HUGE_PAGE_MODES, env_knobs
 from ..errors import LLMException, LLMStatusCode
 from ..native import advise_hugepages, populate
-from ..segment_identity import SegmentIdentity
+from ..protocol.identity import SegmentIdentity
 
 __all__ = [
     "HUGE_PAGE_MODES",

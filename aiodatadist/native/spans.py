@@ -19,7 +19,7 @@ from .bindings import CopyMode, load
 from .syscalls import IOVEC_BYTES, data_address, iovecs, libc
 
 if TYPE_CHECKING:
-    from ..layout import Spans
+    from ..layout.plans import Spans
 
 __all__ = [
     "PVM_SPANS_PER_CALL",
@@ -70,7 +70,7 @@ class CopySpec(NamedTuple):
     def translate(self, spans: Spans) -> Spans:
         if not self.src_delta and not self.dst_delta:
             return spans
-        from ..layout import Spans as _Spans
+        from ..layout.plans import Spans as _Spans
 
         return _Spans(spans.src + np.uint64(self.src_delta), spans.dst + np.uint64(self.dst_delta), spans.length)
 

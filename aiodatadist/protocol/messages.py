@@ -25,8 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .._checks import I64_MAX, I64_MIN, U64_LIMIT, U64_MAX
-from ..layout import CacheGeometry, TransferParams
-from ..segment_identity import SegmentIdentity
+from ..layout.plans import CacheGeometry, TransferParams
+from .identity import SegmentIdentity
 from ..types import Transport
 from .auth import NONCE_BYTES
 from .codec import Kind, ProtocolError, field, int_field, opt_int_list, uint64_array

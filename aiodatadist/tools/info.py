@@ -10,7 +10,7 @@ import numpy as np
 import zmq
 
 from .. import __version__
-from .._env_knobs import EnvKnobs, env_knobs, usable_cpus
+from ..settings.environment import EnvKnobs, env_knobs, usable_cpus
 from ..cuda import cuda_status
 from ..native import native_available, native_pool
 

@@ -16,9 +16,9 @@ from ..copy.base import ExecutorBase, wait_stopped
 from ..copy.python_pool import CopyJob
 from ..copy.spans import copier_for_local
 from ..errors import LLMException, LLMNotInitializedError, LLMStatusCode
-from ..layout import CopyPlan
+from ..layout.plans import CopyPlan
 from ..native import CopySpec
-from ..registry import CacheEntry
+from ..registry.caches import CacheEntry
 from ..transport.device import DeviceSupport, merged_ranges
 
 __all__ = ["CopyEngine"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 from ..errors import LLMException
-from ..layout import CopyPlan
-from ..registry import CacheEntry, CacheRegistry
+from ..layout.plans import CopyPlan
+from ..registry.caches import CacheEntry, CacheRegistry
 from ..transport.nixl import NixlJob, NixlPlane, Registration, RemoteCache
 
 __all__ = ["NixlCaches"]

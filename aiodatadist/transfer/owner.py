@@ -18,7 +18,7 @@ import numpy as np
 
 from .._checks import param_invalid, require
 from ..errors import LLMException, LLMStatusCode
-from ..layout import transfer_plan
+from ..layout.plans import transfer_plan
 from ..link.link import Link
 from ..link.manager import LinkManager
 from ..memory import SharedSegment
@@ -36,7 +36,7 @@ from ..protocol.messages import (
     ResolveReply,
     Withdraw,
 )
-from ..registry import CacheEntry, CacheRegistry
+from ..registry.caches import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
 from ..transport.plane import OfferedSource
 from .engine import CopyEngine

@@ -21,14 +21,14 @@ from typing import Any, NamedTuple
 from .._aio import wait_through_cancellation
 from .._checks import U64_MAX, check_int, require
 from .._deadlines import deadline
-from .._settings import Settings
+from ..settings.options import Settings
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
-from ..layout import TransferParams, transfer_plan
+from ..layout.plans import TransferParams, transfer_plan
 from ..link.link import Link
 from ..link.manager import LinkManager
 from ..protocol.codec import ProtocolError
 from ..protocol.messages import Abort, Begin, BeginReply, End, EndReply, Freed, Notify, WireKey, Withdraw
-from ..registry import CacheEntry, CacheRegistry, IndexKey
+from ..registry.caches import CacheEntry, CacheRegistry, IndexKey
 from ..stats import StatsRecorder
 from ..transport.directory import Resolved
 from ..transport.plane import Route, Transfer

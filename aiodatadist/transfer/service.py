@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .._settings import Settings
+from ..settings.options import Settings
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from ..link.link import Link
 from ..link.manager import LinkManager
@@ -28,7 +28,7 @@ from ..protocol.messages import (
     Withdraw,
     request_from_wire,
 )
-from ..registry import CacheEntry, CacheRegistry
+from ..registry.caches import CacheEntry, CacheRegistry
 from ..stats import OneSided, StatsRecorder
 from .engine import CopyEngine
 from .owner import Owner

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..protocol.messages import Descriptor
-from ..registry import CacheEntry, IndexKey
+from ..registry.caches import CacheEntry, IndexKey
 from ..transport.directory import Resolved
 
 if TYPE_CHECKING:

@@ -22,9 +22,9 @@ from .._checks import (
     param_invalid,
     require,
 )
-from ..layout import TransferParams
+from ..layout.plans import TransferParams
 from ..native import int_bounds
-from ..registry import CacheEntry
+from ..registry.caches import CacheEntry
 from ..transfer_configs import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
 from ..types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 

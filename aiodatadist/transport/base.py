@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from .._aio import wait_through_cancellation
 from ..copy.completion import Polling
-from ..layout import CopyPlan, coalesce
+from ..layout.plans import CopyPlan, coalesce
 from ..native import KEY_FLAG_SHIFT, StopFlag
 
 __all__ = ["PULL", "PUSH", "Grid", "PlaneJob", "PythonTransferJob", "TransferJob", "WaitingMixin", "grid_spans",

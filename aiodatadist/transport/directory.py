@@ -1,4 +1,4 @@
-"""The cache directory, requester side (the owner writes it: :mod:`aiodatadist.publication`): which of an instance's shared-memory caches are live, readable by same-host peers.
+"""The cache directory, requester side (the owner writes it: :mod:`aiodatadist.registry.publication`): which of an instance's shared-memory caches are live, readable by same-host peers.
 
 An owner publishes each remote-accessible shared-memory cache in a row of a small ``memfd`` table that its
 same-host peers map read-only.  A row holds the cache id, the ``model_id`` the cache currently answers to as a
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..memory import map_peer_segment
 from ..native import DIR_WORDS, DirWord
-from ..segment_identity import SegmentIdentity
+from ..protocol.identity import SegmentIdentity
 
 __all__ = ["DirectoryView", "Resolved"]
 

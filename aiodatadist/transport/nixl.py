@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
-from ..layout import CacheGeometry, CopyPlan, plan_to_spans
+from ..layout.plans import CacheGeometry, CopyPlan, plan_to_spans
 from .base import WaitingMixin
 
 __all__ = ["INSTALL_HINT", "STOP_BOUND", "NixlJob", "NixlPlane", "Registration", "RemoteCache", "load_nixl",

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from .._aio import wait_through_cancellation
 from ..errors import LLMException, LLMLinkError
-from ..layout import CopyPlan
+from ..layout.plans import CopyPlan
 from ..protocol.messages import Freed, NixlReach
 from .nixl import NixlJob, NixlPlane, RemoteCache
 from .plane import DataPlane, OnUntrusted, Transfer

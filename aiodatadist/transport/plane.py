@@ -29,9 +29,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import LLMException
-from ..layout import CacheGeometry, CopyPlan, TransferParams
+from ..layout.plans import CacheGeometry, CopyPlan, TransferParams
 from ..protocol.messages import Descriptor, Freed, NixlReach, Plane
-from ..segment_identity import SegmentIdentity
+from ..protocol.identity import SegmentIdentity
 from ..stats import OneSided
 from .directory import Resolved
 from .same_host import PeerCapabilities

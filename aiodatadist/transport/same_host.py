@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._checks import U64_LIMIT
-from .._env_knobs import env_knobs
+from ..settings.environment import env_knobs
 from ..errors import LLMException, LLMStatusCode
 from ..memory import SegmentIdentity, SharedSegment, map_peer_segment, map_segment_fd
 from ..native import CopyMode, CopySpec, populate, process_vm_read, pvm_copier

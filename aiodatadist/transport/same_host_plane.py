@@ -22,10 +22,10 @@ import numpy as np
 from .._checks import U64_LIMIT
 from ..copy.spans import INLINE_BYTES, STREAMING_THRESHOLD
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
-from ..layout import CacheGeometry, CopyPlan, TransferParams
+from ..layout.plans import CacheGeometry, CopyPlan, TransferParams
 from ..native import CopySpec, pvm_copier
 from ..protocol.messages import Descriptor, Freed, IpcAllocation
-from ..segment_identity import SegmentIdentity
+from ..protocol.identity import SegmentIdentity
 from .device import LinkDeviceState
 from .directory import DirectoryView, Resolved
 from .plane import (

@@ -19,7 +19,7 @@ import pytest
 from aiodatadist.cuda import CudaError, CudaExecutor, CudaJob, Device, cuda_status, get_device
 from aiodatadist.cuda.driver import CUDA_SUCCESS
 from aiodatadist.errors import LLMException, LLMStatusCode
-from aiodatadist.layout import Spans
+from aiodatadist.layout.plans import Spans
 
 MiB = 1 << 20
 
@@ -491,7 +491,7 @@ def test_a_plan_launch_is_prepared_once_and_never_reused_for_other_addresses(dev
                                                                             executor: CudaExecutor) -> None:
     """``start_plan`` keeps a plan's launch (from its second sight) per pair of tensor address lists: the same call
     reuses it, a call with another destination gets its own, and each lands its bytes where its addresses say."""
-    from aiodatadist.layout import Runs, make_plan
+    from aiodatadist.layout.plans import Runs, make_plan
 
     tensors, block = 4, 4096
     runs = Runs(np.array([0, 3 * block], np.int64), np.array([2 * block, 0], np.int64), np.array([block, block],

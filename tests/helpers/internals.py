@@ -8,7 +8,7 @@ only, so that a change inside the package is followed here once, not in every te
 from __future__ import annotations
 
 from aiodatadist.cache_manager import CacheManager
-from aiodatadist.registry import CacheRegistry
+from aiodatadist.registry.caches import CacheRegistry
 from aiodatadist.transfer.engine import CopyEngine
 from aiodatadist.transport.device import DeviceSupport
 

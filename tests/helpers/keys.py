@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aiodatadist.registry import CacheEntry, CacheRegistry
+from aiodatadist.registry.caches import CacheEntry, CacheRegistry
 from aiodatadist.types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from aiodatadist.layout import CopyPlan, Runs, make_plan
+from aiodatadist.layout.plans import CopyPlan, Runs, make_plan
 
 TENSOR_BYTES = 1 << 20
 

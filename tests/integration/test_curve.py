@@ -27,7 +27,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist._curve_keys import CurveKeys
+from aiodatadist.settings.curve_keys import CurveKeys
 from aiodatadist.control.sockets import ZAP_DOMAIN, ZapHandler
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION
 from aiodatadist.testing import cluster_info, free_port
@@ -274,7 +274,7 @@ async def test_control_plane_bytes_are_encrypted_only_with_curve(curve: bool) ->
 
 
 def _zap(peers: str) -> ZapHandler:
-    from aiodatadist._curve_keys import parse_curve_peer_keys
+    from aiodatadist.settings.curve_keys import parse_curve_peer_keys
 
     handler = object.__new__(ZapHandler)  # sans-IO: answer() only
     handler.curve = CurveKeys(SERVER_KEYS[1].encode(), SERVER_KEYS[0].encode(), parse_curve_peer_keys(peers))

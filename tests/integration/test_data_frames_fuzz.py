@@ -64,7 +64,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.layout import CacheGeometry
+from aiodatadist.layout.plans import CacheGeometry
 from aiodatadist.native import FrameType, native_available
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION
 from aiodatadist.protocol.messages import geometry_to_wire

@@ -30,7 +30,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.publication import CacheDirectory
+from aiodatadist.registry.publication import CacheDirectory
 from aiodatadist.testing import linked_pair
 from aiodatadist.transport.directory import DirectoryView
 

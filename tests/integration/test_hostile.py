@@ -32,7 +32,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.layout import CacheGeometry
+from aiodatadist.layout.plans import CacheGeometry
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION
 from aiodatadist.protocol.messages import geometry_to_wire
 from aiodatadist.testing import cluster_info, free_port

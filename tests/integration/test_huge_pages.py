@@ -30,7 +30,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist._env_knobs import env_knobs_cache_clear
+from aiodatadist.settings.environment import env_knobs_cache_clear
 from aiodatadist.memory import SharedSegment, cache_segment
 from aiodatadist.memory.segment import HUGE_WASTE, PAGE, huge_page_bytes, huge_segment_size
 from aiodatadist.testing import PeerProcess, free_port

@@ -8,7 +8,7 @@ import pytest
 from helpers.data import blocks, fill_pattern
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMException, Placement
-from aiodatadist.layout import CacheGeometry, TransferParams, transfer_plan
+from aiodatadist.layout.plans import CacheGeometry, TransferParams, transfer_plan
 from aiodatadist.testing import linked_pair
 
 

@@ -36,9 +36,9 @@ from aiodatadist import (
     LLMStatusCode,
     LLMTimeoutError,
     Placement,
-    _loop_thread,
     sync,
 )
+from aiodatadist.sync import loop_thread as _loop_thread
 from aiodatadist import LLMDataDist as AsyncLLMDataDist
 from aiodatadist.testing import PeerProcess, cluster_info, free_port
 

@@ -20,7 +20,7 @@ from helpers.data import fill_rows, pattern, row_views
 from helpers.prompt_process import linked_decoder, prompt_process
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMException, Placement
-from aiodatadist._env_knobs import env_knobs_cache_clear
+from aiodatadist.settings.environment import env_knobs_cache_clear
 from aiodatadist.native import native_extension
 from aiodatadist.testing import PeerProcess
 from aiodatadist.transport.base import PULL, TransferJob

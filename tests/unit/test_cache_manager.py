@@ -40,7 +40,7 @@ from aiodatadist import (
     Placement,
 )
 from aiodatadist.copy.python_pool import CopyExecutor
-from aiodatadist.registry import MAX_REGISTERED_ADDRS
+from aiodatadist.registry.caches import MAX_REGISTERED_ADDRS
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
 NOT_EXIST = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from aiodatadist import LLMConfig, LlmConfig, LLMException, LLMStatusCode
-from aiodatadist._settings import DEFAULT_SYNC_KV_TIMEOUT_MS, parse_options
+from aiodatadist.settings.options import DEFAULT_SYNC_KV_TIMEOUT_MS, parse_options
 from aiodatadist.types import Transport
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
@@ -911,7 +911,7 @@ def test_parse_options_bad_curve(options: dict[str, str], needle: str) -> None:
 
 
 def test_parse_options_curve_needs_libzmq_with_curve(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiodatadist._curve_keys as curve_module
+    import aiodatadist.settings.curve_keys as curve_module
 
     monkeypatch.setattr(curve_module.zmq, "has", lambda capability: capability != "curve")
     with pytest.raises(LLMException) as info:

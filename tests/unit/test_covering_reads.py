@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from aiodatadist.copy.native_pool import NativeExecutor
 from aiodatadist.copy.spans import copy_grid_now
-from aiodatadist.layout import CacheGeometry, TransferParams, transfer_plan
+from aiodatadist.layout.plans import CacheGeometry, TransferParams, transfer_plan
 from aiodatadist.native import CopyMode, CopySpec, native_available
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the native helper is not built")

@@ -32,7 +32,7 @@ from aiodatadist.cuda import driver, kernels
 from aiodatadist.cuda.driver import CudaDriver, CudaError, CudaUnavailable, CUipcMemHandle, Device
 from aiodatadist.cuda.executor import CudaExecutor, CudaJob
 from aiodatadist.errors import LLMException, LLMStatusCode
-from aiodatadist.layout import Runs, Spans, make_plan
+from aiodatadist.layout.plans import Runs, Spans, make_plan
 
 # -- loading and errors, whatever the machine has ----------------------------------------------------------
 
@@ -704,7 +704,7 @@ def test_a_plans_table_from_the_native_walk_is_the_span_arrays_one(executor: Cud
     (merged across runs and tensors where both sides continue, cut at the piece size), the single-copy case and
     the geometry; with zero-length runs (skipped by the walk) the same bytes go to the same places."""
     from aiodatadist.cuda import executor as executor_module
-    from aiodatadist.layout import plan_to_spans
+    from aiodatadist.layout.plans import plan_to_spans
 
     if executor_module._grid_table is None:
         pytest.skip("no native helper")

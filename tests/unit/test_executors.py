@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from aiodatadist.copy.native_pool import NativeExecutor
 from aiodatadist.copy.python_pool import CopyExecutor
-from aiodatadist.layout import CacheGeometry, Spans, b2b_runs, make_plan
+from aiodatadist.layout.plans import CacheGeometry, Spans, b2b_runs, make_plan
 from aiodatadist.native import CopyMode, CopySpec, native_pool
 
 EXECUTORS = ["python"] + (["native"] if native_pool() is not None else [])

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiodatadist.layout import CacheGeometry, TransferParams, transfer_plan
+from aiodatadist.layout.plans import CacheGeometry, TransferParams, transfer_plan
 from aiodatadist.transport.base import grid_spans, plan_grid
 
 BLOCK = 64

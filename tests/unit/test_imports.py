@@ -23,22 +23,23 @@ PACKAGE = Path(aiodatadist.__file__).parent
 # may import each other (without cycles).  Siblings are parts that never import each other: control and
 # transport, composed only by the link layer; the registry and the links, composed by the transfer layer.
 GROUPS: dict[str, set[str]] = {
-    "values": {"errors", "_checks", "types", "transfer_configs", "rank_table", "config", "layout", "stats",
-               "segment_identity", "_aio", "_lazy", "_deadlines",  # values and generic helpers: import nothing else
+    "values": {"errors", "_checks", "types", "transfer_configs", "config", "stats",
+               "_aio", "_lazy", "_deadlines",  # values and generic helpers: import nothing else
                "_log_limits",  # warnings a flood cannot multiply
-               "_settings", "_env_knobs", "_curve_keys"},  # parsed options, environment knobs, CURVE keys
+               "settings",  # option keys, parsed options, environment knobs, CURVE keys
+               "layout"},  # cache geometry and copy plans (with _blocks, its compiled block lists -> runs)
     "native": {"native"},  # the compiled helper and its ctypes bindings
     "memory": {"memory"},  # shared memory segments
     "copy": {"copy"},  # copy executors (native and Python pools)
     "cuda": {"cuda"},  # CUDA driver, kernels and the GPU executor
-    "protocol": {"protocol", "notifications"},  # sans-IO wire protocol; the notification inbox
+    "protocol": {"protocol", "notifications"},  # sans-IO wire protocol, segment identities; the notification inbox
     "control": {"control"},  # ZeroMQ channels and sockets
     "transport": {"transport"},  # data planes: same host, TCP, NIXL, GPU; TCP connection setup, fd passing
-    "registry": {"registry", "cache", "publication"},  # caches of an instance, the user's handle, the directory
+    "registry": {"registry", "cache"},  # caches of an instance and their directory; the user's handle
     "link": {"link"},  # a link = a control channel + a data plane; the link table and the handshake's I/O
     "transfer": {"transfer"},  # the transfer conversation: requester, owner, copy engine
-    "facade": {"cache_manager", "layer_transfer", "datadist", "comm_domains"},  # public facade, composition root
-    "helpers": {"metrics", "testing", "sync", "_loop_thread", "torch"},  # built on the facade
+    "facade": {"cache_manager", "layer_transfer", "datadist"},  # public facade, composition root
+    "helpers": {"metrics", "testing", "sync", "torch"},  # built on the facade
     "adapters": {"integrations", "compat"},  # engine adapters; drop-in modules
     "top": {"tools", "__main__", "__init__"},  # CLI and the package's public namespace
 }
@@ -47,13 +48,13 @@ _SYSTEM = _BASE | {"native", "memory"}
 ALLOWED: dict[str, set[str]] = {
     "values": _BASE,
     "native": _BASE,
-    "memory": _BASE | {"native"},
+    "memory": _BASE | {"native", "protocol"},  # (segment identities)
     "copy": _SYSTEM,
     "cuda": _SYSTEM | {"copy"},
     "protocol": _BASE,
     "control": _BASE | {"memory", "protocol"},
     "transport": _SYSTEM | {"copy", "cuda", "protocol"},
-    "registry": _SYSTEM | {"copy"},
+    "registry": _SYSTEM | {"copy", "protocol"},  # (segment identities)
     "link": _SYSTEM | {"protocol", "control", "transport"},
     "transfer": _SYSTEM | {"copy", "cuda", "protocol", "transport", "registry", "link"},
 }

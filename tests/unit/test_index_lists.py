@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from aiodatadist import BlocksCacheKey, CacheDesc, CacheKey, CacheManager, DataType, LLMException, Placement
 from aiodatadist._checks import check_index_list
-from aiodatadist.registry import CacheEntry
+from aiodatadist.registry.caches import CacheEntry
 from aiodatadist.transfer import validate
 
 U64_MAX = 2**64 - 1

@@ -21,7 +21,7 @@ from aiodatadist.copy.spans import (
     copier_for_local,
     copy_grid_now,
 )
-from aiodatadist.layout import CacheGeometry, TransferParams, transfer_plan
+from aiodatadist.layout.plans import CacheGeometry, TransferParams, transfer_plan
 from aiodatadist.native import CopyMode, CopySpec, native_available
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the native helper is not built")

@@ -19,7 +19,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 from aiodatadist import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
 from aiodatadist._checks import U64_MAX
 from aiodatadist.memory.segment import cache_segment
-from aiodatadist.registry import CacheEntry, CacheRegistry, IndexKey
+from aiodatadist.registry.caches import CacheEntry, CacheRegistry, IndexKey
 
 KEYS = [("req", 1, 0), ("req", 2, 0), ("prefix", 7, 3)]
 DESC = CacheDesc(1, (2, 64), DataType.DT_UINT8, Placement.HOST)

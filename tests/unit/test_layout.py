@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from aiodatadist.copy.spans import split_spans
 from aiodatadist.errors import LLMException, LLMStatusCode
-from aiodatadist.layout import (
+from aiodatadist.layout.plans import (
     CacheGeometry,
     Runs,
     Spans,
@@ -1063,7 +1063,7 @@ def test_split_spans_of_real_plan(inputs, chunk_piece, data):
 @pytest.mark.parametrize("api", ["cache", "blocks"])
 def test_caches_of_different_data_types_have_no_plan(op: str, api: str) -> None:
     """Equal bytes per block are not enough (bf16, 27, into float16, 1): the data type must match."""
-    from aiodatadist.layout import TransferParams, transfer_plan
+    from aiodatadist.layout.plans import TransferParams, transfer_plan
 
     def geometry(data_type: int) -> CacheGeometry:
         return CacheGeometry(2, 4 * 512, 4, api == "blocks", data_type)
@@ -1084,7 +1084,7 @@ def test_plan_cache_keeps_a_value_from_its_second_sight_on(accesses: list[tuple[
     once are remembered up to ``SEEN_PER_ENTRY * size``, the oldest forgotten first."""
     from collections import OrderedDict
 
-    from aiodatadist.layout import PlanCache
+    from aiodatadist.layout.plans import PlanCache
 
     plans = [make_plan(np.array([0], np.int64), np.array([0], np.int64),
                        Runs(*(np.array([i], np.int64) for _ in range(3)))) for i in range(6)]

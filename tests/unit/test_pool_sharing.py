@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiodatadist._env_knobs import env_knobs_cache_clear
+from aiodatadist.settings.environment import env_knobs_cache_clear
 from aiodatadist.copy import native_pool as native_pool_module
 from aiodatadist.copy import spans
 from aiodatadist.copy.completion import _short_waits
@@ -29,7 +29,7 @@ from aiodatadist.copy.spans import (
     measured_streaming_share,
     streaming_share,
 )
-from aiodatadist.layout import CacheGeometry, CopyPlan, Spans, b2b_runs, make_plan
+from aiodatadist.layout.plans import CacheGeometry, CopyPlan, Spans, b2b_runs, make_plan
 from aiodatadist.native import CopySpec, Streaming, native_pool
 
 pytestmark = pytest.mark.skipif(native_pool() is None, reason="the native helper is not built")

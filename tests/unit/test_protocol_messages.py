@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiodatadist.errors import LLMStatusCode
-from aiodatadist.layout import CacheGeometry, TransferParams
+from aiodatadist.layout.plans import CacheGeometry, TransferParams
 from aiodatadist.memory import SegmentIdentity
 from aiodatadist.protocol.codec import Kind, ProtocolError, decode_batch, encode, encode_batch
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION

@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiodatadist.layout import Runs, make_plan
-from aiodatadist.segment_identity import SegmentIdentity
+from aiodatadist.layout.plans import Runs, make_plan
+from aiodatadist.protocol.identity import SegmentIdentity
 from aiodatadist.transport.same_host_plane import _reads_inside
 
 U64 = (1 << 64) - 1

@@ -13,9 +13,9 @@ import pytest
 
 import aiodatadist
 from aiodatadist import LLMConfig, LLMException, LLMStatusCode
-from aiodatadist import _env_knobs as env_module
-from aiodatadist._env_knobs import KNOBS, EnvKnobs, default_unless_set, env_knobs, env_knobs_cache_clear
-from aiodatadist._settings import Settings, parse_options
+from aiodatadist.settings import environment as env_module
+from aiodatadist.settings.environment import KNOBS, EnvKnobs, default_unless_set, env_knobs, env_knobs_cache_clear
+from aiodatadist.settings.options import Settings, parse_options
 from aiodatadist.config import MAX_TCP_CONNECTIONS, OptionKey
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
@@ -369,7 +369,7 @@ def test_no_other_module_reads_an_aiodatadist_variable() -> None:
     readers = set()
     for path in root.rglob("*.py"):
         rel = path.relative_to(root).as_posix()
-        if rel == "_env_knobs.py" or rel.startswith("tools/bench/"):  # bench sets UCX_* for its peers
+        if rel == "settings/environment.py" or rel.startswith("tools/bench/"):  # bench sets UCX_* for its peers
             continue
         for line in path.read_text().splitlines():
             if re.search(r"(environ|getenv)\b.*(\"AIODATADIST_|ENV_[A-Z]+)", line):
@@ -382,7 +382,7 @@ PINNED_TO_ONE_CPU = """
 import os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # a serving engine's worker pinned to one core
 os.cpu_count = lambda: 16  # on a large host
-from aiodatadist._env_knobs import env_knobs
+from aiodatadist.settings.environment import env_knobs
 from aiodatadist.tools import info
 knobs = env_knobs()
 print("knobs", knobs.copy_threads, knobs.tcp_connections, flush=True)

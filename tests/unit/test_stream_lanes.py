@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiodatadist.layout import Spans
+from aiodatadist.layout.plans import Spans
 from aiodatadist.native import Streaming, local_copier, native_pool
 
 LIB = native_pool()
@@ -160,7 +160,7 @@ def test_a_plan_within_one_buffer_copies_as_one_run_after_another(lanes: int, ru
     """The pool's grid walk (a plan's runs, on one worker, streaming): runs overlapping each other, and stretches
     of tiny runs (copied apart from the lanes) between them."""
     from aiodatadist.copy.native_pool import NativeExecutor
-    from aiodatadist.layout import Runs, make_plan
+    from aiodatadist.layout.plans import Runs, make_plan
 
     rng = np.random.default_rng(seed)
     runs = runs + [(int(rng.integers(0, BUFFER - 64)), int(rng.integers(0, BUFFER - 64)), n) for n in tiny]

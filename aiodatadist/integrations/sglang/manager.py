@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._env_knobs import ENV_COPY_NICE, default_unless_set
+from ...settings.environment import ENV_COPY_NICE, default_unless_set
 from ...errors import LLMException, LLMStatusCode
 from ...types import Placement
 from ._sglang import base, common, utils

@@ -2,7 +2,7 @@
 
 SGLang rewrites every ``SGL_*`` variable to ``SGLANG_*`` in its processes, so the backend's own variables are
 named ``AIODATADIST_SGLANG_*``.  They are read by the backend only (the core reads its ``AIODATADIST_*`` knobs
-in :mod:`aiodatadist._env_knobs`, and knows nothing of these).
+in :mod:`aiodatadist.settings.environment`, and knows nothing of these).
 
 ====================================  ============  ==========================================================
 variable                              default       meaning

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._env_knobs import env_knobs
+from ...settings.environment import env_knobs
 from ...cache import Cache
 from ...config import LLMConfig
 from ...datadist import LLMDataDist

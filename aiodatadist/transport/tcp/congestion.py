@@ -23,7 +23,7 @@ import ipaddress
 import logging
 import socket
 
-from ..._env_knobs import env_knobs
+from ...settings.environment import env_knobs
 
 __all__ = ["UNPACED", "congestion_in_use", "congestion_of", "is_this_host", "tune_congestion"]
 

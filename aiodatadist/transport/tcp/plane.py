@@ -20,7 +20,7 @@ from ..._aio import wait_through_cancellation
 from ..._checks import I64_MAX
 from ...copy.completion import Polling
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
-from ...layout import CopyPlan
+from ...layout.plans import CopyPlan
 from ...protocol.messages import Descriptor
 from ...stats import OneSided
 from ..base import PULL, PUSH, TransferJob, plan_grid

@@ -31,7 +31,7 @@ import numpy.typing as npt
 from ..._aio import in_thread, settle
 from ...copy.spans import split_spans
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
-from ...layout import Spans
+from ...layout.plans import Spans
 from ...native import TID_MASK
 from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in _net.c)
 from ..base import Grid, PythonTransferJob, TransferJob, WaitingMixin, grid_spans

@@ -1,7 +1,7 @@
 """The ``AIODATADIST_*`` environment variables: :func:`env_knobs` -> :class:`EnvKnobs`.
 
 Every ``AIODATADIST_*`` variable is read and parsed here and nowhere else.  Each has one parser, shared with
-the option key it defaults (if any; :mod:`aiodatadist._settings` parses the options), so a value means the same
+the option key it defaults (if any; :mod:`aiodatadist.settings.options` parses the options), so a value means the same
 in the environment and in the options.
 
 An invalid value is never silently replaced by the default:
@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from .config import MAX_TCP_CONNECTIONS, NET_IMPLEMENTATIONS, OptionKey
-from .errors import LLMException, LLMStatusCode
+from .keys import MAX_TCP_CONNECTIONS, NET_IMPLEMENTATIONS, OptionKey
+from ..errors import LLMException, LLMStatusCode
 
 __all__ = [
     "ENV_COPY_NICE",

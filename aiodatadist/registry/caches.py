@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ._checks import I64_MAX, require
-from .errors import LLMException, LLMStatusCode
-from .layout import CacheGeometry
-from .memory import HostMemory, SharedSegment
-from .memory.in_place import InPlaceSegment
+from .._checks import I64_MAX, require
+from ..errors import LLMException, LLMStatusCode
+from ..layout.plans import CacheGeometry
+from ..memory import HostMemory, SharedSegment
+from ..memory.in_place import InPlaceSegment
 from .publication import CacheDirectory
-from .segment_identity import SegmentIdentity
-from .types import BlocksCacheKey, CacheDesc, CacheKey, Placement
+from ..protocol.identity import SegmentIdentity
+from ..types import BlocksCacheKey, CacheDesc, CacheKey, Placement
 
 if TYPE_CHECKING:
-    from .copy.python_pool import CopyJob
+    from ..copy.python_pool import CopyJob
 
 __all__ = ["MAX_REGISTERED_ADDRS", "CacheEntry", "CacheRegistry", "geometry_of"]
 

@@ -21,7 +21,7 @@ and returns a :class:`TransferFuture` (a ``concurrent.futures.Future``) at once,
 in one hook and collect it in another.  Its done callbacks run on the loop thread: they must not block, nor call
 this API (that raises ``LLM_FAILED``).
 
-The loop thread, its lifecycle and :class:`TransferFuture` live in :mod:`aiodatadist._loop_thread`; this module
+The loop thread, its lifecycle and :class:`TransferFuture` live in :mod:`aiodatadist.sync.loop_thread`; this module
 holds the wrappers.
 """
 
@@ -31,20 +31,20 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from ._checks import IndexSequence
-from ._loop_thread import RUNNER as _RUNNER
-from ._loop_thread import THREAD_NAME, TransferFuture, loop_thread, submit
-from ._settings import Settings
-from .cache import Cache
-from .cache_manager import CacheManager as AsyncCacheManager
-from .datadist import LLMDataDist as AsyncLLMDataDist
-from .errors import LLMNotInitializedError, LLMStatusCode
-from .layer_transfer import CacheTask as AsyncCacheTask
-from .memory import HostMemory
-from .notifications import Notification
-from .stats import StatsSnapshot
-from .transfer_configs import LayerSynchronizer, MemInfo, RegisterMemStatus
-from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
+from .._checks import IndexSequence
+from .loop_thread import RUNNER as _RUNNER
+from .loop_thread import THREAD_NAME, TransferFuture, loop_thread, submit
+from ..settings.options import Settings
+from ..cache import Cache
+from ..cache_manager import CacheManager as AsyncCacheManager
+from ..datadist import LLMDataDist as AsyncLLMDataDist
+from ..errors import LLMNotInitializedError, LLMStatusCode
+from ..layer_transfer import CacheTask as AsyncCacheTask
+from ..memory import HostMemory
+from ..notifications import Notification
+from ..stats import StatsSnapshot
+from ..transfer_configs import LayerSynchronizer, MemInfo, RegisterMemStatus
+from ..types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
 
 __all__ = ["THREAD_NAME", "CacheManager", "CacheManagerSubmit", "CacheTask", "LLMDataDist", "TransferFuture", "loop_thread",
            "submit"]

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ._checks import param_invalid, require
+from .._checks import param_invalid, require
 
 _block_runs: Callable[..., bytes | None] | None
 try:
@@ -488,7 +488,7 @@ class TransferParams(NamedTuple):
 
 
 def _type_name(value: int) -> str:
-    from .types import DataType  # layout stays free of the API types but for this message
+    from ..types import DataType  # layout stays free of the API types but for this message
 
     try:
         return DataType(value).name

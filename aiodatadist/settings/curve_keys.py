@@ -17,9 +17,9 @@ from typing import Any, Final
 
 import zmq
 
-from ._checks import check_int, check_isinstance, param_invalid, require
-from .errors import LLMException, LLMStatusCode
-from .types import Transport
+from .._checks import check_int, check_isinstance, param_invalid, require
+from ..errors import LLMException, LLMStatusCode
+from ..types import Transport
 
 __all__ = [
     "CURVE_KEY_CHARS",

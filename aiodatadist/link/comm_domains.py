@@ -16,14 +16,14 @@ import logging
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
-from ._checks import check_int, require
-from .errors import LLMException, LLMStatusCode
+from .._checks import check_int, require
+from ..errors import LLMException, LLMStatusCode
 from .rank_table import Member
-from .transfer_configs import RegisterMemStatus
+from ..transfer_configs import RegisterMemStatus
 
 __all__ = ["ATTEMPT_MS", "DEFAULT_BRING_UP_S", "MAX_COMM_DOMAINS", "CommDomains"]
 
-log = logging.getLogger("aiodatadist.comm_domains")
+log = logging.getLogger("aiodatadist.link.comm_domains")
 
 DEFAULT_BRING_UP_S = 120
 """Bring-up bound without ``llm.LinkTotalTime`` (as HCCL's default connect timeout)."""

@@ -16,9 +16,9 @@ import secrets
 
 import numpy as np
 
-from .memory import SharedSegment
-from .native import DIR_WORDS, DirWord, native_pool
-from .segment_identity import SegmentIdentity
+from ..memory import SharedSegment
+from ..native import DIR_WORDS, DirWord, native_pool
+from ..protocol.identity import SegmentIdentity
 
 __all__ = ["DIRECTORY_ROWS", "CacheDirectory"]
 

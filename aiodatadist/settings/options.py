@@ -1,8 +1,8 @@
 """Typed settings: the option dict given to ``LLMDataDist.init`` (:func:`parse_options` -> :class:`Settings`).
 
-The options only: the ``AIODATADIST_*`` environment variables are read in :mod:`aiodatadist._env_knobs` (three
+The options only: the ``AIODATADIST_*`` environment variables are read in :mod:`aiodatadist.settings.environment` (three
 of them are the defaults of per-link options, taken from there when the options do not set them), and the CURVE
-keys (``llm.CurveSecretKey``, ``llm.CurvePeerKeys``) are parsed in :mod:`aiodatadist._curve_keys`.
+keys (``llm.CurveSecretKey``, ``llm.CurvePeerKeys``) are parsed in :mod:`aiodatadist.settings.curve_keys`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._checks import check_isinstance, require
-from ._curve_keys import CurveKeys, curve_keys_from_options
-from ._env_knobs import (
+from .._checks import check_isinstance, require
+from .curve_keys import CurveKeys, curve_keys_from_options
+from .environment import (
     ENV_DIRECTORY,
     ENV_NET,
     ENV_TCP_CONNECTIONS,
@@ -20,9 +20,9 @@ from ._env_knobs import (
     env_knobs,
     knob_of,
 )
-from .config import OptionKey
-from .errors import LLMException, LLMStatusCode
-from .types import Transport
+from .keys import OptionKey
+from ..errors import LLMException, LLMStatusCode
+from ..types import Transport
 
 __all__ = ["DEFAULT_SYNC_KV_TIMEOUT_MS", "Settings", "parse_listen_ip_info", "parse_options"]
 

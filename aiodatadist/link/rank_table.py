@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ._checks import check_int, check_isinstance, param_invalid, require
+from .._checks import check_int, check_isinstance, param_invalid, require
 
 __all__ = ["MAX_COMM_NAME", "Member", "check_comm_args", "members_of"]
 

@@ -27,8 +27,8 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol, TypeVar
 
-from ._aio import exiting
-from .errors import LLMException, LLMStatusCode
+from .._aio import exiting
+from ..errors import LLMException, LLMStatusCode
 
 __all__ = ["EXIT_TIMEOUT_S", "RUNNER", "THREAD_NAME", "Finalizable", "LoopThread", "Runner", "TransferFuture",
            "loop_thread", "submit"]
