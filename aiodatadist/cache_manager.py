@@ -20,7 +20,6 @@ from ._checks import (
     check_isinstance,
     require,
 )
-from .settings.options import Settings
 from .cache import Cache
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
 from .layer_transfer import CacheTask, run_layers
@@ -37,6 +36,7 @@ from .memory import HostMemory, cache_segment
 from .native import int_bounds
 from .notifications import check_notification
 from .registry.caches import CacheEntry, CacheRegistry, geometry_of
+from .settings.options import Settings
 from .transfer import validate
 from .transfer.engine import CopyEngine
 from .transfer.service import TransferService

@@ -9,19 +9,19 @@ from types import TracebackType
 from typing import Self
 
 from ._checks import check_bool, check_event_loop, check_int, check_isinstance, require
-from .settings.options import Settings, parse_listen_ip_info, parse_options
 from .cache_manager import CacheManager
-from .link.comm_domains import ATTEMPT_MS, CommDomains
 from .config import OptionKey
 from .copy import release_shared_executor, shared_executor
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
+from .link.comm_domains import ATTEMPT_MS, CommDomains
 from .link.manager import LinkManager
 from .link.planes import PlaneFactory
+from .link.rank_table import Member, check_comm_args, members_of
 from .native import native_pool
 from .notifications import Notification, NotificationInbox, check_notification
-from .registry.publication import CacheDirectory
-from .link.rank_table import Member, check_comm_args, members_of
 from .registry.caches import CacheRegistry
+from .registry.publication import CacheDirectory
+from .settings.options import Settings, parse_listen_ip_info, parse_options
 from .stats import StatsRecorder, StatsSnapshot
 from .transfer.engine import CopyEngine
 from .transfer.nixl_caches import NixlCaches

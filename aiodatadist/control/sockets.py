@@ -30,11 +30,11 @@ import zmq.asyncio
 import zmq.utils.z85
 
 from .._aio import drop_cancellation
-from ..settings.curve_keys import CurveKeys
 from .._log_limits import LimitedWarning
 from ..errors import LLMLinkError, LLMStatusCode
 from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode
 from ..protocol.messages import reply_to_wire
+from ..settings.curve_keys import CurveKeys
 from .channel import Channel, TaskSet
 from .loop_socket import LoopSocket
 

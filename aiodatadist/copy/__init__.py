@@ -15,8 +15,8 @@ from __future__ import annotations
 import threading
 
 from .._aio import in_thread
-from ..settings.environment import env_knobs
 from ..native import native_pool as native_helper  # not `native_pool`: that name is our submodule here
+from ..settings.environment import env_knobs
 from .native_pool import NativeExecutor
 from .python_pool import CopyExecutor
 

@@ -16,9 +16,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .._aio import settle, wait_through_cancellation
-from ..settings.environment import env_knobs
 from ..layout.plans import CopyPlan, Spans, plan_to_spans
 from ..native import CopySpec
+from ..settings.environment import env_knobs
 from .spans import MAX_CHUNK, MIN_CHUNK, SINGLE_CHUNK, SMALL
 
 __all__ = [

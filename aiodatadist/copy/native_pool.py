@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..settings.environment import usable_cpus
 from ..errors import LLMException, LLMStatusCode
 from ..layout.plans import CopyPlan, Spans
 from ..native import CopySpec, Streaming, native_extension, native_pool
+from ..settings.environment import usable_cpus
 from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
 from .completion import NotifyPipe, Polling
 from .spans import (

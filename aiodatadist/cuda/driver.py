@@ -23,9 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, Self
 
+from ..errors import LLMException, LLMStatusCode
 from ..settings.environment import ENV_LIBCUDA as _ENV_LIBCUDA
 from ..settings.environment import env_knobs
-from ..errors import LLMException, LLMStatusCode
 
 __all__ = [
     "ENV_LIBCUDA",

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from .._checks import check_int, require
 from ..errors import LLMException, LLMStatusCode
-from .rank_table import Member
 from ..transfer_configs import RegisterMemStatus
+from .rank_table import Member
 
 __all__ = ["ATTEMPT_MS", "DEFAULT_BRING_UP_S", "MAX_COMM_DOMAINS", "CommDomains"]
 

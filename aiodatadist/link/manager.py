@@ -19,7 +19,6 @@ import zmq.asyncio
 
 from .._aio import in_thread, wait_through_cancellation
 from .._log_limits import LimitedWarning
-from ..settings.options import Settings
 from ..control.channel import Channel, TaskSet
 from ..control.loop_socket import LoopSocket
 from ..control.monitor import ConnectionWatch, Disconnects, describe_failure, probe
@@ -51,6 +50,7 @@ from ..protocol.handshake import (
     may_link,
     plane_refusal,
 )
+from ..protocol.identity import SegmentIdentity
 from ..protocol.messages import (
     FD_TOKEN_BYTES,
     Bye,
@@ -64,7 +64,7 @@ from ..protocol.messages import (
     is_challenge,
     reply_to_wire,
 )
-from ..protocol.identity import SegmentIdentity
+from ..settings.options import Settings
 from ..transport.fd_passing import FdServer
 from ..transport.same_host import (
     HostProbe,

@@ -34,10 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import numpy.typing as npt
 
-from ..settings.environment import usable_cpus
 from ..errors import LLMException, LLMStatusCode
 from ..native.syscalls import libc, populate
 from ..protocol.identity import SegmentIdentity
+from ..settings.environment import usable_cpus
 from .segment import MemfdBacked, sealed_memfd
 
 __all__ = ["MAX_HOLE_FRACTION", "InPlaceSegment"]

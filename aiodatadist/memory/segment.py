@@ -20,10 +20,10 @@ import threading
 
 import numpy as np
 
-from ..settings.environment import HUGE_PAGE_MODES, env_knobs
 from ..errors import LLMException, LLMStatusCode
 from ..native import advise_hugepages, populate
 from ..protocol.identity import SegmentIdentity
+from ..settings.environment import HUGE_PAGE_MODES, env_knobs
 
 __all__ = [
     "HUGE_PAGE_MODES",

@@ -26,10 +26,10 @@ import numpy.typing as npt
 
 from .._checks import I64_MAX, I64_MIN, U64_LIMIT, U64_MAX
 from ..layout.plans import CacheGeometry, TransferParams
-from .identity import SegmentIdentity
 from ..types import Transport
 from .auth import NONCE_BYTES
 from .codec import Kind, ProtocolError, field, int_field, opt_int_list, uint64_array
+from .identity import SegmentIdentity
 
 __all__ = [
     "FDS_PREFIX",

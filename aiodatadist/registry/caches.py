@@ -21,9 +21,9 @@ from ..errors import LLMException, LLMStatusCode
 from ..layout.plans import CacheGeometry
 from ..memory import HostMemory, SharedSegment
 from ..memory.in_place import InPlaceSegment
-from .publication import CacheDirectory
 from ..protocol.identity import SegmentIdentity
 from ..types import BlocksCacheKey, CacheDesc, CacheKey, Placement
+from .publication import CacheDirectory
 
 if TYPE_CHECKING:
     from ..copy.python_pool import CopyJob

@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from .keys import MAX_TCP_CONNECTIONS, NET_IMPLEMENTATIONS, OptionKey
 from ..errors import LLMException, LLMStatusCode
+from .keys import MAX_TCP_CONNECTIONS, NET_IMPLEMENTATIONS, OptionKey
 
 __all__ = [
     "ENV_COPY_NICE",

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._checks import check_isinstance, require
+from ..errors import LLMException, LLMStatusCode
+from ..types import Transport
 from .curve_keys import CurveKeys, curve_keys_from_options
 from .environment import (
     ENV_DIRECTORY,
@@ -21,8 +23,6 @@ from .environment import (
     knob_of,
 )
 from .keys import OptionKey
-from ..errors import LLMException, LLMStatusCode
-from ..types import Transport
 
 __all__ = ["DEFAULT_SYNC_KV_TIMEOUT_MS", "Settings", "parse_listen_ip_info", "parse_options"]
 

@@ -32,9 +32,6 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from .._checks import IndexSequence
-from .loop_thread import RUNNER as _RUNNER
-from .loop_thread import THREAD_NAME, TransferFuture, loop_thread, submit
-from ..settings.options import Settings
 from ..cache import Cache
 from ..cache_manager import CacheManager as AsyncCacheManager
 from ..datadist import LLMDataDist as AsyncLLMDataDist
@@ -42,9 +39,12 @@ from ..errors import LLMNotInitializedError, LLMStatusCode
 from ..layer_transfer import CacheTask as AsyncCacheTask
 from ..memory import HostMemory
 from ..notifications import Notification
+from ..settings.options import Settings
 from ..stats import StatsSnapshot
 from ..transfer_configs import LayerSynchronizer, MemInfo, RegisterMemStatus
 from ..types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
+from .loop_thread import RUNNER as _RUNNER
+from .loop_thread import THREAD_NAME, TransferFuture, loop_thread, submit
 
 __all__ = ["THREAD_NAME", "CacheManager", "CacheManagerSubmit", "CacheTask", "LLMDataDist", "TransferFuture", "loop_thread",
            "submit"]

@@ -10,9 +10,9 @@ import numpy as np
 import zmq
 
 from .. import __version__
-from ..settings.environment import EnvKnobs, env_knobs, usable_cpus
 from ..cuda import cuda_status
 from ..native import native_available, native_pool
+from ..settings.environment import EnvKnobs, env_knobs, usable_cpus
 
 __all__ = ["main"]
 

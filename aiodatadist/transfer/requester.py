@@ -21,7 +21,6 @@ from typing import Any, NamedTuple
 from .._aio import wait_through_cancellation
 from .._checks import U64_MAX, check_int, require
 from .._deadlines import deadline
-from ..settings.options import Settings
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from ..layout.plans import TransferParams, transfer_plan
 from ..link.link import Link
@@ -29,6 +28,7 @@ from ..link.manager import LinkManager
 from ..protocol.codec import ProtocolError
 from ..protocol.messages import Abort, Begin, BeginReply, End, EndReply, Freed, Notify, WireKey, Withdraw
 from ..registry.caches import CacheEntry, CacheRegistry, IndexKey
+from ..settings.options import Settings
 from ..stats import StatsRecorder
 from ..transport.directory import Resolved
 from ..transport.plane import Route, Transfer

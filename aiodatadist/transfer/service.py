@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ..settings.options import Settings
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from ..link.link import Link
 from ..link.manager import LinkManager
@@ -29,6 +28,7 @@ from ..protocol.messages import (
     request_from_wire,
 )
 from ..registry.caches import CacheEntry, CacheRegistry
+from ..settings.options import Settings
 from ..stats import OneSided, StatsRecorder
 from .engine import CopyEngine
 from .owner import Owner

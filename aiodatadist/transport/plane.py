@@ -30,8 +30,8 @@ import numpy.typing as npt
 
 from ..errors import LLMException
 from ..layout.plans import CacheGeometry, CopyPlan, TransferParams
-from ..protocol.messages import Descriptor, Freed, NixlReach, Plane
 from ..protocol.identity import SegmentIdentity
+from ..protocol.messages import Descriptor, Freed, NixlReach, Plane
 from ..stats import OneSided
 from .directory import Resolved
 from .same_host import PeerCapabilities

@@ -25,12 +25,12 @@ import numpy as np
 import numpy.typing as npt
 
 from .._checks import U64_LIMIT
-from ..settings.environment import env_knobs
 from ..errors import LLMException, LLMStatusCode
 from ..memory import SegmentIdentity, SharedSegment, map_peer_segment, map_segment_fd
 from ..native import CopyMode, CopySpec, populate, process_vm_read, pvm_copier
 from ..protocol.messages import HOST_NONCE_BYTES as NONCE_BYTES
 from ..protocol.messages import MAX_ANNOUNCED_SEGMENTS, HostInfo
+from ..settings.environment import env_knobs
 from .fd_passing import PROBE, SEGMENT, request_fd
 
 __all__ = ["MAX_ANNOUNCED_SEGMENTS", "NONCE_BYTES", "HostProbe", "PeerCapabilities", "PeerMemory",

@@ -24,8 +24,8 @@ from ..copy.spans import INLINE_BYTES, STREAMING_THRESHOLD
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
 from ..layout.plans import CacheGeometry, CopyPlan, TransferParams
 from ..native import CopySpec, pvm_copier
-from ..protocol.messages import Descriptor, Freed, IpcAllocation
 from ..protocol.identity import SegmentIdentity
+from ..protocol.messages import Descriptor, Freed, IpcAllocation
 from .device import LinkDeviceState
 from .directory import DirectoryView, Resolved
 from .plane import (

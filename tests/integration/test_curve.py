@@ -27,9 +27,9 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.settings.curve_keys import CurveKeys
 from aiodatadist.control.sockets import ZAP_DOMAIN, ZapHandler
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION
+from aiodatadist.settings.curve_keys import CurveKeys
 from aiodatadist.testing import cluster_info, free_port
 from aiodatadist.testing.fault_proxy import FaultProxy
 

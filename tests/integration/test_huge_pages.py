@@ -30,9 +30,9 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.settings.environment import env_knobs_cache_clear
 from aiodatadist.memory import SharedSegment, cache_segment
 from aiodatadist.memory.segment import HUGE_WASTE, PAGE, huge_page_bytes, huge_segment_size
+from aiodatadist.settings.environment import env_knobs_cache_clear
 from aiodatadist.testing import PeerProcess, free_port
 
 MiB = 1 << 20

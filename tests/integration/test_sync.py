@@ -38,8 +38,8 @@ from aiodatadist import (
     Placement,
     sync,
 )
-from aiodatadist.sync import loop_thread as _loop_thread
 from aiodatadist import LLMDataDist as AsyncLLMDataDist
+from aiodatadist.sync import loop_thread as _loop_thread
 from aiodatadist.testing import PeerProcess, cluster_info, free_port
 
 THREADS = 16

@@ -20,8 +20,8 @@ from helpers.data import fill_rows, pattern, row_views
 from helpers.prompt_process import linked_decoder, prompt_process
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMException, Placement
-from aiodatadist.settings.environment import env_knobs_cache_clear
 from aiodatadist.native import native_extension
+from aiodatadist.settings.environment import env_knobs_cache_clear
 from aiodatadist.testing import PeerProcess
 from aiodatadist.transport.base import PULL, TransferJob
 from aiodatadist.transport.tcp.native_connections import NativeConnections

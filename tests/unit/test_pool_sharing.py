@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiodatadist.settings.environment import env_knobs_cache_clear
 from aiodatadist.copy import native_pool as native_pool_module
 from aiodatadist.copy import spans
 from aiodatadist.copy.completion import _short_waits
@@ -31,6 +30,7 @@ from aiodatadist.copy.spans import (
 )
 from aiodatadist.layout.plans import CacheGeometry, CopyPlan, Spans, b2b_runs, make_plan
 from aiodatadist.native import CopySpec, Streaming, native_pool
+from aiodatadist.settings.environment import env_knobs_cache_clear
 
 pytestmark = pytest.mark.skipif(native_pool() is None, reason="the native helper is not built")
 

@@ -13,10 +13,16 @@ import pytest
 
 import aiodatadist
 from aiodatadist import LLMConfig, LLMException, LLMStatusCode
-from aiodatadist.settings import environment as env_module
-from aiodatadist.settings.environment import KNOBS, EnvKnobs, default_unless_set, env_knobs, env_knobs_cache_clear
-from aiodatadist.settings.options import Settings, parse_options
 from aiodatadist.config import MAX_TCP_CONNECTIONS, OptionKey
+from aiodatadist.settings import environment as env_module
+from aiodatadist.settings.environment import (
+    KNOBS,
+    EnvKnobs,
+    default_unless_set,
+    env_knobs,
+    env_knobs_cache_clear,
+)
+from aiodatadist.settings.options import Settings, parse_options
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
 LOGGER = "aiodatadist.settings"

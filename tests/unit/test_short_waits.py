@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiodatadist.settings.environment import env_knobs_cache_clear
 from aiodatadist.copy.completion import MAX_POLL_SKIP, MAX_POLLERS, Polling, _short_waits
 from aiodatadist.copy.native_pool import NativeExecutor, NativeJob
 from aiodatadist.layout.plans import Spans
 from aiodatadist.native import CopySpec, native_available
+from aiodatadist.settings.environment import env_knobs_cache_clear
 
 
 class CountingSelector(selectors.DefaultSelector):

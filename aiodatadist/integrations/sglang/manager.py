@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ...settings.environment import ENV_COPY_NICE, default_unless_set
 from ...errors import LLMException, LLMStatusCode
+from ...settings.environment import ENV_COPY_NICE, default_unless_set
 from ...types import Placement
 from ._sglang import base, common, utils
 from .decode_side import DecodeSide

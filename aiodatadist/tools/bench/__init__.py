@@ -56,12 +56,12 @@ from typing import Any
 
 import numpy as np
 
-from ...settings.environment import env_knobs
 from ...cache import Cache
 from ...config import LLMConfig
 from ...datadist import LLMDataDist
 from ...errors import LLMStatusCode
 from ...native import native_available
+from ...settings.environment import env_knobs
 from ...testing import PeerProcess, cluster_info, fill_pattern, free_port
 from ...types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
 from .baselines import StreamCopy, copyto_gbps, socket_stream_gbps
