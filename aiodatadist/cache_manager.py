@@ -21,6 +21,8 @@ from ._checks import (
     require,
 )
 from .cache import Cache
+from .copy.device import DeviceSupport
+from .copy.engine import CopyEngine
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode, LLMTimeoutError
 from .layer_transfer import CacheTask, run_layers
 from .layout.plans import (
@@ -38,10 +40,8 @@ from .notifications import check_notification
 from .registry.caches import CacheEntry, CacheRegistry, geometry_of
 from .settings.options import Settings
 from .transfer import validate
-from .transfer.engine import CopyEngine
 from .transfer.service import TransferService
 from .transfer_configs import LayerSynchronizer, MemInfo, Memtype, TransferWithCacheKeyConfig
-from .transport.device import DeviceSupport
 from .types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, Placement
 
 __all__ = ["CacheManager"]

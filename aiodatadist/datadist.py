@@ -12,6 +12,7 @@ from ._checks import check_bool, check_event_loop, check_int, check_isinstance, 
 from .cache_manager import CacheManager
 from .config import OptionKey
 from .copy import release_shared_executor, shared_executor
+from .copy.engine import CopyEngine
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
 from .link.comm_domains import ATTEMPT_MS, CommDomains
 from .link.manager import LinkManager
@@ -23,7 +24,6 @@ from .registry.caches import CacheRegistry
 from .registry.publication import CacheDirectory
 from .settings.options import Settings, parse_listen_ip_info, parse_options
 from .stats import StatsRecorder, StatsSnapshot
-from .transfer.engine import CopyEngine
 from .transfer.nixl_caches import NixlCaches
 from .transfer.service import TransferService
 from .transfer_configs import RegisterMemStatus

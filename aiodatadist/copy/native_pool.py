@@ -18,20 +18,13 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import LLMException, LLMStatusCode
+from ..jobs.base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
+from ..jobs.chunks import PIECE, as_u64, split_spans
+from ..jobs.completion import NotifyPipe, Polling
 from ..layout.plans import CopyPlan, Spans
 from ..native import CopySpec, Streaming, native_extension, native_pool
 from ..settings.environment import usable_cpus
-from .base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
-from .completion import NotifyPipe, Polling
-from .spans import (
-    PIECE,
-    STREAMING_THRESHOLD,
-    as_u64,
-    copy_grid_now,
-    measured_streaming_share,
-    split_spans,
-    streaming_share,
-)
+from .spans import STREAMING_THRESHOLD, copy_grid_now, measured_streaming_share, streaming_share
 
 __all__ = ["NativeExecutor", "NativeJob"]
 

@@ -13,10 +13,10 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+from ..jobs.base import ExecutorBase, default_workers, resolve_job
+from ..jobs.chunks import PIECE, split_spans
 from ..layout.plans import Spans
 from ..native import CopySpec, StopFlag, bind_runner
-from .base import ExecutorBase, default_workers, resolve_job
-from .spans import PIECE, split_spans
 
 __all__ = ["CopyExecutor", "CopyJob"]
 

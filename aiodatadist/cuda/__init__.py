@@ -1,5 +1,8 @@
-"""The CUDA layer: the driver API through ctypes, a pointer-list copy kernel shipped as PTX, and an executor that
-completes GPU copies on an event loop.
+"""The CUDA runtime behind the copy layer's device-runtime interface: the driver API through ctypes
+(:mod:`.driver`), a pointer-list copy kernel shipped as PTX (:mod:`.kernels`), an executor that launches copies on
+one stream and completes them through polled events (:mod:`.executor`), and :class:`~.runtime.CudaRuntime`, what
+the copy layer uses (:mod:`aiodatadist.copy.device_runtime`).  The executor is not re-exported here: nothing
+outside the copy layer reaches it.
 
 Nothing here needs a compiler, the CUDA toolkit or torch at run time, only the NVIDIA driver
 (``libcuda.so.1``).  Importing this package never loads it: :func:`cuda_driver` does on first use and raises
@@ -18,7 +21,6 @@ from .driver import (
     cuda_status,
     get_device,
 )
-from .executor import CudaExecutor, CudaJob
 from .kernels import KERNEL_NAME, choose_piece, launch_geometry, ptx_text, split_long_spans
 
 __all__ = [
@@ -26,8 +28,6 @@ __all__ = [
     "CUipcMemHandle",
     "CudaDriver",
     "CudaError",
-    "CudaExecutor",
-    "CudaJob",
     "CudaUnavailable",
     "Device",
     "choose_piece",

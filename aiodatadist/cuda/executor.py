@@ -36,9 +36,9 @@ from typing import Any, Final, Self
 
 import numpy as np
 
-from ..copy.base import ExecutorBase, resolve_job
-from ..copy.spans import as_u64
 from ..errors import LLMException, LLMStatusCode
+from ..jobs.base import ExecutorBase, ExecutorJob, resolve_job
+from ..jobs.chunks import as_u64
 from ..layout.plans import CopyPlan, PlanCache, Spans, plan_to_spans
 from ..native import native_extension
 from .copy_calls import CTX_FAILED, STAGE_FAILED, CopyCalls
@@ -412,7 +412,7 @@ class CudaExecutor(ExecutorBase):
         nothing writes into the destination afterwards.  The copy itself always runs to its end."""
         await self.wait(self.start(spans, copier, chunk_bytes=chunk_bytes))
 
-    def cancel(self, job: CudaJob, error: BaseException | None = None) -> None:
+    def cancel(self, job: ExecutorJob, error: BaseException | None = None) -> None:
         """A copy on the GPU cannot be stopped: record ``error`` (if given and the job is not done) for the
         job's waiter and return.  The waiter (:meth:`wait` of a cancelled caller) returns only after the GPU
         finished the job, so nothing writes into the destination afterwards."""

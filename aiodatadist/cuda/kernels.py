@@ -13,7 +13,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from ..copy.spans import split_spans
+from ..jobs.chunks import split_spans
 from ..layout.plans import Spans
 
 __all__ = [

@@ -42,7 +42,7 @@ def _device_of(cache: Cache) -> Any:
     owner = cache._owner
     if owner is None or not hasattr(owner, "_device"):
         raise LLMException("not a cache of a CacheManager", status_code=LLMStatusCode.LLM_PARAM_INVALID)
-    return owner._device().device
+    return owner._device().runtime
 
 
 def write_tensor(cache: Cache, index: int, data: np.ndarray) -> None:
@@ -51,7 +51,7 @@ def write_tensor(cache: Cache, index: int, data: np.ndarray) -> None:
     if raw.nbytes != cache.cache_desc.size:
         raise ValueError(f"{raw.nbytes} bytes for a tensor of {cache.cache_desc.size}")
     if cache.cache_desc.placement == Placement.DEVICE:
-        _device_of(cache).copy_htod(cache.tensor_addrs[index], raw.ctypes.data, raw.nbytes)
+        _device_of(cache).copy_to_device(cache.tensor_addrs[index], raw.ctypes.data, raw.nbytes)
     else:
         cache.tensors[index].view(np.uint8).reshape(-1)[:] = raw
 
@@ -64,7 +64,7 @@ def tensor_bytes(cache: Cache) -> list[np.ndarray]:
     out = []
     for addr in cache.tensor_addrs:
         buf = np.empty(size, dtype=np.uint8)
-        device.copy_dtoh(buf.ctypes.data, addr, size)
+        device.copy_to_host(buf.ctypes.data, addr, size)
         out.append(buf)
     return out
 

@@ -10,7 +10,7 @@ import numpy as np
 import zmq
 
 from .. import __version__
-from ..cuda import cuda_status
+from ..copy.device_runtime import runtime_status
 from ..native import native_available, native_pool
 from ..settings.environment import EnvKnobs, env_knobs, usable_cpus
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"tcp data plane: {'native I/O threads, one-sided reads' if native_net else 'Python I/O threads'}"
          f", {knobs.tcp_connections} connections per link (defaults of llm.Net and llm.TcpConnections: "
          "AIODATADIST_NET, AIODATADIST_TCP_CONNECTIONS)"),
-        f"GPU (Placement.DEVICE, CUDA driver API through ctypes): {cuda_status()}",
+        f"GPU (Placement.DEVICE, CUDA driver API through ctypes): {runtime_status()}",
         f"cpus: {usable_cpus()} usable (affinity) of {os.cpu_count()}",
         "settings (AIODATADIST_* environment variables; an option named here overrides it per instance):",
         *_settings_lines(knobs),

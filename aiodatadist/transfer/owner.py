@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import param_invalid, require
+from ..copy.engine import CopyEngine
 from ..errors import LLMException, LLMStatusCode
 from ..layout.plans import transfer_plan
 from ..link.link import Link
@@ -39,7 +40,6 @@ from ..protocol.messages import (
 from ..registry.caches import CacheEntry, CacheRegistry
 from ..stats import StatsRecorder
 from ..transport.plane import OfferedSource
-from .engine import CopyEngine
 from .state import Lease, LinkTransfers, TransferStates, transfer_id
 
 __all__ = ["Owner"]

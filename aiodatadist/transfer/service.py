@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ..copy.engine import CopyEngine
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from ..link.link import Link
 from ..link.manager import LinkManager
@@ -30,7 +31,6 @@ from ..protocol.messages import (
 from ..registry.caches import CacheEntry, CacheRegistry
 from ..settings.options import Settings
 from ..stats import OneSided, StatsRecorder
-from .engine import CopyEngine
 from .owner import Owner
 from .requester import Requester
 from .state import LinkTransfers, TransferStates

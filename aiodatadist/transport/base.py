@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._aio import wait_through_cancellation
-from ..copy.completion import Polling
+from ..jobs.completion import Polling
 from ..layout.plans import CopyPlan, coalesce
 from ..native import KEY_FLAG_SHIFT, StopFlag
 

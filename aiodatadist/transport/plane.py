@@ -13,8 +13,9 @@ has:
   :meth:`~DataPlane.publishes`, :meth:`~DataPlane.reach`, :meth:`~DataPlane.tells_freed`;
 * lifetime: :meth:`~DataPlane.stop` (no thread touches memory any more), then :meth:`~DataPlane.close`.
 
-The planes depend on the layers above them only through the small structural types here (:class:`LocalCache`,
-:class:`Copies`), so ``transport`` imports neither the registry nor the transfer layer.
+The planes depend on the layers above them only through the small structural types here (:class:`LocalCache`),
+so ``transport`` imports neither the registry nor the transfer layer; they copy through the copy layer below them
+(:class:`Copies`, the instance's :class:`~aiodatadist.copy.engine.CopyEngine` as a plane uses it).
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ..copy.device import DeviceSupport
+from ..copy.engine import CopiedCache
+from ..copy.python_pool import CopyJob
 from ..errors import LLMException
 from ..layout.plans import CacheGeometry, CopyPlan, TransferParams
+from ..native import CopySpec
 from ..protocol.identity import SegmentIdentity
 from ..protocol.messages import Descriptor, Freed, NixlReach, Plane
 from ..stats import OneSided
@@ -43,14 +48,8 @@ OnUntrusted = Callable[[LLMException], Awaitable[None]]
 """Drops the link: its peer may still write what it was sent, or its plane broke."""
 
 
-class LocalCache(Protocol):
-    """What a plane needs of this side's cache (the registry's entry)."""
-
-    @property
-    def addrs(self) -> UInt64Array: ...
-
-    @property
-    def on_device(self) -> bool: ...
+class LocalCache(CopiedCache, Protocol):
+    """What a plane needs of this side's cache (the registry's entry): what its copies touch, and more."""
 
     @property
     def geometry(self) -> CacheGeometry: ...
@@ -76,22 +75,24 @@ class OfferedSource(NamedTuple):
 
 
 class Copies(Protocol):
-    """This instance's copy engine, as the same-host plane uses it (see ``transfer.engine.CopyEngine``)."""
+    """This instance's copy engine (:class:`~aiodatadist.copy.engine.CopyEngine`), as the same-host plane uses
+    it."""
 
-    def device(self) -> Any: ...
+    def device(self) -> DeviceSupport: ...
 
-    def device_addrs(self, entry: Any) -> UInt64Array: ...
+    def device_addrs(self, entry: CopiedCache) -> UInt64Array: ...
 
-    def copy_now(self, plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: Any) -> bool: ...
+    def copy_now(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array,
+                 copier: CopySpec | None) -> bool: ...
 
-    def start_job(self, plan: CopyPlan, src_addrs: Any, dst_addrs: Any, copier: Any, entries: Any, *,
-                  on_device: bool = False) -> Any: ...
+    def start_job(self, plan: CopyPlan, src_addrs: UInt64Array, dst_addrs: UInt64Array, copier: CopySpec | None,
+                  entries: tuple[CopiedCache, ...], *, on_device: bool = False) -> CopyJob: ...
 
-    async def wait_job(self, job: Any, entries: Any) -> None: ...
+    async def wait_job(self, job: CopyJob, entries: tuple[CopiedCache, ...]) -> None: ...
 
-    def cancel_job(self, job: Any, error: BaseException | None = None) -> None: ...
+    def cancel_job(self, job: CopyJob, error: BaseException | None = None) -> None: ...
 
-    async def wait_stopped(self, job: Any) -> None: ...
+    async def wait_stopped(self, job: CopyJob) -> None: ...
 
 
 class Route(enum.Enum):

@@ -20,13 +20,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._checks import U64_LIMIT
+from ..copy.device import LinkDeviceState
+from ..copy.python_pool import CopyJob
 from ..copy.spans import INLINE_BYTES, STREAMING_THRESHOLD
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
 from ..layout.plans import CacheGeometry, CopyPlan, TransferParams
 from ..native import CopySpec, pvm_copier
 from ..protocol.identity import SegmentIdentity
 from ..protocol.messages import Descriptor, Freed, IpcAllocation
-from .device import LinkDeviceState
 from .directory import DirectoryView, Resolved
 from .plane import (
     Copies,
@@ -58,13 +59,13 @@ class _Served(NamedTuple):
     """A push the owner copies itself: its copy job, the owner's cache it writes, and the mapping of the
     requester's segment it reads (held until the job ended), if it reads one."""
 
-    job: Any
+    job: CopyJob
     cache: ServedCache
     held: tuple[int, int] | None
 
     @property
     def error(self) -> BaseException | None:
-        return self.job.error  # type: ignore[no-any-return]
+        return self.job.error
 
 
 class SameHostPlane(DataPlane):

@@ -16,7 +16,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 
-from aiodatadist.cuda import CudaError, CudaExecutor, CudaJob, Device, cuda_status, get_device
+from aiodatadist.cuda import CudaError, Device, cuda_status, get_device
+from aiodatadist.cuda.executor import CudaExecutor, CudaJob
 from aiodatadist.cuda.driver import CUDA_SUCCESS
 from aiodatadist.errors import LLMException, LLMStatusCode
 from aiodatadist.layout.plans import Spans

@@ -34,8 +34,8 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
+from aiodatadist.copy.device import IPC
 from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
-from aiodatadist.transport.device import IPC
 
 S = LLMStatusCode
 BLOCKS, BLOCK = 64, 4096 + 16  # deliberately not a multiple of 256: unaligned spans too
@@ -122,13 +122,13 @@ async def test_concurrent_swaps_share_page_locked_host_memory() -> None:
         for i, (_, _, cache, _) in enumerate(swaps):
             got = blocks_of(tensor_bytes(cache))
             assert all(np.array_equal(got[t][63 - i], keep[t].reshape(BLOCKS, BLOCK)[i]) for t in range(4))
-        from aiodatadist.transport.device import PINNED
+        from aiodatadist.copy.device import PINNED
         assert PINNED._ranges == {}  # each swap let go of its pin
 
 
 async def test_register_device_memory_the_caller_owns() -> None:
     async with linked_pair() as (prompt, decoder):
-        device = device_of(prompt.cache_manager).device
+        device = device_of(prompt.cache_manager).runtime.device  # (the CUDA runtime's driver-level device)
         ptrs = [device.alloc(DEV.size) for _ in range(4)]
         try:
             cache = prompt.cache_manager.register_blocks_cache(DEV, ptrs, BlocksCacheKey(1, 0))
@@ -276,7 +276,7 @@ async def test_a_cancelled_device_pull_writes_nothing_after_it_returns(gpu_mode:
     async with linked_pair() as (prompt, decoder):
         src = prompt.cache_manager.allocate_blocks_cache(big, BlocksCacheKey(1, 0))
         dst = decoder.cache_manager.allocate_blocks_cache(big)
-        device = device_of(prompt.cache_manager).device
+        device = device_of(prompt.cache_manager).runtime.device  # (the CUDA runtime's driver-level device)
         for a in src.tensor_addrs:
             device.memset(a, 0x5A, big.size)
         for a in dst.tensor_addrs:

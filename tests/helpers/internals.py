@@ -8,9 +8,9 @@ only, so that a change inside the package is followed here once, not in every te
 from __future__ import annotations
 
 from aiodatadist.cache_manager import CacheManager
+from aiodatadist.copy.device import DeviceSupport
+from aiodatadist.copy.engine import CopyEngine
 from aiodatadist.registry.caches import CacheRegistry
-from aiodatadist.transfer.engine import CopyEngine
-from aiodatadist.transport.device import DeviceSupport
 
 __all__ = ["device_of", "engine_of", "registry_of"]
 

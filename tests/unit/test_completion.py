@@ -15,7 +15,7 @@ import pytest
 
 from aiodatadist._aio import settle, wait_through_cancellation
 from aiodatadist.control.channel import TaskSet
-from aiodatadist.copy.completion import NotifyPipe
+from aiodatadist.jobs.completion import NotifyPipe
 
 
 async def test_settle_once() -> None:

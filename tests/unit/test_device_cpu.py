@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from aiodatadist.copy.device import merged_ranges
 from aiodatadist.protocol.codec import ProtocolError
 from aiodatadist.protocol.messages import ipc_from_wire
-from aiodatadist.transport.device import merged_ranges
 
 PAGE = mmap.PAGESIZE
 

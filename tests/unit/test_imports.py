@@ -30,8 +30,9 @@ GROUPS: dict[str, set[str]] = {
                "layout"},  # cache geometry and copy plans (with _blocks, its compiled block lists -> runs)
     "native": {"native"},  # the compiled helper and its ctypes bindings
     "memory": {"memory"},  # shared memory segments
-    "copy": {"copy"},  # copy executors (native and Python pools)
-    "cuda": {"cuda"},  # CUDA driver, kernels and the GPU executor
+    "jobs": {"jobs"},  # the job contract every executor follows, span chunking, completion pipes
+    "copy": {"copy"},  # the copy engine, host pools, device caches and the device-runtime interface
+    "cuda": {"cuda"},  # the CUDA runtime: driver, kernels, the GPU executor
     "protocol": {"protocol", "notifications"},  # sans-IO wire protocol, segment identities; the notification inbox
     "control": {"control"},  # ZeroMQ channels and sockets
     "transport": {"transport"},  # data planes: same host, TCP, NIXL, GPU; TCP connection setup, fd passing
@@ -49,21 +50,22 @@ ALLOWED: dict[str, set[str]] = {
     "values": _BASE,
     "native": _BASE,
     "memory": _BASE | {"native", "protocol"},  # (segment identities)
-    "copy": _SYSTEM,
-    "cuda": _SYSTEM | {"copy"},
+    "jobs": _BASE | {"native"},
+    "cuda": _SYSTEM | {"jobs"},
+    "copy": _SYSTEM | {"jobs", "cuda"},  # (the device-runtime interface opens the CUDA runtime)
     "protocol": _BASE,
     "control": _BASE | {"memory", "protocol"},
-    "transport": _SYSTEM | {"copy", "cuda", "protocol"},
+    "transport": _SYSTEM | {"jobs", "copy", "protocol"},
     "registry": _SYSTEM | {"copy", "protocol"},  # (segment identities)
     "link": _SYSTEM | {"protocol", "control", "transport"},
-    "transfer": _SYSTEM | {"copy", "cuda", "protocol", "transport", "registry", "link"},
+    "transfer": _SYSTEM | {"jobs", "copy", "protocol", "transport", "registry", "link"},
 }
-ALLOWED["facade"] = set(ALLOWED) | {"facade"}
+ALLOWED["facade"] = set(ALLOWED) - {"cuda"} | {"facade"}
 ALLOWED["helpers"] = ALLOWED["facade"] | {"helpers"}
 ALLOWED["adapters"] = ALLOWED["helpers"] | {"adapters"}
 ALLOWED["top"] = set(GROUPS)
 GROUP = {part: group for group, parts in GROUPS.items() for part in parts}
-BELOW_THE_FACADE = {"values", "native", "memory", "copy", "cuda", "protocol", "control", "transport", "registry",
+BELOW_THE_FACADE = {"values", "native", "memory", "jobs", "copy", "cuda", "protocol", "control", "transport", "registry",
                     "link", "transfer"}
 FORBIDDEN: list[tuple[str, str, str]] = [
     ("control", "transport", "control and transport are siblings: only the link layer knows both"),
@@ -76,6 +78,9 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("protocol", "memory", "the sans-IO protocol loads no native code"),
     ("protocol", "copy", "the sans-IO protocol loads no native code"),
     ("transport", "transfer", "a plane is driven by the transfer layer, never the other way"),
+    ("cuda", "copy", "a device runtime sits below the copy layer that uses it"),
+    *[(group, "cuda", "only the copy layer reaches a device runtime (through its interface)")
+      for group in set(GROUPS) - {"cuda", "copy", "top"}],
     ("transport", "link", "a plane knows nothing of the link that holds it"),
     *[(group, "facade", "nothing below the facade reaches datadist/cache_manager") for group in BELOW_THE_FACADE],
     *[(group, "top", "the library never imports the tools") for group in set(GROUPS) - {"top"}],

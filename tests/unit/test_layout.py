@@ -18,8 +18,8 @@ from helpers.examples import examples
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from aiodatadist.copy.spans import split_spans
 from aiodatadist.errors import LLMException, LLMStatusCode
+from aiodatadist.jobs.chunks import split_spans
 from aiodatadist.layout.plans import (
     CacheGeometry,
     Runs,

@@ -18,16 +18,16 @@ import pytest
 
 from aiodatadist.copy import native_pool as native_pool_module
 from aiodatadist.copy import spans
-from aiodatadist.copy.completion import _short_waits
 from aiodatadist.copy.native_pool import NativeExecutor
 from aiodatadist.copy.spans import (
-    SINGLE_CHUNK,
     STREAMING_THRESHOLD,
     _cpu0_caches,
     _level2_cache_bytes,
     measured_streaming_share,
     streaming_share,
 )
+from aiodatadist.jobs.chunks import SINGLE_CHUNK
+from aiodatadist.jobs.completion import _short_waits
 from aiodatadist.layout.plans import CacheGeometry, CopyPlan, Spans, b2b_runs, make_plan
 from aiodatadist.native import CopySpec, Streaming, native_pool
 from aiodatadist.settings.environment import env_knobs_cache_clear

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiodatadist.copy.completion import MAX_POLL_SKIP, MAX_POLLERS, Polling, _short_waits
 from aiodatadist.copy.native_pool import NativeExecutor, NativeJob
+from aiodatadist.jobs.completion import MAX_POLL_SKIP, MAX_POLLERS, Polling, _short_waits
 from aiodatadist.layout.plans import Spans
 from aiodatadist.native import CopySpec, native_available
 from aiodatadist.settings.environment import env_knobs_cache_clear

@@ -19,8 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ..._aio import in_thread, settle
-from ...copy.completion import NotifyPipe
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
+from ...jobs.completion import NotifyPipe
 from ...native import (
     ANY_MODEL,
     KEY_FLAG_SHIFT,

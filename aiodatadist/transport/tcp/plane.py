@@ -18,8 +18,8 @@ import numpy as np
 
 from ..._aio import wait_through_cancellation
 from ..._checks import I64_MAX
-from ...copy.completion import Polling
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
+from ...jobs.completion import Polling
 from ...layout.plans import CopyPlan
 from ...protocol.messages import Descriptor
 from ...stats import OneSided

@@ -29,8 +29,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ..._aio import in_thread, settle
-from ...copy.spans import split_spans
 from ...errors import LLMException, LLMLinkError, LLMStatusCode
+from ...jobs.chunks import split_spans
 from ...layout.plans import Spans
 from ...native import TID_MASK
 from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in _net.c)

@@ -19,7 +19,7 @@ from .._aio import settle, wait_through_cancellation
 from ..layout.plans import CopyPlan, Spans, plan_to_spans
 from ..native import CopySpec
 from ..settings.environment import env_knobs
-from .spans import MAX_CHUNK, MIN_CHUNK, SINGLE_CHUNK, SMALL
+from .chunks import MAX_CHUNK, MIN_CHUNK, SINGLE_CHUNK, SMALL
 
 __all__ = [
     "ExecutorBase",
@@ -101,7 +101,7 @@ class ExecutorBase:
 
     def chunk_bytes_for(self, total: int) -> int:
         """Bytes per chunk (what a worker takes at once) of a job of ``total`` bytes: one chunk up to
-        :data:`~aiodatadist.copy.spans.SINGLE_CHUNK`, one per worker up to :data:`~aiodatadist.copy.spans.SMALL`,
+        :data:`~aiodatadist.jobs.chunks.SINGLE_CHUNK`, one per worker up to :data:`~aiodatadist.jobs.chunks.SMALL`,
         and 4-16 MiB beyond."""
         if total <= SINGLE_CHUNK:
             return max(total, 1)

@@ -1,15 +1,16 @@
-"""CUDA device caches: their memory, the addresses a GPU copy uses, and what links hold of peers' device memory.
+"""Device caches: their memory, the addresses a device copy uses, and what links hold of peers' device memory.
 
-Every copy that touches a ``Placement.DEVICE`` cache runs on the GPU of this instance (``device_id``), as one
-launch of the pointer-list kernel (:mod:`aiodatadist.cuda`), whatever the other end is:
+Every copy that touches a ``Placement.DEVICE`` cache runs on the device of this instance (``device_id``), through
+its runtime's executor (:mod:`.device_runtime`; for CUDA one launch of the pointer-list kernel), whatever the
+other end is:
 
 * device memory of this process: its own address;
-* a same-host peer's device memory: its CUDA IPC handle, opened once per process and allocation
+* a same-host peer's device memory: its IPC handle, opened once per process and allocation
   (:class:`IpcMappings`), closed when the peer frees it or the last link that uses it closes;
 * host memory (this instance's shared-memory caches, caller-registered memory, a peer's segment mapped into this
-  process): page-locked once with ``cuMemHostRegister`` and read or written by the kernel over the bus.
+  process): page-locked once (``register_host``) and read or written by the device over the bus.
 
-The CUDA driver is loaded only when the first DEVICE cache is made; without it those calls raise
+The runtime is loaded only when the first DEVICE cache is made; without it those calls raise
 ``LLM_FEATURE_NOT_ENABLED`` saying why, and nothing else changes.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -25,29 +26,27 @@ import numpy.typing as npt
 from .._checks import U64_LIMIT, require
 from ..errors import LLMException, LLMStatusCode
 from ..memory.segment import PAGE
-
-if TYPE_CHECKING:
-    from ..cuda import CudaExecutor, Device
+from .device_runtime import DeviceExecutor, DeviceRuntime, open_runtime
 
 __all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "PinnedHostMemory", "merged_ranges"]
 
-log = logging.getLogger("aiodatadist.transport.device")
+log = logging.getLogger("aiodatadist.copy.device")
 UInt64Array = npt.NDArray[np.uint64]
 ALIGN = 256  # tensors of an allocated device cache start on 256-byte boundaries (16-byte vector copies)
 
 
 class DeviceMemory:
-    """``cuMemAlloc``'d memory of an allocated DEVICE cache; freed once nothing uses it (see the registry)."""
+    """Device memory of an allocated DEVICE cache; freed once nothing uses it (see the registry)."""
 
-    def __init__(self, device: Device, size: int) -> None:
-        self.device = device
+    def __init__(self, runtime: DeviceRuntime, size: int) -> None:
+        self.runtime = runtime
         self.size = size
-        self.address = device.alloc(size)
+        self.address = runtime.alloc(size)
 
     def close(self) -> None:
         if self.address:
             address, self.address = self.address, 0
-            self.device.free(address)
+            self.runtime.free(address)
 
 
 def _page_range(addr: int, nbytes: int) -> tuple[int, int]:
@@ -56,14 +55,12 @@ def _page_range(addr: int, nbytes: int) -> tuple[int, int]:
 
 
 class DeviceSupport:
-    """One instance's GPU: allocation, the copy executor (one stream) and page-locked host ranges.  Creating
-    it raises ``LLM_FEATURE_NOT_ENABLED`` (saying why) without a usable GPU."""
+    """One instance's device: allocation, the copy executor and page-locked host ranges.  Creating it raises
+    ``LLM_FEATURE_NOT_ENABLED`` (saying why) without a usable device."""
 
     def __init__(self, ordinal: int) -> None:
-        from ..cuda import CudaExecutor, get_device
-
-        self.device: Device = get_device(ordinal)
-        self.executor: CudaExecutor = CudaExecutor(self.device)
+        self.runtime: DeviceRuntime = open_runtime(ordinal)
+        self.executor: DeviceExecutor = self.runtime.executor
         self._mine: dict[tuple[int, int], int] = {}  # ranges this instance pinned (see PINNED), with counts
         self._lock = threading.Lock()
 
@@ -72,15 +69,17 @@ class DeviceSupport:
         """Device memory for ``num_tensors`` tensors of ``tensor_size`` bytes; returns it and the tensors'
         addresses (each 256-byte aligned)."""
         stride = -(-tensor_size // ALIGN) * ALIGN
-        memory = DeviceMemory(self.device, stride * num_tensors)
+        memory = DeviceMemory(self.runtime, stride * num_tensors)
         return memory, [memory.address + i * stride for i in range(num_tensors)]
 
     def check_registered(self, addrs: list[int], tensor_size: int) -> None:
-        """Caller-owned device addresses must be device memory of this GPU, each tensor inside one allocation."""
+        """Caller-owned device addresses must be device memory of this device, each tensor inside one
+        allocation."""
+        runtime = self.runtime
         for addr in addrs:
-            require(self.device.is_device_pointer(addr),
-                    f"address {addr:#x} is not device memory of CUDA device {self.device.ordinal}.")
-            base, size = self.device.address_range(addr)
+            require(runtime.is_device_pointer(addr),
+                    f"address {addr:#x} is not device memory of {runtime.name.upper()} device {runtime.ordinal}.")
+            base, size = runtime.address_range(addr)
             require(addr + tensor_size <= base + size,
                     f"tensor at {addr:#x} ({tensor_size} bytes) runs past the end of its allocation "
                     f"({base:#x}, {size} bytes).")
@@ -90,16 +89,16 @@ class DeviceSupport:
         distinct allocation."""
         seen: dict[int, list[Any]] = {}
         for addr in addrs.tolist():
-            base, size = self.device.address_range(int(addr))
+            base, size = self.runtime.address_range(int(addr))
             if base not in seen:
-                seen[base] = [self.device.ipc_handle(base), base, size]
+                seen[base] = [self.runtime.ipc_handle(base), base, size]
         return list(seen.values())
 
     # -- host memory the GPU reaches -------------------------------------------------------------------------
     def pin(self, addr: int, nbytes: int) -> int:
         """Page-lock host memory ``[addr, addr + nbytes)`` (whole pages) for GPU copies; returns the offset to
         add to its host addresses to get device addresses.  Pair with :meth:`unpin`."""
-        delta = PINNED.pin(self.device, addr, nbytes)
+        delta = PINNED.pin(self.runtime, addr, nbytes)
         with self._lock:
             key = (addr, nbytes)
             self._mine[key] = self._mine.get(key, 0) + 1
@@ -113,7 +112,7 @@ class DeviceSupport:
             self._mine[key] -= 1
             if not self._mine[key]:
                 del self._mine[key]
-        PINNED.unpin(self.device, addr, nbytes)
+        PINNED.unpin(self.runtime, addr, nbytes)
 
     def close(self) -> None:
         """Stop the executor (after its work is done) and let go of every host range this instance pinned."""
@@ -122,24 +121,24 @@ class DeviceSupport:
             mine, self._mine = self._mine, {}
         for (addr, nbytes), count in mine.items():
             for _ in range(count):
-                PINNED.unpin(self.device, addr, nbytes)
+                PINNED.unpin(self.runtime, addr, nbytes)
 
 
 class PinnedHostMemory:
-    """Host ranges page-locked for the GPU, for the whole process (CUDA registers memory process-wide, and
-    refuses to register a page twice): reference-counted by range, so that several instances, caches and
+    """Host ranges page-locked for the device, for the whole process (runtimes register memory process-wide,
+    and CUDA refuses to register a page twice): reference-counted by range, so that several instances, caches and
     concurrent swaps over the same memory share one registration."""
 
     def __init__(self) -> None:
         self._ranges: dict[int, tuple[int, int, int]] = {}  # host start -> (host end, device base, users)
         self._lock = threading.Lock()
 
-    def pin(self, device: Device, addr: int, nbytes: int) -> int:
+    def pin(self, runtime: DeviceRuntime, addr: int, nbytes: int) -> int:
         start, end = _page_range(addr, nbytes)
         with self._lock:
             found = self._ranges.get(start)
             if found is None:
-                device_base = device.register_host(start, end - start)
+                device_base = runtime.register_host(start, end - start)
                 self._ranges[start] = (end, device_base, 1)
                 return (device_base - start) % U64_LIMIT
             if found[0] < end:
@@ -148,7 +147,7 @@ class PinnedHostMemory:
             self._ranges[start] = (found[0], found[1], found[2] + 1)
             return (found[1] - start) % U64_LIMIT
 
-    def unpin(self, device: Device, addr: int, nbytes: int) -> None:
+    def unpin(self, runtime: DeviceRuntime, addr: int, nbytes: int) -> None:
         start, _ = _page_range(addr, nbytes)
         with self._lock:
             found = self._ranges.get(start)
@@ -159,7 +158,7 @@ class PinnedHostMemory:
                 return
             del self._ranges[start]
         try:
-            device.unregister_host(start)
+            runtime.unregister_host(start)
         except LLMException as exc:
             log.warning("cannot unpin host memory at %#x: %s", start, exc)
 
@@ -183,23 +182,23 @@ def merged_ranges(addrs: UInt64Array, nbytes: int) -> list[tuple[int, int]]:
 
 class IpcMappings:
     """Peers' device allocations opened in this process, one mapping per allocation shared by every link
-    (CUDA lets a process open a handle once), closed when the last user lets go."""
+    (a process opens a handle once), closed when the last user lets go."""
 
     def __init__(self) -> None:
         self._open: dict[bytes, tuple[int, int]] = {}  # handle -> (local base, users)
         self._lock = threading.Lock()
 
-    def acquire(self, device: Device, handle: bytes) -> int:
+    def acquire(self, runtime: DeviceRuntime, handle: bytes) -> int:
         with self._lock:
             found = self._open.get(handle)
             if found is not None:
                 self._open[handle] = (found[0], found[1] + 1)
                 return found[0]
-            base = device.ipc_open(handle)
+            base = runtime.ipc_open(handle)
             self._open[handle] = (base, 1)
             return base
 
-    def release(self, device: Device, handle: bytes) -> None:
+    def release(self, runtime: DeviceRuntime, handle: bytes) -> None:
         with self._lock:
             found = self._open.get(handle)
             if found is None:
@@ -209,7 +208,7 @@ class IpcMappings:
                 return
             del self._open[handle]
         try:
-            device.ipc_close(found[0])
+            runtime.ipc_close(found[0])
         except LLMException as exc:
             log.warning("cannot close a peer's device memory: %s", exc)
 
@@ -218,7 +217,7 @@ IPC = IpcMappings()
 
 
 class LinkDeviceState:
-    """What one link holds of its peer for GPU copies: opened IPC allocations and pinned peer segments.
+    """What one link holds of its peer for device copies: opened IPC allocations and pinned peer segments.
 
     Released (after every copy on the link stopped) when the link closes, before the segments are unmapped.
     """
@@ -247,7 +246,7 @@ class LinkDeviceState:
         for i, (handle, _, _) in enumerate(ipc):
             found = self._handles.get(handle)
             if found is None:
-                found = self._handles[handle] = IPC.acquire(self.support.device, handle)
+                found = self._handles[handle] = IPC.acquire(self.support.runtime, handle)
             local[i] = found
         which = np.searchsorted(bases, remote_addrs, side="right") - 1
         inside = (which >= 0) & (remote_addrs + np.uint64(tensor_size) <= ends[np.maximum(which, 0)])
@@ -294,11 +293,11 @@ class LinkDeviceState:
         self._forgotten.discard(handle)
         if self._handles.pop(handle, None) is not None:
             self._views.clear()
-            IPC.release(self.support.device, handle)
+            IPC.release(self.support.runtime, handle)
 
     def close(self) -> None:
         for handle in self._handles:
-            IPC.release(self.support.device, handle)
+            IPC.release(self.support.runtime, handle)
         self._handles.clear()
         self._views.clear()
         for base, (size, _) in self._pinned.items():
