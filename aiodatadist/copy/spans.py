@@ -10,11 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from ..jobs.chunks import as_u64
-from ..layout.plans import CopyPlan, Spans
+from ..layout.plans import CopyPlan
 from ..native import CopySpec, local_copier, native_extension, native_pool
 
 __all__ = [

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from aiodatadist.cuda import CudaError, Device, cuda_status, get_device
-from aiodatadist.cuda.executor import CudaExecutor, CudaJob
 from aiodatadist.cuda.driver import CUDA_SUCCESS
+from aiodatadist.cuda.executor import CudaExecutor, CudaJob
 from aiodatadist.errors import LLMException, LLMStatusCode
 from aiodatadist.layout.plans import Spans
 

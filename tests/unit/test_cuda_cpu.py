@@ -28,7 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiodatadist import cuda
+from aiodatadist.cuda import completion as completion_module
 from aiodatadist.cuda import driver, kernels
+from aiodatadist.cuda import launches as launches_module
 from aiodatadist.cuda.driver import CudaDriver, CudaError, CudaUnavailable, CUipcMemHandle, Device
 from aiodatadist.cuda.executor import CudaExecutor, CudaJob
 from aiodatadist.errors import LLMException, LLMStatusCode
@@ -703,16 +705,15 @@ def test_a_plans_table_from_the_native_walk_is_the_span_arrays_one(executor: Cud
     """The native helper's one-pass walk of a plan's grid gives the launch the span arrays give: the same pieces
     (merged across runs and tensors where both sides continue, cut at the piece size), the single-copy case and
     the geometry; with zero-length runs (skipped by the walk) the same bytes go to the same places."""
-    from aiodatadist.cuda import executor as executor_module
     from aiodatadist.layout.plans import plan_to_spans
 
-    if executor_module._grid_table is None:
+    if launches_module._grid_table is None:
         pytest.skip("no native helper")
     zero = data.draw(st.booleans())
     plan, src_addrs, dst_addrs = draw_plan(data, zero_lengths=zero)
-    executor._piece_bytes = data.draw(st.sampled_from([16, 4096, 65536, None]))
-    native = executor._prepare_plan(plan, src_addrs, dst_addrs)
-    spans = executor._prepare(plan_to_spans(plan, src_addrs, dst_addrs))
+    preparer = launches_module.LaunchPreparer(executor.device, data.draw(st.sampled_from([16, 4096, 65536, None])))
+    native = preparer.for_plan(plan, src_addrs, dst_addrs)
+    spans = preparer.for_spans(plan_to_spans(plan, src_addrs, dst_addrs))
     assert native.nbytes == spans.nbytes == plan.total_bytes
     assert _launch_spans(native) == _launch_spans(spans)
     if not zero:
@@ -961,7 +962,7 @@ async def test_the_loop_learns_the_end_from_an_event(dev: Device, executor: Cuda
     try:
         monkeypatch.setenv("FAKE_CUDA_DELAY_US", "20000")
         job = executor.start(arena.spans([0], [1 << 20], [2 << 20]))
-        assert not executor_module._pending  # no callback is waiting for the driver's thread
+        assert not completion_module._pending  # no callback is waiting for the driver's thread
         await executor.wait(job)
         assert job.stopped.is_set() and len(executor._events) == 1
         assert executor._rates != list(executor_module.FIRST_RATES)
@@ -980,9 +981,8 @@ async def test_the_waiting_task_polls_the_event_and_a_cancelled_one_still_waits_
     iteration that saw the end); cancelled there, it raises only once the GPU is done, and the bytes landed.
     (The copy is held on the "GPU", and polled for a minute past its expected end instead of 2 ms before a
     thread waits for it: a loop held up for 2 ms on a loaded machine would see the thread instead.)"""
-    from aiodatadist.cuda import executor as executor_module
 
-    monkeypatch.setattr(executor_module, "POLL_FOR_S", 60.0)
+    monkeypatch.setattr(completion_module, "POLL_FOR_S", 60.0)
     arena = Arena(dev, 1 << 20, 15)
     hold = _hold(drv)
     try:
@@ -1063,20 +1063,19 @@ def test_latency_bound_copies_and_copies_over_the_bus_leave_the_device_rate_alon
     """A 2 MiB copy seen ~20 us after its enqueue measures the launch's latency, not the rate (counting it made
     the next 256 MiB copy sleep on a timer for 7x its duration); copies to or from page-locked host memory keep
     a rate of their own, so a swap never makes a device copy sleep for a bus copy's time, nor the reverse."""
-    from aiodatadist.cuda import executor as executor_module
 
     event = ctypes.c_void_p(0)
     executor._rates[:] = [2e12, 50e9]
     for _ in range(50):
         executor._event_done(event, 2 << 20, 20e-6, False)
     assert executor._rates == [2e12, 50e9]
-    executor._event_done(event, 256 << 20, (256 << 20) / 40e9, False, kind=executor_module.OVER_THE_BUS)
+    executor._event_done(event, 256 << 20, (256 << 20) / 40e9, False, kind=launches_module.OVER_THE_BUS)
     assert executor._rates == [2e12, pytest.approx(0.8 * 50e9 + 0.2 * 40e9)]
     executor._events.clear()
     a, b, pinned = dev.alloc(4096), dev.alloc(4096), dev.alloc_pinned(4096)
     try:
-        assert executor._kind(a, b) == executor_module.DEVICE_ONLY
-        assert executor._kind(pinned, b) == executor._kind(a, pinned) == executor_module.OVER_THE_BUS
+        assert executor.launches.kind(a, b) == launches_module.DEVICE_ONLY
+        assert executor.launches.kind(pinned, b) == executor.launches.kind(a, pinned) == launches_module.OVER_THE_BUS
     finally:
         dev.free(a)
         dev.free(b)

@@ -263,7 +263,7 @@ def kernel_sweep(executor: Any, repeat: int, d2d_gbps: float) -> list[dict[str, 
     """The pointer-list kernel alone on 8192 scattered 32 KiB spans (256 MiB) between two device buffers, one
     launch per geometry of :data:`SWEEP` at a time, timed by events around it on the GPU (no host time in it):
     whether the shipped geometry reaches the device's copy limit, and how far the others are."""
-    from ...cuda.executor import _Work
+    from ...cuda.completion import Work as _Work
 
     device = executor.device
     drv = device.driver
@@ -281,7 +281,7 @@ def kernel_sweep(executor: Any, repeat: int, d2d_gbps: float) -> list[dict[str, 
             np.uint64(dst) + rng.permutation(slots)[:spans].astype(np.uint64) * np.uint64(BLOCK_BYTES),
             np.full(spans, BLOCK_BYTES, dtype=np.uint64)))
         for threads, per_sm in SWEEP:
-            launch = executor._table_launch(MOVED_BYTES, table.copy(), spans, BLOCK_BYTES)
+            launch = executor.launches.table_launch(MOVED_BYTES, table.copy(), spans, BLOCK_BYTES)
             launch.block, launch.grid = threads, min(spans, per_sm * device.sm_count)
             times = []
             for _ in range(max(repeat, 5) + 1):
