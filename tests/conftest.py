@@ -11,6 +11,10 @@ Markers by folder (registered in ``pyproject.toml``)
     ``gpu/``           ``gpu`` and ``integration`` (a real or emulated GPU, linked pairs and peer processes).
     ``smoke/``         ``slow`` and ``integration`` (whole processes: CLI, examples, soak, bench peers).
     ``vllm_connector/`` ``vllm``: the vLLM connector; skipped without vLLM (``bash tools/vllm_tests.sh``).
+    ``sglang/``        ``sglang``: the SGLang backend; skipped without SGLang (``bash tools/sglang_tests.sh``).
+
+``unit/`` mirrors the package: ``unit/<layer>/`` holds the tests of ``aiodatadist/<layer>/`` (``unit/api/``: the
+public modules at the package's root; ``unit/package/``: the package's shape).
 
 Helpers live in ``tests/helpers/`` (``tests/`` is on ``sys.path``): ``from helpers.data import fill_rows``.
 """
@@ -30,10 +34,12 @@ from aiodatadist.testing import PeerProcess, cluster_info, free_port
 
 _TESTS = Path(__file__).resolve().parent
 FOLDER_MARKERS: dict[str, tuple[str, ...]] = {
+    "unit": (),
     "integration": ("integration",),
     "gpu": ("gpu", "integration"),
     "smoke": ("slow", "integration"),
     "vllm_connector": ("vllm",),
+    "sglang": ("sglang",),
 }
 
 

@@ -26,8 +26,8 @@ PER_TEST=()
 if $PY -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout 100); fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . >> "$OUTDIR/env.txt" 2>&1
 $PY -m aiodatadist info >> "$OUTDIR/env.txt" 2>&1
-timeout 240 $PY -m pytest -q -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} tests/gpu tests/unit/test_device_cpu.py \
-  tests/unit/test_cuda_cpu.py tests/integration/test_device_refused.py tests/unit/test_torch.py \
+timeout 240 $PY -m pytest -q -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} tests/gpu tests/unit/copy/test_device_cpu.py \
+  tests/unit/cuda/test_cuda_cpu.py tests/integration/test_device_refused.py tests/unit/api/test_torch.py \
   > "$OUTDIR/gpu-tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUTDIR/gpu-tests.txt"
 timeout 150 $PY -m aiodatadist bench --device --repeat 9 --json "$OUTDIR/bench-device.json" \

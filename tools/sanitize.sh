@@ -85,10 +85,10 @@ EOF
 if [ $# -gt 0 ]; then
   TESTS=("$@")
 else
-  TESTS=(tests/unit/test_native_build.py tests/unit/test_net_frames.py tests/unit/test_net_fence.py
-         tests/unit/test_frames_spans.py tests/unit/test_executors.py tests/unit/test_inline_copy.py
-         tests/unit/test_stream_copy_limit.py tests/unit/test_stream_lanes.py tests/unit/test_stream_stores.py
-         tests/unit/test_covering_reads.py tests/unit/test_layout.py tests/unit/test_index_lists.py
+  TESTS=(tests/unit/native/test_native_build.py tests/unit/native/test_net_frames.py tests/unit/native/test_net_fence.py
+         tests/unit/native/test_frames_spans.py tests/unit/copy/test_executors.py tests/unit/copy/test_inline_copy.py
+         tests/unit/native/test_stream_copy_limit.py tests/unit/native/test_stream_lanes.py tests/unit/native/test_stream_stores.py
+         tests/unit/copy/test_covering_reads.py tests/unit/layout/test_layout.py tests/unit/transfer/test_index_lists.py
          tests/integration/test_tcp_congestion_links.py tests/integration/test_tcp_fence.py
          tests/integration/test_tcp_mixed_concurrency.py tests/integration/test_tcp_one_sided_push.py
          tests/integration/test_tcp_polled_waits.py tests/integration/test_cancellation.py
@@ -96,7 +96,7 @@ else
 fi
 
 # (a child under glibc's malloc checks preloads that library instead: ASan, which checks more, cannot run there)
-DESELECT=(--deselect tests/unit/test_executors.py::test_tcp_frame_planning_stays_inside_its_buffers)
+DESELECT=(--deselect tests/unit/copy/test_executors.py::test_tcp_frame_planning_stays_inside_its_buffers)
 
 LOG="$WORK/sanitize.log"
 # Reports go to files (one per process: peer processes the tests start report there too, whatever the test does

@@ -130,7 +130,7 @@ class DirWord(IntEnum):
 
 def bind(lib: ctypes.CDLL) -> None:
     """Declare the signatures of all the helper's exported functions: ctypes would otherwise pass and return C
-    ints, truncating pointers (``tests/unit/test_native_build.py`` checks that none is left out)."""
+    ints, truncating pointers (``tests/unit/native/test_native_build.py`` checks that none is left out)."""
     vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     u64, i64 = ctypes.c_uint64, ctypes.c_int64
     lib.adt_copy_spans.argtypes = [vp, vp, vp, sz, c_int, vp]

@@ -1,5 +1,5 @@
 """DEVICE caches without CUDA (CI has no GPU): refused with the reason, on a linked pair that stays usable
-(the CPU-side math and wire validation of device caches are in ``unit/test_device_cpu.py``)."""
+(the CPU-side math and wire validation of device caches are in ``unit/copy/test_device_cpu.py``)."""
 
 from __future__ import annotations
 

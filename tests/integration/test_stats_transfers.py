@@ -1,5 +1,5 @@
 """Transfer statistics of real transfers over a linked pair: counted per remote cluster and direction, and
-exported to Prometheus (the recorder alone is tested in ``unit/test_stats.py``)."""
+exported to Prometheus (the recorder alone is tested in ``unit/api/test_stats.py``)."""
 
 from __future__ import annotations
 

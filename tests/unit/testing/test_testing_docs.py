@@ -12,7 +12,7 @@ import pytest
 from aiodatadist import testing
 from aiodatadist.testing import _agent, plugin
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "testing.md"
 
 

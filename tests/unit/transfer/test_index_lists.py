@@ -1,6 +1,6 @@
 """Block lists accept any one-dimensional integer sequence (list, tuple, range, numpy array, anything with
 ``__array__`` or ``tolist`` such as a torch tensor) with the same meaning as the list, and refuse everything
-else with the list form's exceptions.  (Torch tensors themselves: tests/unit/test_torch.py.)"""
+else with the list form's exceptions.  (Torch tensors themselves: tests/unit/api/test_torch.py.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 views of host caches, torch tensors as block lists, and a bf16 transfer between two linked instances.
 
 Skipped without torch (CI does not install it); ``import aiodatadist`` never imports torch
-(tests/unit/test_imports.py).
+(tests/unit/package/test_imports.py).
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def test_taskset_close_returns_when_a_task_ended_just_before_it() -> None:
     run that callback (from Python 3.12 a gather of ended tasks returns without yielding, and close() spun
     forever).  In a child process, so that a spinning loop fails the test instead of hanging it."""
     done = subprocess.run([sys.executable, "-c", _ENDED_JUST_BEFORE], check=False, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "closed"
 
