@@ -19,7 +19,7 @@ H100; a polled event costs nothing measurable.  Blocking waits (:meth:`CudaExecu
 event cannot be recorded use a stream callback instead.
 
 A launched copy cannot be aborted.  :meth:`CudaExecutor.cancel` only records an error;
-:meth:`ExecutorBase.wait <aiodatadist.copy.base.ExecutorBase.wait>` of a cancelled caller still waits until the
+:meth:`ExecutorBase.wait <aiodatadist.jobs.base.ExecutorBase.wait>` of a cancelled caller still waits until the
 GPU has finished, so once it returns or raises nothing of the job is queued or running.
 """
 

@@ -38,7 +38,7 @@ IndexKey = tuple[str, int, int]
 
 
 class DeviceMemory(Protocol):
-    """An allocated DEVICE cache's memory (``transport.device.DeviceMemory``): freed once nothing uses it."""
+    """An allocated DEVICE cache's memory (``copy.device.DeviceMemory``): freed once nothing uses it."""
 
     def close(self) -> None: ...
 

@@ -218,7 +218,7 @@ class SameHostPlane(DataPlane):
             if ipc is not None:
                 device = self._link_device()
                 device.hold(ipc)
-            if local.on_device or ipc is not None:  # the GPU copies (see aiodatadist.transport.device)
+            if local.on_device or ipc is not None:  # the GPU copies (see aiodatadist.copy.device)
                 remote = self._device_view(descriptor.geometry, descriptor.addrs, segment, ipc)
                 mine = copies.device_addrs(local)
                 src, dst = (remote, mine) if pull else (mine, remote)
