@@ -154,6 +154,11 @@ class Owner:
         state = self._states.of(link)
         lease = state.leases.get(message.tid)
         if lease is not None and lease.job is not None and not link.plane.served_done(lease.job):
+            if message.ok and lease.op == "pull" and lease.release_key is not None:
+                # Every byte reached the requester, whose call returns now: its key is consumed at once (a pull by
+                # it that follows this END finds it gone, or bound anew), not once this side's job is reaped.
+                self._registry.settle_key(lease.release_key, lease.entry, True)
+                lease.release_key = None
             self._links.spawn(self._end_streamed(link, state, message, req_id), name="end-streamed")
             return None
         failed = lease is not None and lease.job is not None and lease.job.error is not None
