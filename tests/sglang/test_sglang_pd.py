@@ -25,9 +25,9 @@ import pytest
 pytest.importorskip("sglang.srt.disaggregation.utils")
 pytest.importorskip("sglang_router")
 
-from aiodatadist.tools.bench.sglang_servers import Router, Server, ServerError, ServerSettings, generate
-from aiodatadist.tools.bench.sglang_tweaks import site_dir
-from aiodatadist.tools.bench.vllm_model import ModelSpec, build_model, random_prompts
+from aiodatadist_benchmarks.bench.sglang_servers import Router, Server, ServerError, ServerSettings, generate
+from aiodatadist_benchmarks.bench.sglang_tweaks import site_dir
+from aiodatadist_benchmarks.bench.vllm_model import ModelSpec, build_model, random_prompts
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""``bench cluster`` (:mod:`aiodatadist.tools.bench.cluster`, workers in :mod:`.cluster_worker`): N prompt and
+"""``bench cluster`` (:mod:`aiodatadist_benchmarks.bench.cluster`, workers in :mod:`.cluster_worker`): N prompt and
 M decoder processes, every transfer byte-checked; its checker flags corruption; ``--netns`` runs over TCP
 between namespaces and leaves none behind."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiodatadist.tools.bench.cluster_worker import bad_blocks, fill_blocks, pattern_stream
+from aiodatadist_benchmarks.bench.cluster_worker import bad_blocks, fill_blocks, pattern_stream
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--model", "tiny", "--duration", "1.5", "--pool-blocks", "64", "--decoder-blocks", "32",
@@ -27,7 +27,7 @@ FIELDS = {"shape", "links", "planes", "requests", "bytes", "wall_s", "gbps", "re
 
 def _bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path / "cluster.json"
-    result = subprocess.run([sys.executable, "-m", "aiodatadist.tools.bench.cluster", *SMALL, *args, "--json",
+    result = subprocess.run([sys.executable, "-m", "aiodatadist_benchmarks.bench.cluster", *SMALL, *args, "--json",
                              str(out)], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     return result, json.loads(out.read_text())

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from aiodatadist.tools.bench.peers import VARIANTS, WORKLOADS, nixl_available, run_nixl
+from aiodatadist_benchmarks.bench.peers import VARIANTS, WORKLOADS, nixl_available, run_nixl
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install 'aiodatadist[nixl]')")
 

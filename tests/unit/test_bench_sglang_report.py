@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from aiodatadist.tools.bench.sglang_pd import format_table
-from aiodatadist.tools.bench.sglang_servers import metric, stage_sums
+from aiodatadist_benchmarks.bench.sglang_pd import format_table
+from aiodatadist_benchmarks.bench.sglang_servers import metric, stage_sums
 
 TEXT = """# HELP sglang:per_stage_req_latency_seconds The latency of each stage of requests.
 sglang:per_stage_req_latency_seconds_bucket{engine_type="unified",stage="prefill_forward",le="0.5"} 2.0

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiodatadist.native import native_pool
-from aiodatadist.tools.bench.baselines import StreamCopy, stream_copy_gbps
+from aiodatadist_benchmarks.bench.baselines import StreamCopy, stream_copy_gbps
 
 LIB = native_pool()
 pytestmark = pytest.mark.skipif(LIB is None or not hasattr(LIB, "adt_stream_copy_limit"),

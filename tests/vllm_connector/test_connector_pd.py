@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from aiodatadist.tools.bench.vllm_model import ModelSpec, build_model, kv_bytes_per_token, random_prompts
-from aiodatadist.tools.bench.vllm_pd import (
+from aiodatadist_benchmarks.bench.vllm_model import ModelSpec, build_model, kv_bytes_per_token, random_prompts
+from aiodatadist_benchmarks.bench.vllm_pd import (
     P_PARAMS,
     PROMPT_TOKENS,
     ConnectorConfig,

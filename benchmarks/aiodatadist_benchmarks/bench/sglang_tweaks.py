@@ -154,6 +154,6 @@ def site_dir() -> str:
     (directory / "sitecustomize.py").write_text(
         "import os\n"
         f"if os.environ.get({ENV!r}):\n"
-        "    from aiodatadist.tools.bench.sglang_tweaks import apply_from_env\n"
+        "    from aiodatadist_benchmarks.bench.sglang_tweaks import apply_from_env\n"
         "    apply_from_env()\n")
     return str(directory)

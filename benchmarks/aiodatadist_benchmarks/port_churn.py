@@ -1,4 +1,4 @@
-"""Hostile clients of a listen port, in a process of their own: ``python -m aiodatadist.tools.port_churn KIND PORT
+"""Hostile clients of a listen port, in a process of their own: ``python -m aiodatadist_benchmarks.port_churn KIND PORT
 N [VERSION]``, or ``... mixed PORT SECONDS`` (used by ``soak --chaos``, its ``port_churn`` event, and the tests).
 
 Kinds (each opens ``N`` connections, one after another unless said otherwise, and prints ``done N`` at the end):

@@ -1,6 +1,6 @@
 """``python -m aiodatadist bench cluster``: N prompt and M decoder processes, a request stream, every byte checked.
 
-Each instance is its own OS process (``python -m aiodatadist.tools.bench.cluster_worker``, driven by JSON lines
+Each instance is its own OS process (``python -m aiodatadist_benchmarks.bench.cluster_worker``, driven by JSON lines
 over its stdin/stdout) with its own ``LLMDataDist``: prompts listen, and every decoder links to every prompt at
 start, one ``link_clusters`` call per prompt (or one for all, ``--link-all``; M x N links, all up before the
 timed phase; the calls' durations are reported).  The KV geometry comes from a model (``llama3-8b``: 32 layers x K/V = 64 tensors, 8 KV heads x
@@ -45,7 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from ...types import Transport
+from aiodatadist import Transport
+
 from .baselines import copyto_gbps, gbps
 from .cluster_net import Network, _network
 from .cluster_worker import MODELS, Lengths
@@ -67,7 +68,7 @@ class _Process:
     @classmethod
     async def start(cls, prefix: list[str], role: str, cluster_id: int) -> _Process:
         proc = await asyncio.create_subprocess_exec(
-            *prefix, sys.executable, "-m", "aiodatadist.tools.bench.cluster_worker",
+            *prefix, sys.executable, "-m", "aiodatadist_benchmarks.bench.cluster_worker",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=1 << 26)
         return cls(proc, role, cluster_id)
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     parser.add_argument("--chaos", action="store_true",
                         help="kill and restart, stop and cut off the prompt process at random moments "
-                             "(see aiodatadist/tools/soak_chaos.py)")
+                             "(see benchmarks/aiodatadist_benchmarks/soak_chaos.py)")
     parser.add_argument("--chaos-every", type=float, metavar="S",
                         help="with --chaos: an event every S seconds (default: every 5-20 s, seeded); the first is "
                              "always a kill")

@@ -1,7 +1,7 @@
 """The fault proxy of ``soak --chaos`` (:class:`~aiodatadist.testing.fault_proxy.FaultProxy`), in a process of
 its own.
 
-``python -m aiodatadist.tools.soak_proxy TARGET_PORT`` listens on a free port of 127.0.0.1, prints it on the first
+``python -m aiodatadist_benchmarks.soak_proxy TARGET_PORT`` listens on a free port of 127.0.0.1, prints it on the first
 line of stdout, and forwards every connection to ``127.0.0.1:TARGET_PORT``.  It reads one command per line on
 stdin and answers each with ``ok`` once it is in effect:
 
@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import sys
 
-from ..testing.fault_proxy import FaultProxy
+from aiodatadist.testing.fault_proxy import FaultProxy
 
 __all__: list[str] = []
 

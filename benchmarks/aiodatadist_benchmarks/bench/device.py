@@ -25,7 +25,6 @@ GB/s = bytes copied / second; medians over ``--repeat``.  Every transfer is chec
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import hashlib
 import statistics
@@ -36,8 +35,9 @@ from typing import Any, Final
 
 import numpy as np
 
-from ... import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
-from ...testing import PeerProcess, cluster_info, free_port, tensor_bytes
+from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+from aiodatadist.testing import PeerProcess, cluster_info, free_port, probes, tensor_bytes
+
 from .timing import times as _times
 
 __all__ = ["run_device_bench"]
@@ -75,9 +75,7 @@ async def _median_async(fn: Callable[[], Awaitable[Any]], repeat: int) -> float:
 
 def baselines(ordinal: int, repeat: int) -> dict[str, float]:
     """Same-process copies of 256 MiB: device to device, and page-locked host to / from device (GB/s)."""
-    from ...cuda import get_device
-
-    device = get_device(ordinal)
+    device = probes.gpu(ordinal)
     a, b = device.alloc(MOVED_BYTES), device.alloc(MOVED_BYTES)
     host = device.alloc_pinned(MOVED_BYTES)
     try:
@@ -158,7 +156,7 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
             lat = sorted(t * 1e6 for t in await _times(call, runs, warmup=10))
             rows.append({"name": "d2d pull 2 MiB", "p50_us": statistics.median(lat),
                          "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
-            rows.extend(await _phases(cm, call, runs, "2 MiB"))
+            rows.extend(await _phases(decoder, call, runs, "2 MiB"))
             progress(f"d2d pull 2 MiB x {runs}, other blocks each call")
             picks = iter(rng.integers(0, BLOCKS, (runs * 2 + 20, 2)).tolist())
 
@@ -169,7 +167,7 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
             lat = sorted(t * 1e6 for t in await _times(other_blocks, runs, warmup=10))
             rows.append({"name": "d2d pull 2 MiB, new blocks", "p50_us": statistics.median(lat),
                          "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
-            rows.extend(await _phases(cm, other_blocks, runs, "new blocks"))
+            rows.extend(await _phases(decoder, other_blocks, runs, "new blocks"))
 
             async def push() -> None:
                 await cm.push_blocks(BlocksCacheKey(1, 0), dst, dst_blocks, src_blocks)
@@ -177,8 +175,8 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
             row("d2d push", _gbps(MOVED_BYTES, await _median_async(push, repeat)), "d2d")
             await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
 
-            rows.extend(await _big_phases(cm, lambda: pull(0), "d2d pull", repeat, base["d2d"]))
-            rows.extend(await _big_phases(cm, push, "d2d push", repeat, base["d2d"]))
+            rows.extend(await _big_phases(decoder, lambda: pull(0), "d2d pull", repeat, base["d2d"]))
+            rows.extend(await _big_phases(decoder, push, "d2d push", repeat, base["d2d"]))
 
             mapping = dict(zip(src_blocks, dst_blocks))
             reverse = dict(zip(dst_blocks, src_blocks))
@@ -190,14 +188,15 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
             row("host->dev pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(1), repeat)), "h2d")
             await _check(prompt, host_src, dst, src_blocks, dst_blocks)
             progress("the copy kernel alone, 8192 scattered 32 KiB spans, by launch geometry")
-            rows.extend(await asyncio.to_thread(kernel_sweep, cm._engine.device().executor, repeat, base["d2d"]))
+            rows.extend(await asyncio.to_thread(kernel_sweep, decoder, ordinal, repeat, base["d2d"]))
         await prompt.call("finalize")
     finally:
         await prompt.close()
     return rows
 
 
-async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int, label: str) -> list[dict[str, Any]]:
+async def _phases(dd: LLMDataDist, call: Callable[[], Awaitable[Any]], runs: int, label: str
+                  ) -> list[dict[str, Any]]:
     """Where a 2 MiB pull's time goes, from the GPU executor's timestamps of each call's copy: host time from the
     call to the copy's first driver call (validation, plan, spans, prepared launch), the driver calls that enqueue
     the copy (with the emulated GPU of the tests each wakes a thread, which a real driver does not), enqueue to
@@ -205,19 +204,17 @@ async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int, label:
     of the end (from the first driver call to the loop seeing the end, less the copy's time between timed events
     around it: an upper bound, as the launch's latency is included; measured from the enqueue's end instead it
     could go negative, the GPU having started before the enqueue returned), and from the loop seeing it to the
-    call's return.  These calls run with timed events (``CudaExecutor.time_copies``); the p50/p99 rows above run
-    without."""
-    executor = cm._engine.device().executor  # (a benchmark's look inside: no public name exposes the executor)
+    call's return.  These calls run with timed events (:func:`aiodatadist.testing.probes.gpu_copy_times`); the
+    p50/p99 rows above run without."""
     names = [f"{label}: {phase}" for phase in ("host before the launch", "driver calls to enqueue",
                                                 "launch to end seen", "GPU end to end seen", "end seen to return")]
     phases: dict[str, list[float]] = {name: [] for name in names}
-    executor.time_copies = True  # for "GPU end to end seen": events with timing around each copy
-    try:
+    with probes.gpu_copy_times(dd) as latest:  # for "GPU end to end seen": events with timing around each copy
         for _ in range(runs):
             start = time.perf_counter()
             await call()
             end = time.perf_counter()
-            job = executor.last_job
+            job = latest()
             if job is None or not job.enqueued_at or not job.seen_at or job.enqueued_at < start or not job.gpu_seconds:
                 continue  # completed by a stream callback, no copy of its own, or not timed
             seen = job.seen_at - job.enqueued_at
@@ -225,33 +222,27 @@ async def _phases(cm: Any, call: Callable[[], Awaitable[Any]], runs: int, label:
             for name, value in zip(names, (job.launch_at - start, job.enqueued_at - job.launch_at, seen,
                                            late, end - job.seen_at), strict=True):
                 phases[name].append(value * 1e6)
-    finally:
-        executor.time_copies = False
     return [{"name": name, "p50_us": statistics.median(v), "p99_us": sorted(v)[max(0, int(len(v) * 0.99) - 1)],
              "runs": len(v)} for name, v in phases.items() if v]
 
 
-async def _big_phases(cm: Any, call: Callable[[], Awaitable[Any]], label: str, repeat: int,
+async def _big_phases(dd: LLMDataDist, call: Callable[[], Awaitable[Any]], label: str, repeat: int,
                       d2d_gbps: float) -> list[dict[str, Any]]:
     """The 256 MiB row ``label`` again with timed copies: the kernel's own rate (its time between events on the
     GPU, against ``cuMemcpyDtoD``) and the phases of the call around it (see :func:`_phases`)."""
-    executor = cm._engine.device().executor
     kernel: list[float] = []
-    executor.time_copies = True
-    try:
+    with probes.gpu_copy_times(dd) as latest:
         for _ in range(max(repeat, 5)):
             await call()
-            job = executor.last_job
+            job = latest()
             if job is not None and job.gpu_seconds:
                 kernel.append(job.gpu_seconds)
-    finally:
-        executor.time_copies = False
     rows: list[dict[str, Any]] = []
     if kernel:
         gbps = _gbps(MOVED_BYTES, statistics.median(kernel))
         rows.append({"name": f"{label}: kernel alone", "gbps": gbps, "baseline": "d2d", "baseline_gbps": d2d_gbps,
                      "ratio": gbps / d2d_gbps})
-    return rows + await _phases(cm, call, max(repeat, 5), label)
+    return rows + await _phases(dd, call, max(repeat, 5), label)
 
 
 SWEEP: Final = ((256, 8), (256, 4), (256, 2), (128, 16), (128, 8), (64, 32), (64, 16))
@@ -259,19 +250,15 @@ SWEEP: Final = ((256, 8), (256, 4), (256, 2), (128, 16), (128, 8), (64, 32), (64
 32 KiB spans on an sm_80/sm_90 GPU."""
 
 
-def kernel_sweep(executor: Any, repeat: int, d2d_gbps: float) -> list[dict[str, Any]]:
+def kernel_sweep(dd: LLMDataDist, ordinal: int, repeat: int, d2d_gbps: float) -> list[dict[str, Any]]:
     """The pointer-list kernel alone on 8192 scattered 32 KiB spans (256 MiB) between two device buffers, one
-    launch per geometry of :data:`SWEEP` at a time, timed by events around it on the GPU (no host time in it):
-    whether the shipped geometry reaches the device's copy limit, and how far the others are."""
-    from ...cuda.executor import _Work
-
-    device = executor.device
-    drv = device.driver
+    launch per geometry of :data:`SWEEP` at a time on ``dd``'s stream, timed by events around it on the GPU (no
+    host time in it): whether the shipped geometry reaches the device's copy limit, and how far the others are."""
+    device = probes.gpu(ordinal)
     rng = np.random.default_rng(2)
     spans = TENSORS * MOVED
     area = spans * 2 * BLOCK_BYTES  # room for the spans, scattered over twice their size
     src, dst = device.alloc(area), device.alloc(area)
-    start, end = executor._record_event(timed=True), executor._record_event(timed=True)
     rows: list[dict[str, Any]] = []
     try:
         device.memset(src, 5, area)
@@ -281,19 +268,8 @@ def kernel_sweep(executor: Any, repeat: int, d2d_gbps: float) -> list[dict[str, 
             np.uint64(dst) + rng.permutation(slots)[:spans].astype(np.uint64) * np.uint64(BLOCK_BYTES),
             np.full(spans, BLOCK_BYTES, dtype=np.uint64)))
         for threads, per_sm in SWEEP:
-            launch = executor._table_launch(MOVED_BYTES, table.copy(), spans, BLOCK_BYTES)
-            launch.block, launch.grid = threads, min(spans, per_sm * device.sm_count)
-            times = []
-            for _ in range(max(repeat, 5) + 1):
-                work = _Work()
-                drv.call("cuEventRecord", start, executor._stream)
-                executor._submit(launch, work)
-                drv.call("cuEventRecord", end, executor._stream)
-                work.stopped.wait()
-                drv.call("cuEventSynchronize", end)
-                elapsed = ctypes.c_float()
-                drv.call("cuEventElapsedTime_v2", ctypes.byref(elapsed), start, end)
-                times.append(elapsed.value / 1e3)
+            times = probes.time_copy_kernel(dd, table, spans, BLOCK_BYTES, MOVED_BYTES, block=threads,
+                                            grid=min(spans, per_sm * device.sm_count), runs=max(repeat, 5) + 1)
             gbps = _gbps(MOVED_BYTES, statistics.median(times[1:]))  # the first stages the table
             rows.append({"name": f"kernel {threads} x {per_sm}/SM", "gbps": gbps, "baseline": "d2d",
                          "baseline_gbps": d2d_gbps, "ratio": gbps / d2d_gbps})
@@ -301,9 +277,6 @@ def kernel_sweep(executor: Any, repeat: int, d2d_gbps: float) -> list[dict[str, 
         device.synchronize()
         device.free(src)
         device.free(dst)
-        for event in (start, end):
-            if event is not None:
-                executor._timed_events.append(event)
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Where the workers of ``bench cluster`` (:mod:`aiodatadist.tools.bench.cluster`) run: on loopback, or
+"""Where the workers of ``bench cluster`` (:mod:`aiodatadist_benchmarks.bench.cluster`) run: on loopback, or
 ``--netns``: one network namespace per worker on a veth pair to one bridge, optionally with ``tc netem``."""
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...testing.addresses import free_port
+from aiodatadist.testing import free_port
+
 from .sglang_tweaks import ENV as TWEAKS_ENV
 
 __all__ = ["Router", "Server", "ServerError", "ServerSettings", "free_port", "generate", "metric", "stage_sums"]

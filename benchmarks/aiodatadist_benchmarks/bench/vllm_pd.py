@@ -45,7 +45,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
 
-from ...testing.addresses import free_port
+from aiodatadist.testing import free_port
+
 from .timing import exit_on_sigterm, stderr_progress
 
 __all__ = ["CONFIGS", "ConnectorConfig", "EngineSettings", "main", "run_vllm_bench"]

@@ -40,7 +40,7 @@ first ten of each kind.
 
 **Chaos.**  ``--chaos`` runs the same workers and checks while the prompt process is killed and restarted,
 stopped, and cut off through a fault proxy at random moments, the decoder relinking each time; it also checks
-that the decoder's descriptors, threads, mappings and memfds do not grow (:mod:`aiodatadist.tools.soak_chaos`).
+that the decoder's descriptors, threads, mappings and memfds do not grow (:mod:`aiodatadist_benchmarks.soak_chaos`).
 """
 
 from __future__ import annotations
@@ -61,12 +61,20 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..cache import Cache
-from ..config import LLMConfig
-from ..datadist import LLMDataDist
-from ..errors import LLMException, LLMStatusCode
-from ..testing import PeerError, PeerProcess, cluster_info, fill_pattern, free_port, pattern
-from ..types import BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
+from aiodatadist import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aiodatadist.testing import PeerError, PeerProcess, cluster_info, fill_pattern, free_port, pattern
 
 __all__ = ["run_soak"]
 

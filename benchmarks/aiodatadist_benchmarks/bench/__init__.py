@@ -1,8 +1,9 @@
 """``python -m aiodatadist bench``: throughput and latency against the machine's own limits, same run.
 
 Every figure is a median over ``--repeat`` runs, printed with a baseline measured in the same run: a
-single-process ``np.copyto`` of the same bytes for the same-host plane (``shm``), a plain loopback TCP stream of
-the same bytes between two processes for ``tcp``.  Same-host throughput rows are also compared with the machine's
+single-process ``np.copyto`` of the same bytes for the same-host plane (``shm``), the TCP ceiling for ``tcp``:
+native streams of the same bytes between two processes over as many loopback connections as the link's data
+plane uses (:mod:`.tcp_ceiling`; a Python fallback, named as such, without a C compiler).  Same-host throughput rows are also compared with the machine's
 copy limit (:class:`.baselines.StreamCopy`), measured in turn with the workload, one copy after each of its
 runs: on buffers of its own, and within the local cache's own memory (its first 256 MiB onto the next), since on
 a VM two buffers of one process can differ in bandwidth by a third.  The prompt runs in its own process.
@@ -56,16 +57,24 @@ from typing import Any
 
 import numpy as np
 
-from ..._env_knobs import env_knobs
-from ...cache import Cache
-from ...config import LLMConfig
-from ...datadist import LLMDataDist
-from ...errors import LLMStatusCode
-from ...native import native_available
-from ...testing import PeerProcess, cluster_info, fill_pattern, free_port
-from ...types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, LLMRole, Placement
-from .baselines import StreamCopy, copyto_gbps, socket_stream_gbps
+from aiodatadist import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aiodatadist.testing import PeerProcess, cluster_info, fill_pattern, free_port, probes
+
+from .baselines import StreamCopy, copyto_gbps
 from .baselines import gbps as _gbps
+from .tcp_ceiling import tcp_ceiling
 from .timing import interleaved_times, stderr_progress
 from .timing import times as _times
 
@@ -119,7 +128,7 @@ def _within(cache: Cache, nbytes: int) -> StreamCopy | None:
     size = cache.cache_desc.size
     if not size or any(b - a != size for a, b in itertools.pairwise(addrs)) or size * len(addrs) < 2 * nbytes:
         return None
-    return StreamCopy.create(nbytes, env_knobs().copy_threads, (addrs[0] + nbytes, addrs[0]),
+    return StreamCopy.create(nbytes, probes.copy_threads(), (addrs[0] + nbytes, addrs[0]),
                              f"streaming copy {nbytes >> 20} MiB within the local cache")
 
 
@@ -282,13 +291,16 @@ class _Session:
 
 
 async def bench_transport(transport: str, directions: list[str], workloads: set[str], repeat: int,
-                          concurrency: int, baseline: tuple[str, float], progress: Progress,
+                          concurrency: int, baseline: tuple[str, float] | None, progress: Progress,
                           limit: StreamCopy | None = None) -> list[dict[str, Any]]:
-    """Measure ``workloads`` on one linked pair over ``transport``; the same-host throughput rows are compared with
-    ``limit``, measured in turn with them."""
+    """Measure ``workloads`` on one linked pair over ``transport``; the throughput rows are compared with
+    ``baseline`` (None: the TCP ceiling over the link's own data connections, :func:`tcp_baseline`), and the
+    same-host ones with ``limit`` too, measured in turn with them."""
     session = await _Session.start(transport)
     rows: list[dict[str, Any]] = []
     try:
+        if baseline is None:
+            baseline = await tcp_baseline(session.dd, repeat, progress)
         rng = np.random.default_rng(1)
         for direction in directions:
             rows.extend(await _measure(session, direction, workloads, repeat, concurrency, baseline, rng, progress,
@@ -296,6 +308,20 @@ async def bench_transport(transport: str, directions: list[str], workloads: set[
     finally:
         await session.close()
     return rows
+
+
+async def tcp_baseline(dd: LLMDataDist, repeat: int, progress: Progress) -> tuple[str, float]:
+    """The TCP ceiling for the rows of ``dd``'s (only) link: native streams of the same bytes between two processes
+    over as many connections as the link's data plane opened, with their congestion control
+    (:mod:`.tcp_ceiling`)."""
+    link = dd.links()[0]
+    connections = max(1, int(str(link["data_connections"])))
+    congestion = link["data_congestion"]
+    progress(f"baseline: native TCP streams 256 MiB between two processes over {connections} connections (the "
+             f"link's data connections, congestion control {congestion or 'of the system'})")
+    ceiling = await asyncio.to_thread(tcp_ceiling, BIG, repeat, connections,
+                                      None if congestion is None else str(congestion), progress)
+    return ceiling.name, ceiling.gbps
 
 
 async def _measure(session: _Session, direction: str, workloads: set[str], repeat: int, concurrency: int,
@@ -415,7 +441,7 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
     remote = workloads - {"local"}
     limit = None
     if "local" in workloads or (remote & {"paged", "whole"} and set(SAME_HOST) & set(transports)):
-        threads = env_knobs().copy_threads
+        threads = probes.copy_threads()
         progress(f"baseline: streaming copy 256 MiB, {threads} threads (measured in turn with each workload)")
         limit = StreamCopy.create(BIG, threads)
     copy_base = None
@@ -427,10 +453,10 @@ async def run_bench(workloads: set[str], repeat: int, transports: list[str], dir
         assert copy_base is not None
         rows.append(await bench_local(repeat, copy_base, limit))
     for transport in transports if remote else []:
-        if transport == "tcp":  # (nixl: on one host UCX reads with process_vm_readv, so the copy baseline)
-            progress("baseline: plain TCP stream 256 MiB between two processes")
-            baseline = ("plain TCP stream 256 MiB", await asyncio.to_thread(socket_stream_gbps, BIG, repeat))
-        else:
+        # tcp: the ceiling over the link's own data connections, measured once it is up (nixl: on one host UCX
+        # reads with process_vm_readv, so the copy baseline)
+        baseline: tuple[str, float] | None = None
+        if transport != "tcp":
             assert copy_base is not None
             baseline = ("np.copyto 256 MiB", copy_base)
         rows.extend(await bench_transport(transport, directions, remote, repeat, concurrency, baseline, progress,
@@ -482,18 +508,18 @@ def _format(r: dict[str, Any]) -> str:
 
 
 def _device_main(ordinal: int, repeat: int, quiet: bool, json_path: str | None) -> int:
-    from ...cuda import cuda_status, get_device
-    from ...errors import LLMException
+    from aiodatadist import LLMException
+
     from .device import print_rows, run_device_bench
 
     try:
-        device = get_device(ordinal)
+        device = probes.gpu(ordinal)
     except LLMException as exc:
         sys.stderr.write(f"bench --device: {exc}\n")
         return 2
     progress = stderr_progress(quiet)
 
-    sys.stdout.write(f"aiodatadist bench --device: {device.name} ({cuda_status()}, {device.driver.path}), "
+    sys.stdout.write(f"aiodatadist bench --device: {device.name} ({probes.cuda_status()}, {device.driver.path}), "
                      f"repeat={repeat}; medians, baselines measured in this run\n")
     rows = asyncio.run(run_device_bench(repeat, ordinal, progress))
     print_rows(rows)
@@ -550,8 +576,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--peers and --transport nixl need NIXL: pip install 'aiodatadist[nixl]'")
     progress = stderr_progress(args.quiet)
 
-    sys.stdout.write(f"aiodatadist bench: repeat={args.repeat}, native helper={'yes' if native_available() else 'no'}"
-                     "; medians, baselines measured in this run\n")
+    native = "yes" if probes.native_available() else "no"
+    sys.stdout.write(f"aiodatadist bench: repeat={args.repeat}, native helper={native}; medians, baselines measured "
+                     "in this run\n")
     results = asyncio.run(run_bench(set(names or WORKLOADS), args.repeat, transports, directions,
                                     concurrency=args.concurrency, peers=args.peers, progress=progress))
     for r in results:

@@ -2,7 +2,7 @@
 restarted, stopped and cut off.
 
 The decoder (this process) links to the prompt through a fault-injecting TCP proxy in a process of its own
-(:mod:`aiodatadist.tools.soak_proxy`), which carries the control connection.  After a warm-up, a controller
+(:mod:`aiodatadist_benchmarks.soak_proxy`), which carries the control connection.  After a warm-up, a controller
 injects one event at a time, at random moments (every 5-20 s, seeded; ``--chaos-every S``: every ``S`` s), the
 first always a kill:
 
@@ -16,7 +16,7 @@ first always a kill:
   their descriptors: the library's threads see the connection break).  The data listener's port is ephemeral
   and announced in the handshake, so the proxy cannot carry them.  Only where the link has data connections
   (``--transport tcp``); elsewhere the event is a ``proxy_cut``;
-* ``port_churn``: for 1-4 s, a hostile process (:mod:`aiodatadist.tools.port_churn`, ``mixed``) opens and drops
+* ``port_churn``: for 1-4 s, a hostile process (:mod:`aiodatadist_benchmarks.port_churn`, ``mixed``) opens and drops
   connections to the prompt's listen port as fast as it can: ZeroMQ clients that say nothing, random bytes,
   greetings cut short, random msgpack maps.  The link and its transfers must carry on meanwhile, and a link made
   after it must be admitted.
@@ -58,12 +58,10 @@ from typing import Any
 
 import numpy as np
 
-from ..config import LLMConfig
-from ..datadist import LLMDataDist
-from ..errors import LLMStatusCode
-from ..testing import PeerError, PeerProcess, cluster_info, free_port
-from ..testing.netcut import cut_data_connections
-from ..types import LLMRole
+from aiodatadist import LLMConfig, LLMDataDist, LLMRole, LLMStatusCode
+from aiodatadist.testing import PeerError, PeerProcess, cluster_info, free_port
+from aiodatadist.testing.netcut import cut_data_connections
+
 from . import soak
 from .soak import (
     DECODER,
@@ -131,7 +129,7 @@ def _resources() -> dict[str, Any]:
 
 
 class _Proxy:
-    """The fault proxy's process (:mod:`aiodatadist.tools.soak_proxy`), driven over its stdin."""
+    """The fault proxy's process (:mod:`aiodatadist_benchmarks.soak_proxy`), driven over its stdin."""
 
     def __init__(self, proc: asyncio.subprocess.Process, port: int) -> None:
         self.proc, self.port = proc, port
@@ -140,7 +138,7 @@ class _Proxy:
     @classmethod
     async def start(cls, target_port: int) -> _Proxy:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "aiodatadist.tools.soak_proxy", str(target_port),
+            sys.executable, "-m", "aiodatadist_benchmarks.soak_proxy", str(target_port),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         assert proc.stdout is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
@@ -429,7 +427,7 @@ class _ChaosSoak(_Soak):
     async def _churn(self, event: _Event) -> None:
         event.hold_s = float(self._rng.uniform(*CHURN_S))
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "aiodatadist.tools.port_churn", "mixed", str(self._prompt.port),
+            sys.executable, "-m", "aiodatadist_benchmarks.port_churn", "mixed", str(self._prompt.port),
             f"{event.hold_s:.3f}", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await proc.communicate()
         words = out.split()

@@ -1,6 +1,6 @@
-"""The worker process of ``bench cluster`` (:mod:`aiodatadist.tools.bench.cluster`): one ``LLMDataDist``.
+"""The worker process of ``bench cluster`` (:mod:`aiodatadist_benchmarks.bench.cluster`): one ``LLMDataDist``.
 
-Run as ``python -m aiodatadist.tools.bench.cluster_worker`` by the driver, it answers JSON lines on its stdin
+Run as ``python -m aiodatadist_benchmarks.bench.cluster_worker`` by the driver, it answers JSON lines on its stdin
 (``{"cmd", "args"}`` -> ``{"result"}`` or ``{"error"}``) on its stdout.  Here too: the models' KV geometry,
 the byte pattern a prompt fills its pool with and a decoder checks every transfer against, the prompt-length
 distributions and the request loops (closed, or Poisson arrivals).
@@ -24,12 +24,19 @@ import numpy as np
 import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
-from ...cache import Cache
-from ...config import LLMConfig
-from ...control.channel import Channel
-from ...datadist import LLMDataDist
-from ...errors import LLMException, LLMStatusCode
-from ...types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
+from aiodatadist import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
 
 __all__ = ["MODELS", "Lengths", "Model", "bad_blocks", "fill_blocks", "pattern_stream"]
 
@@ -145,16 +152,9 @@ class Lengths:
 
 
 # -- worker processes --------------------------------------------------------------------------------------
-def _count_control_messages() -> list[int]:
-    """Count the control-plane messages this process sends (requests, replies, notifications) through the
-    ``Channel.on_flush`` hook: ``LLMDataDist.stats()`` has no message counts."""
-    counter = [0]
-
-    def counted(messages: int) -> None:
-        counter[0] += messages
-
-    Channel.on_flush = counted
-    return counter
+def _messages_sent(dd: LLMDataDist | None) -> int:
+    """The control-plane messages ``dd`` sent so far (requests, replies, notifications), over every link."""
+    return 0 if dd is None else sum(entry.total_sent for entry in dd.stats().messages)
 
 
 def _memory_kib() -> dict[str, int]:
@@ -302,7 +302,6 @@ class _Worker:
     """One instance in a worker process: the commands the driver sends (``_cmd_<name>``)."""
 
     def __init__(self) -> None:
-        self.messages = _count_control_messages()
         self.dd: LLMDataDist | None = None
         self.cache: Cache | None = None
 
@@ -364,19 +363,19 @@ class _Worker:
         assert self.dd is not None
         req = self._requests(a)
         await asyncio.sleep(max(0.0, a["start_at"] - time.monotonic()))
-        before, stats_before = _usage(self.messages[0]), self.dd.stats().total_bytes
+        before, stats_before = _usage(_messages_sent(self.dd)), self.dd.stats().total_bytes
         deadline = before["t"] + a["duration"]
         if a["rate"] > 0:
             unserved = await _open_loop(req, a["rate"], a["inflight"], deadline)
         else:
             unserved = await _closed_loop(req, a["inflight"], deadline)
-        after = _usage(self.messages[0])
+        after = _usage(_messages_sent(self.dd))
         planes = sorted({str(link["plane"]) for link in self.dd.links()})
         return {**req.report(), "unserved": unserved, "usage": [before, after], "links": len(self.dd.links()),
                 "planes": planes, "stats_bytes": self.dd.stats().total_bytes - stats_before}
 
     async def _cmd_usage(self, a: dict[str, Any]) -> dict[str, Any]:
-        return _usage(self.messages[0])
+        return _usage(_messages_sent(self.dd))
 
     async def close(self) -> None:
         if self.dd is not None:
@@ -403,7 +402,7 @@ async def _serve(out: IO[str]) -> None:
             out.flush()
     finally:
         await worker.close()
-    out.write(json.dumps({"result": _usage(worker.messages[0])}) + "\n")
+    out.write(json.dumps({"result": _usage(_messages_sent(worker.dd))}) + "\n")
     out.flush()
 
 
