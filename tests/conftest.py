@@ -9,7 +9,7 @@ Markers by folder (registered in ``pyproject.toml``)
                        tenth of each property test's examples (``helpers.examples``; CI runs them all).
     ``integration/``   ``integration``.
     ``gpu/``           ``gpu`` and ``integration`` (a real or emulated GPU, linked pairs and peer processes).
-    ``smoke/``         ``slow`` and ``integration`` (whole processes: CLI, examples, soak, bench peers).
+    ``smoke/``         ``slow`` and ``integration`` (whole processes: the CLI, the examples).
     ``vllm_connector/`` ``vllm``: the vLLM connector; skipped without vLLM (``bash tools/vllm_tests.sh``).
 
 Helpers live in ``tests/helpers/`` (``tests/`` is on ``sys.path``): ``from helpers.data import fill_rows``.

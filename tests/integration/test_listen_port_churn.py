@@ -30,6 +30,9 @@ from aiodatadist import (
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION
 from aiodatadist.testing import cluster_info, free_port
 
+pytest.importorskip("aiodatadist_benchmarks.port_churn", reason="the hostile clients come with the benchmarks "
+                    "distribution (pip install -e ./benchmarks)")
+
 S = LLMStatusCode
 DESC = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)
 LINK_WITHIN_MS = 1000  # a legitimate link after the hostile client is done (a link takes milliseconds)

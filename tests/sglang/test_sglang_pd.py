@@ -25,6 +25,8 @@ import pytest
 pytest.importorskip("sglang.srt.disaggregation.utils")
 pytest.importorskip("sglang_router")
 
+pytest.importorskip("aiodatadist_benchmarks",
+                    reason="the benchmarks are not installed (pip install -e ./benchmarks)")
 from aiodatadist_benchmarks.bench.sglang_servers import Router, Server, ServerError, ServerSettings, generate
 from aiodatadist_benchmarks.bench.sglang_tweaks import site_dir
 from aiodatadist_benchmarks.bench.vllm_model import ModelSpec, build_model, random_prompts

@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+pytest.importorskip("aiodatadist_benchmarks",
+                    reason="the benchmarks are not installed (pip install -e ./benchmarks)")
 from aiodatadist_benchmarks.bench.vllm_model import ModelSpec, build_model, kv_bytes_per_token, random_prompts
 from aiodatadist_benchmarks.bench.vllm_pd import (
     P_PARAMS,

@@ -17,7 +17,7 @@ import pytest
 
 from aiodatadist_benchmarks.bench.cluster_worker import bad_blocks, fill_blocks, pattern_stream
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 SMALL = ["--model", "tiny", "--duration", "1.5", "--pool-blocks", "64", "--decoder-blocks", "32",
          "--prompt-len", "128,64", "--quiet"]
 FIELDS = {"shape", "links", "planes", "requests", "bytes", "wall_s", "gbps", "requests_per_s", "latency_p50_ms",
