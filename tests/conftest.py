@@ -10,7 +10,7 @@ Markers by folder (registered in ``pyproject.toml``)
     ``integration/``   ``integration``.
     ``gpu/``           ``gpu`` and ``integration`` (a real or emulated GPU, linked pairs and peer processes).
     ``smoke/``         ``slow`` and ``integration`` (whole processes: the CLI, the examples).
-    ``vllm_connector/`` ``vllm``: the vLLM connector; skipped without vLLM (``bash tools/vllm_tests.sh``).
+    ``vllm_connector/`` ``vllm``: the vLLM connector; skipped without vLLM (``bash scripts/vllm_tests.sh``).
 
 Helpers live in ``tests/helpers/`` (``tests/`` is on ``sys.path``): ``from helpers.data import fill_rows``.
 """

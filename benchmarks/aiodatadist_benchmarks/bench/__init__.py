@@ -37,9 +37,9 @@ memory in 4 KiB pages, which UCX's ``process_vm_readv`` reads about 15 % slower 
 
 ``bench cluster`` runs N prompt and M decoder processes under a request stream (:mod:`.cluster`).
 
-``bench vllm`` (vLLM installed: ``tools/vllm_tests.sh``) is another benchmark with its own options: prefill and
+``bench vllm`` (vLLM installed: ``scripts/vllm_tests.sh``) is another benchmark with its own options: prefill and
 decode vLLM engines with NixlConnector and with aiodatadist's connector (:mod:`.vllm_pd`).  ``bench sglang``
-(SGLang installed: ``tools/sglang_tests.sh``) does the same for SGLang's transfer backends (:mod:`.sglang_pd`).
+(SGLang installed: ``scripts/sglang_tests.sh``) does the same for SGLang's transfer backends (:mod:`.sglang_pd`).
 """
 
 from __future__ import annotations

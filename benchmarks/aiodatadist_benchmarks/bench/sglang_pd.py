@@ -35,7 +35,7 @@ Configurations:
 * ``aiodatadist``: ``--disaggregation-transfer-backend aiodatadist``, no settings.
 
 The servers need SGLang, ``sglang-router`` and, on a machine without CUDA, the ``sgl_kernel`` shim on
-``PYTHONPATH``: ``bash tools/sglang_tests.sh --bench`` provides all three.
+``PYTHONPATH``: ``bash scripts/sglang_tests.sh --bench`` provides all three.
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown configs {unknown}" if unknown else "numbers must be >= 1")
     for module in ("sglang", "sglang_router"):
         if importlib.util.find_spec(module) is None:
-            sys.stderr.write(f"bench sglang needs {module} (see tools/sglang_tests.sh)\n")
+            sys.stderr.write(f"bench sglang needs {module} (see scripts/sglang_tests.sh)\n")
             return 2
     configs = [c for c in CONFIGS if c.name in wanted]
     missing = [c.name for c in configs if c.module and importlib.util.find_spec(c.module.split(".")[0]) is None]

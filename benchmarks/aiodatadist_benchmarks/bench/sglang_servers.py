@@ -6,7 +6,7 @@ a scheduler and a detokenizer under it); the P/D router is ``python -m sglang_ro
 ``--sleep-on-idle`` (idle schedulers otherwise spin), ``--disable-overlap-schedule`` on the prefill (a radix-cache
 hit with the overlap scheduler records a CUDA event) and ``--disaggregation-decode-retraction-backup cpu_tensor``
 on the decode; the environment ``SGLANG_USE_CPU_ENGINE=1``.  A machine without CUDA also needs the ``sgl_kernel``
-shim first on ``PYTHONPATH`` (``tools/sglang_tests.sh`` builds it): the servers inherit the caller's environment.
+shim first on ``PYTHONPATH`` (``scripts/sglang_tests.sh`` builds it): the servers inherit the caller's environment.
 
 Only the standard library is used here (HTTP through ``urllib``); SGLang runs in the child processes.
 """

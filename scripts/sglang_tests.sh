@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # SGLang checks on a CPU machine: the SGLang tests (pytest tests/sglang: P/D through SGLang's router with
 # --disaggregation-transfer-backend aiodatadist against a single engine), then, with --bench, `bench sglang`.
-# Usage: bash tools/sglang_tests.sh [--bench [BENCH OPTIONS...]]   e.g.  bash tools/sglang_tests.sh --bench --rounds 2
+# Usage: bash scripts/sglang_tests.sh [--bench [BENCH OPTIONS...]]   e.g.  bash scripts/sglang_tests.sh --bench --rounds 2
 # Builds the venv $VENV (default: sglang-venv next to this repository, ~11 GB) step by step, each step only when
 # it is missing: sglang==0.5.23 (CUDA builds of torch and sgl-kernel), NIXL 1.5.1 for the comparison, the PD
-# router, this package (editable, no dependencies: SGLang's torch stays), and the CPU shim of sgl_kernel.
+# router, this package and its benchmarks (editable, no dependencies: SGLang's torch stays), and the CPU shim of
+# sgl_kernel.
 # The shim: a copy of sgl_kernel's Python files without its compiled ops, whose loaders return an empty module and
 # load no CUDA library (importing SGLang otherwise fails without libcuda.so.1; a Llama on CPU calls none of them).
 set -uo pipefail
@@ -37,7 +38,7 @@ fi
 has sglang_router || "${PIP[@]}" sglang-router==0.3.2
 has pytest pytest_asyncio hypothesis msgpack zmq || "${PIP[@]}" pytest pytest-asyncio hypothesis msgpack pyzmq numpy
 # Always: refreshes the entry points (sglang.srt.plugins) from pyproject.toml.
-"${PIP[@]}" --no-deps -e "$REPO"
+"${PIP[@]}" --no-deps -e "$REPO" -e "$REPO/benchmarks"
 if [ ! -f "$SHIM/sgl_kernel/load_utils.py" ]; then
   echo "building the sgl_kernel CPU shim in $SHIM" >&2
   "$PY" - "$SHIM" <<'EOF'
@@ -50,7 +51,7 @@ for path in source.rglob("*.py"):
     destination.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(path, destination)
 with open(target / "load_utils.py", "a") as out:
-    out.write("\n\n# CPU shim (aiodatadist tools/sglang_tests.sh): no compiled ops, no CUDA library\n"
+    out.write("\n\n# CPU shim (aiodatadist scripts/sglang_tests.sh): no compiled ops, no CUDA library\n"
               "def _load_architecture_specific_ops():  # noqa: F811\n"
               "    import types\n\n    return types.ModuleType('common_ops')\n\n\n"
               "def _preload_cuda_library():  # noqa: F811\n    return None\n")

@@ -1,16 +1,16 @@
 """Long fuzzing runs: the data-frame fuzzer (tests/integration/test_data_frames_fuzz.py) and the control-plane
 fuzzer of tests/integration/test_hostile.py, round after round with a fresh random seed, for N minutes.
 
-    .venv/bin/python tools/fuzz_long.py --minutes 30                 # both fuzzers, random seeds
-    .venv/bin/python tools/fuzz_long.py --minutes 5 --scale 5        # 5x the seeded mutations per round
-    .venv/bin/python tools/fuzz_long.py --seed 1234 --rounds 1       # one round, a given seed (to reproduce)
-    .venv/bin/python tools/fuzz_long.py --minutes 10 --no-control    # the data-frame fuzzer only
+    .venv/bin/python scripts/fuzz_long.py --minutes 30                 # both fuzzers, random seeds
+    .venv/bin/python scripts/fuzz_long.py --minutes 5 --scale 5        # 5x the seeded mutations per round
+    .venv/bin/python scripts/fuzz_long.py --seed 1234 --rounds 1       # one round, a given seed (to reproduce)
+    .venv/bin/python scripts/fuzz_long.py --minutes 10 --no-control    # the data-frame fuzzer only
 
 Each round runs the data-frame fuzzer with ``AIODATADIST_FUZZ_SEED`` (its cases) and ``AIODATADIST_FUZZ_SCALE``
 (how many seeded mutations), then the control-plane fuzzer with ``AIODATADIST_FUZZ_EXAMPLES`` (hypothesis'
 ``max_examples``) and ``--hypothesis-seed``.  The first failing round stops the run: its seed and the command that
 reproduces it are printed, and the exit status is 1.  Under the sanitizers: ``AIODATADIST_FUZZ_SCALE=10 bash
-tools/sanitize.sh tests/integration/test_data_frames_fuzz.py`` (the environment goes through).
+scripts/sanitize.sh tests/integration/test_data_frames_fuzz.py`` (the environment goes through).
 """
 
 from __future__ import annotations
