@@ -2,8 +2,9 @@
 ``pyproject.toml`` lists this folder in ``testpaths``; its markers and ``tests/`` helpers apply here too).
 
 Markers by folder (as in ``tests/conftest.py``)
-    ``unit/``    none: no peer process, no link.
-    ``smoke/``   ``slow`` and ``integration``: whole benchmark and soak runs in real processes.
+    ``unit/``          none: no peer process, no socket.
+    ``integration/``   ``integration``: sockets or processes of their own (the TCP ceiling).
+    ``smoke/``         ``slow`` and ``integration``: whole benchmark and soak runs in real processes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 _HERE = Path(__file__).resolve().parent
-FOLDER_MARKERS: dict[str, tuple[str, ...]] = {"smoke": ("slow", "integration")}
+FOLDER_MARKERS: dict[str, tuple[str, ...]] = {"integration": ("integration",), "smoke": ("slow", "integration")}
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by these markers

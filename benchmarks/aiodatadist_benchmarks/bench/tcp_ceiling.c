@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -29,6 +30,7 @@
 #define MAX_CONNECTIONS 64
 #define PATTERN 0x5a
 #define CHUNK (1u << 30) /* bytes per send()/recv() call at most */
+#define ACCEPT_TIMEOUT_S 60
 
 struct stream {
     int fd;
@@ -154,6 +156,9 @@ int main(int argc, char **argv) {
     if (listener < 0 || bind(listener, (struct sockaddr *)&at, sizeof at) || listen(listener, n)
         || getsockname(listener, (struct sockaddr *)&at, &size))
         die("listen");
+    tune(listener, congestion); /* an unknown or refused algorithm fails here, before the sender starts */
+    struct timeval patience = {.tv_sec = ACCEPT_TIMEOUT_S}; /* a sender that died is not waited for */
+    if (setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &patience, sizeof patience)) die("SO_RCVTIMEO");
     fflush(stdout);
     pid_t child = fork();
     if (child < 0) die("fork");
@@ -168,7 +173,12 @@ int main(int argc, char **argv) {
     pthread_t threads[MAX_CONNECTIONS];
     for (int i = 0; i < n; i++) {
         int fd = accept(listener, NULL, NULL);
-        if (fd < 0) die("accept");
+        if (fd < 0) {
+            int failure = errno;
+            kill(child, SIGKILL);
+            errno = failure;
+            die("accept");
+        }
         tune(fd, congestion);
         streams[i] = (struct stream){.fd = fd, .buf = touched(share_of(nbytes, n, i), 0),
                                      .share = share_of(nbytes, n, i), .rounds = rounds, .start = &start,
