@@ -3,7 +3,8 @@
 Every figure is a median over ``--repeat`` runs, printed with a baseline measured in the same run: a
 single-process ``np.copyto`` of the same bytes for the same-host plane (``shm``), the TCP ceiling for ``tcp``:
 native streams of the same bytes between two processes over as many loopback connections as the link's data
-plane uses (:mod:`.tcp_ceiling`; a Python fallback, named as such, without a C compiler).  Same-host throughput rows are also compared with the machine's
+plane uses, one round after each run of the workload (:mod:`.tcp_ceiling`; a Python fallback, named as such,
+without a C compiler).  Same-host throughput rows are also compared with the machine's
 copy limit (:class:`.baselines.StreamCopy`), measured in turn with the workload, one copy after each of its
 runs: on buffers of its own, and within the local cache's own memory (its first 256 MiB onto the next), since on
 a VM two buffers of one process can differ in bandwidth by a third.  The prompt runs in its own process.
@@ -53,7 +54,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -74,7 +75,7 @@ from aiodatadist.testing import PeerProcess, cluster_info, fill_pattern, free_po
 
 from .baselines import StreamCopy, copyto_gbps
 from .baselines import gbps as _gbps
-from .tcp_ceiling import tcp_ceiling
+from .tcp_ceiling import TcpCeiling
 from .timing import interleaved_times, stderr_progress
 from .timing import times as _times
 
@@ -132,11 +133,20 @@ def _within(cache: Cache, nbytes: int) -> StreamCopy | None:
                              f"streaming copy {nbytes >> 20} MiB within the local cache")
 
 
-async def _with_limit(fn: Callable[[], Awaitable[Any]], nbytes: int, repeat: int, limit: StreamCopy | None,
-                      same_memory: StreamCopy | None = None) -> tuple[float, dict[str, Any]]:
+class Instrument(Protocol):
+    """A limit measured in turn with a workload: ``nbytes`` moved once per :meth:`seconds` call."""
+
+    name: str
+    nbytes: int
+
+    def seconds(self) -> float: ...
+
+
+async def _with_limit(fn: Callable[[], Awaitable[Any]], nbytes: int, repeat: int, limit: Instrument | None,
+                      same_memory: Instrument | None = None) -> tuple[float, dict[str, Any]]:
     """GB/s of ``fn`` (``nbytes`` a call, median of ``repeat`` calls after one), and the fields of the row that
-    compare it with the streaming-copy limit and (``same_memory``) the same copy within the local cache's own
-    memory, each measured in turn with it (none without them)."""
+    compare it with ``limit`` (the streaming-copy limit, or the TCP ceiling) and (``same_memory``) the same copy
+    within the local cache's own memory, each measured in turn with it (none without them)."""
     await fn()
     work: list[float] = []
     bounds: list[list[float]] = [[], []]
@@ -298,56 +308,72 @@ async def bench_transport(transport: str, directions: list[str], workloads: set[
     same-host ones with ``limit`` too, measured in turn with them."""
     session = await _Session.start(transport)
     rows: list[dict[str, Any]] = []
+    ceiling = None
     try:
         if baseline is None:
-            baseline = await tcp_baseline(session.dd, repeat, progress)
+            ceiling = await tcp_ceiling_of(session.dd, progress)
         rng = np.random.default_rng(1)
         for direction in directions:
             rows.extend(await _measure(session, direction, workloads, repeat, concurrency, baseline, rng, progress,
-                                       limit))
+                                       ceiling or limit))
     finally:
+        if ceiling is not None:
+            ceiling.close()
         await session.close()
     return rows
 
 
-async def tcp_baseline(dd: LLMDataDist, repeat: int, progress: Progress) -> tuple[str, float]:
-    """The TCP ceiling for the rows of ``dd``'s (only) link: native streams of the same bytes between two processes
-    over as many connections as the link's data plane opened, with their congestion control
-    (:mod:`.tcp_ceiling`)."""
+async def tcp_ceiling_of(dd: LLMDataDist, progress: Progress) -> TcpCeiling:
+    """The TCP ceiling of the rows of ``dd``'s (only) link, started: native streams of the same bytes between
+    two processes over as many connections as the link's data plane opened, with their congestion control
+    (:mod:`.tcp_ceiling`), measured in turn with each workload."""
     link = dd.links()[0]
     connections = max(1, int(str(link["data_connections"])))
     congestion = link["data_congestion"]
     progress(f"baseline: native TCP streams 256 MiB between two processes over {connections} connections (the "
-             f"link's data connections, congestion control {congestion or 'of the system'})")
-    ceiling = await asyncio.to_thread(tcp_ceiling, BIG, repeat, connections,
-                                      None if congestion is None else str(congestion), progress)
-    return ceiling.name, ceiling.gbps
+             f"link's data connections, congestion control {congestion or 'of the system'}), measured in turn "
+             "with each workload")
+    return await asyncio.to_thread(TcpCeiling.start, BIG, connections,
+                                   None if congestion is None else str(congestion), progress)
+
+
+def _as_baseline(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a row's limit measured in turn with it (the TCP ceiling), as the row's baseline."""
+    return {"baseline": fields["limit"], "baseline_gbps": fields["limit_gbps"], "ratio": fields["limit_ratio"]}
 
 
 async def _measure(session: _Session, direction: str, workloads: set[str], repeat: int, concurrency: int,
-                   baseline: tuple[str, float], rng: np.random.Generator, progress: Progress,
-                   limit: StreamCopy | None = None) -> list[dict[str, Any]]:
+                   baseline: tuple[str, float] | None, rng: np.random.Generator, progress: Progress,
+                   limit: Instrument | None = None) -> list[dict[str, Any]]:
+    """The rows of one direction.  The throughput rows are compared with ``baseline``; without one (tcp),
+    ``limit`` is the TCP ceiling, measured in turn with them and printed as their baseline.  Otherwise a
+    same-host row is also compared with ``limit``, the streaming-copy limit, measured in turn with it."""
     plane = session.dd.links()[0]["plane"]
-    if plane not in SAME_HOST:
+    if baseline is not None and plane not in SAME_HOST:
         limit = None
-    same_memory = _within(session.blocks, BIG) if limit is not None else None
-    base_name, base_gbps = baseline
+    same_memory = _within(session.blocks, BIG) if limit is not None and baseline is not None else None
     rows: list[dict[str, Any]] = []
 
     def row(workload: str, nbytes: int, **values: Any) -> None:
         rows.append({"workload": workload, "transport": plane, "direction": direction, "bytes": nbytes, **values})
 
+    async def throughput(workload: str, fn: Callable[[], Awaitable[Any]]) -> float:
+        value, limits = await _with_limit(fn, BIG, repeat, limit, same_memory)
+        if baseline is None:
+            row(workload, BIG, gbps=value, **_as_baseline(limits))
+        else:
+            row(workload, BIG, gbps=value, baseline=baseline[0], baseline_gbps=baseline[1],
+                ratio=value / baseline[1], **limits)
+        return value
+
     single = None
     if workloads & {"paged", "concurrent"}:
         progress(f"{plane} {direction} paged 256 MiB")
         src, dst = _scattered(rng)
-        single, limits = await _with_limit(lambda: session.paged(direction, src, dst), BIG, repeat, limit,
-                                           same_memory)
-        row("paged", BIG, gbps=single, baseline=base_name, baseline_gbps=base_gbps, ratio=single / base_gbps, **limits)
+        single = await throughput("paged", lambda: session.paged(direction, src, dst))
     if "whole" in workloads:
         progress(f"{plane} {direction} whole cache 256 MiB")
-        value, limits = await _with_limit(lambda: session.whole(direction), BIG, repeat, limit, same_memory)
-        row("whole", BIG, gbps=value, baseline=base_name, baseline_gbps=base_gbps, ratio=value / base_gbps, **limits)
+        await throughput("whole", lambda: session.whole(direction))
     if "small" in workloads:
         runs = max(200, repeat * 20)
         progress(f"{plane} {direction} 2 MiB x {runs}, back to back, then {SPACED_S * 1e3:g} ms apart")
