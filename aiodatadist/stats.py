@@ -63,10 +63,10 @@ class NotificationStats:
 
 @dataclass(frozen=True, slots=True)
 class MessageStats:
-    """Control-plane messages exchanged with one remote cluster over its links so far, by message kind (the
-    protocol's names: ``"begin"``, ``"end"``, ``"reply"``, ``"notify"``, ...): ``sent`` to it and ``received``
-    from it.  A server's handshake runs before the link's channel exists: the client counts its ``"hello"``
-    requests, the server neither them nor its answers to refused ones."""
+    """Control-plane messages exchanged with one remote cluster over its links (and link attempts) so far, by
+    message kind (the protocol's names: ``"begin"``, ``"end"``, ``"reply"``, ``"notify"``, ...): ``sent`` to it
+    and ``received`` from it.  A server's handshake runs before the link's channel exists: the client counts its
+    ``"hello"`` requests, the server neither them nor its answers to refused ones."""
 
     remote_cluster_id: int
     sent: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
@@ -74,10 +74,12 @@ class MessageStats:
 
     @property
     def total_sent(self) -> int:
+        """Messages of every kind sent."""
         return sum(self.sent.values())
 
     @property
     def total_received(self) -> int:
+        """Messages of every kind received."""
         return sum(self.received.values())
 
 
