@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .layer_transfer import CacheTask
     from .memory import HostMemory
     from .notifications import Notification
-    from .stats import LinkStats, NotificationStats, StatsSnapshot
+    from .stats import LinkStats, MessageStats, NotificationStats, StatsSnapshot
     from .transfer_configs import (
         LayerSynchronizer,
         MemInfo,
@@ -74,6 +74,7 @@ _WHERE = {
     "LinkStats": "stats",
     "LlmConfig": "config",
     "MemInfo": "transfer_configs",
+    "MessageStats": "stats",
     "Memtype": "transfer_configs",
     "Notification": "notifications",
     "NotificationStats": "stats",
@@ -115,6 +116,7 @@ __all__ = [
     "LlmConfig",
     "MemInfo",
     "Memtype",
+    "MessageStats",
     "Notification",
     "NotificationStats",
     "Placement",

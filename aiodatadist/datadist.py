@@ -107,7 +107,8 @@ class LLMDataDist:
             # TCP links use the native helper's I/O threads unless llm.Net / AIODATADIST_NET says python
             planes = PlaneFactory(self._cluster_id, engine, nixl, settings.native_net and native_pool() is not None,
                                   (directory.address, directory.rows))
-            links = LinkManager(self._cluster_id, self._role, settings, registry, planes, nixl.start)
+            links = LinkManager(self._cluster_id, self._role, settings, registry, planes, nixl.start,
+                                self._stats.messages)
             inbox = NotificationInbox(self._stats)
             transfers = TransferService(self._cluster_id, settings, links, registry, engine, self._stats, inbox)
             registry.on_freed = transfers.announce_freed  # peers let go of what they mapped

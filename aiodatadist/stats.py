@@ -11,7 +11,8 @@ a one-sided write counts each frame).  Same-host transfers of a
 published cache (the requester maps or reads the owner's memory itself) and NIXL reads never reach the owner and
 are counted by the requester only.  Notifications (see :mod:`aiodatadist.notifications`) are counted per remote cluster
 on both sides: sent by the sender, received or dropped (queue full, or arriving during ``finalize``) by the
-receiver.
+receiver.  Control-plane messages (:class:`MessageStats`) are counted per remote cluster and message kind as
+the links' channels send and receive them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from types import MappingProxyType
 
 import numpy as np
 
-__all__ = ["LATENCY_WINDOW", "LinkStats", "NotificationStats", "StatsRecorder", "StatsSnapshot"]
+__all__ = ["LATENCY_WINDOW", "LinkStats", "MessageCounter", "MessageStats", "NotificationStats", "StatsRecorder",
+           "StatsSnapshot"]
 
 LATENCY_WINDOW = 4096
 OneSided = tuple[int, int, int, int, int, int]
@@ -60,12 +62,50 @@ class NotificationStats:
 
 
 @dataclass(frozen=True, slots=True)
+class MessageStats:
+    """Control-plane messages exchanged with one remote cluster over its links (and link attempts) so far, by
+    message kind (the protocol's names: ``"begin"``, ``"end"``, ``"reply"``, ``"notify"``, ...): ``sent`` to it
+    and ``received`` from it.  A server's handshake runs before the link's channel exists: the client counts its
+    ``"hello"`` requests, the server neither them nor its answers to refused ones."""
+
+    remote_cluster_id: int
+    sent: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    received: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def total_sent(self) -> int:
+        """Messages of every kind sent."""
+        return sum(self.sent.values())
+
+    @property
+    def total_received(self) -> int:
+        """Messages of every kind received."""
+        return sum(self.received.values())
+
+
+class MessageCounter:
+    """The control messages of one remote cluster, counted by kind by its links' channels as they send and
+    receive them (a dict increment each; event loop thread only)."""
+
+    __slots__ = ("received", "sent")
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {}
+        self.received: dict[str, int] = {}
+
+    def frozen(self, remote_cluster_id: int) -> MessageStats:
+        return MessageStats(remote_cluster_id, MappingProxyType({str(k): n for k, n in self.sent.items()}),
+                            MappingProxyType({str(k): n for k, n in self.received.items()}))
+
+
+@dataclass(frozen=True, slots=True)
 class StatsSnapshot:
     """Statistics of one ``LLMDataDist`` at one moment."""
 
     links: tuple[LinkStats, ...] = ()
     notifications: tuple[NotificationStats, ...] = ()
     served: tuple[LinkStats, ...] = ()  # what peers requested of this instance's caches (see the module doc)
+    messages: tuple[MessageStats, ...] = ()  # control-plane messages, per remote cluster
 
     def get(self, remote_cluster_id: int, direction: str) -> LinkStats | None:
         """The entry of one remote cluster and direction, if it moved anything yet."""
@@ -87,6 +127,13 @@ class StatsSnapshot:
             if entry.remote_cluster_id == remote_cluster_id:
                 return entry
         return NotificationStats(remote_cluster_id)
+
+    def messages_of(self, remote_cluster_id: int) -> MessageStats:
+        """The control-plane messages exchanged with one remote cluster (none if no link to it yet)."""
+        for entry in self.messages:
+            if entry.remote_cluster_id == remote_cluster_id:
+                return entry
+        return MessageStats(remote_cluster_id)
 
     @property
     def total_bytes(self) -> int:
@@ -132,6 +179,7 @@ class StatsRecorder:
         self._served: dict[tuple[int, str], _Entry] = {}
         self._one_sided: dict[int, tuple[str, OneSided]] = {}  # closed links' one-sided reads and writes, summed
         self._notes: dict[int, list[int]] = {}  # remote cluster -> [sent, received, dropped]
+        self._messages: dict[int, MessageCounter] = {}  # remote cluster -> its control messages, by kind
 
     def _note(self, remote_cluster_id: int, which: int) -> None:
         counts = self._notes.get(remote_cluster_id)
@@ -147,6 +195,13 @@ class StatsRecorder:
 
     def notification_dropped(self, remote_cluster_id: int) -> None:
         self._note(remote_cluster_id, 2)
+
+    def messages(self, remote_cluster_id: int) -> MessageCounter:
+        """The counter of the control messages exchanged with ``remote_cluster_id`` (one for all its links)."""
+        counter = self._messages.get(remote_cluster_id)
+        if counter is None:
+            counter = self._messages[remote_cluster_id] = MessageCounter()
+        return counter
 
     def record(self, remote_cluster_id: int, direction: str, plane: str, seconds: float, nbytes: int,
                failure: str | None) -> None:
@@ -181,7 +236,9 @@ class StatsRecorder:
                     if refused:
                         entry.add(plane, None, 0, stale, refused)
         notes = tuple(NotificationStats(cluster, *counts) for cluster, counts in sorted(self._notes.items()))
-        return StatsSnapshot(out, notes, tuple(entry.frozen(c, d) for (c, d), entry in sorted(served.items())))
+        messages = tuple(counter.frozen(cluster) for cluster, counter in sorted(self._messages.items()))
+        return StatsSnapshot(out, notes, tuple(entry.frozen(c, d) for (c, d), entry in sorted(served.items())),
+                             messages)
 
 
 def _entry(table: dict[tuple[int, str], _Entry], cluster: int, direction: str) -> _Entry:

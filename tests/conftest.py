@@ -9,9 +9,9 @@ Markers by folder (registered in ``pyproject.toml``)
                        tenth of each property test's examples (``helpers.examples``; CI runs them all).
     ``integration/``   ``integration``.
     ``gpu/``           ``gpu`` and ``integration`` (a real or emulated GPU, linked pairs and peer processes).
-    ``smoke/``         ``slow`` and ``integration`` (whole processes: CLI, examples, soak, bench peers).
-    ``vllm_connector/`` ``vllm``: the vLLM connector; skipped without vLLM (``bash tools/vllm_tests.sh``).
-    ``sglang/``        ``sglang``: the SGLang backend; skipped without SGLang (``bash tools/sglang_tests.sh``).
+    ``smoke/``         ``slow`` and ``integration`` (whole processes: the CLI, the examples).
+    ``vllm_connector/`` ``vllm``: the vLLM connector; skipped without vLLM (``bash scripts/vllm_tests.sh``).
+    ``sglang/``        ``sglang``: the SGLang backend; skipped without SGLang (``bash scripts/sglang_tests.sh``).
 
 ``unit/`` mirrors the package: ``unit/<layer>/`` holds the tests of ``aiodatadist/<layer>/`` (``unit/api/``: the
 public modules at the package's root; ``unit/package/``: the package's shape).

@@ -14,12 +14,13 @@ import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import Any
 
 from .._aio import drop_cancellation
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
 from ..protocol.codec import Kind, ProtocolError, encode_batch
 from ..protocol.messages import Reply, Request, reply_to_wire, request_to_wire
+from ..stats import MessageCounter
 
 __all__ = ["Channel", "RequestHandler", "TaskSet"]
 
@@ -99,14 +100,13 @@ class Channel:
 
     Outgoing messages are queued and flushed once per event-loop iteration, so the many requests and replies of
     concurrent transfers share ZeroMQ frames (a frame costs thread hand-offs; a message in it costs ~nothing).
+    Each message sent or received is counted by kind in ``counter`` (the instance's statistics of the remote
+    cluster, ``LLMDataDist.stats().messages``).
     """
 
-    on_flush: ClassVar[Callable[[int], object] | None] = None
-    """Called, when set, with the number of messages each time a channel of this process sends what it queued
-    (requests, replies and notifications): a hook for tools that count control-plane messages."""
-
     def __init__(self, send: Callable[[Channel], Callable[[bytes], None]], handler: RequestHandler,
-                 name: str) -> None:
+                 name: str, counter: MessageCounter | None = None) -> None:
+        self.counter = counter if counter is not None else MessageCounter()
         self._send = send(self)
         self._handler = handler
         self.name = name
@@ -122,14 +122,14 @@ class Channel:
         if not self._outbox:
             asyncio.get_running_loop().call_soon(self.flush)
         self._outbox.append(message)
+        sent, kind = self.counter.sent, message["k"]
+        sent[kind] = sent.get(kind, 0) + 1
 
     def flush(self) -> None:
         """Send what is queued as one frame (also called by ``close``, so that a last BYE goes out)."""
         if not self._outbox:
             return
         messages, self._outbox = self._outbox, []
-        if Channel.on_flush is not None:
-            Channel.on_flush(len(messages))
         try:
             for start in range(0, len(messages), FRAME_MESSAGES):
                 self._send(encode_batch(messages[start:start + FRAME_MESSAGES]))
@@ -176,6 +176,8 @@ class Channel:
 
     def resolve(self, reply: dict[str, Any]) -> None:
         """Hand a reply to the request awaiting it (a reply nobody awaits any more is dropped)."""
+        received = self.counter.received
+        received[Kind.REPLY] = received.get(Kind.REPLY, 0) + 1
         future = self._pending.get(reply["r"])
         if future is not None and not future.done():
             future.set_result(reply)
@@ -185,6 +187,8 @@ class Channel:
         if message["k"] == Kind.REPLY:
             self.resolve(message)
             return
+        received, kind = self.counter.received, message["k"]
+        received[kind] = received.get(kind, 0) + 1
         req_id = message["i"]
         try:
             body = await self._handler(self, message)

@@ -101,7 +101,7 @@ class NativeExecutor(ExecutorBase):
     polling: Polling  # every job is a candidate: the short ones are polled for
 
     def __init__(self, workers: int | None = None, *, stream_share: int | None = None) -> None:
-        """``workers`` threads (default: :func:`~aiodatadist.copy.base.default_workers`); ``stream_share``: the
+        """``workers`` threads (default: :func:`~aiodatadist.jobs.base.default_workers`); ``stream_share``: the
         chunk size from which local jobs stream (default: :func:`~aiodatadist.copy.spans.streaming_share`, measured
         on a thread of its own the first time, plain stores meanwhile)."""
         lib = native_pool()

@@ -1,4 +1,4 @@
-// Pointer-list copy kernel of aiodatadist (source of copy_kernel.ptx; regenerate with tools/gen_ptx.sh).
+// Pointer-list copy kernel of aiodatadist (source of copy_kernel.ptx; regenerate with scripts/gen_ptx.sh).
 //
 // adt_copy_spans copies n spans: len[i] bytes from address src[i] to address dst[i].  The three descriptor
 // arrays live in device memory; the addresses may be device memory, IPC-opened device memory of another

@@ -21,7 +21,9 @@ from .._checks import param_invalid, require
 
 _block_runs: Callable[..., bytes | None] | None
 try:
-    from ._blocks import block_runs as _block_runs  # the compiled fast path of b2b_runs (optional)
+    from ._blocks import (
+        block_runs as _block_runs,  # the compiled fast path of b2b_runs (optional)
+    )
 except ImportError:
     _block_runs = None
 

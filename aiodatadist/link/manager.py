@@ -65,6 +65,7 @@ from ..protocol.messages import (
     reply_to_wire,
 )
 from ..settings.options import Settings
+from ..stats import MessageCounter
 from ..transport.fd_passing import FdServer
 from ..transport.same_host import (
     HostProbe,
@@ -149,8 +150,10 @@ class LinkManager:
     """The links of one :class:`LLMDataDist`, its server socket and its control-plane tasks."""
 
     def __init__(self, cluster_id: int, role: LLMRole, settings: Settings, publications: Publications,
-                 planes: PlaneFactory, start_nixl: Callable[[], object] | None = None) -> None:
+                 planes: PlaneFactory, start_nixl: Callable[[], object] | None = None,
+                 messages: Callable[[int], MessageCounter] | None = None) -> None:
         self._cluster_id = cluster_id
+        self._messages = messages or (lambda _: MessageCounter())  # a remote cluster's control-message counter
         self._start_nixl_plane = start_nixl  # starts the NIXL plane (raises LLMException) for a nixl link
         self.role = role  # set by switch_role
         self._settings = settings
@@ -352,7 +355,8 @@ class LinkManager:
                       nonces: tuple[bytes, bytes] | None, caps: PeerCapabilities, plane: Plane) -> None:
         """Server side: admit the link (the handshake agreed on ``plane``) and answer the HELLO."""
         cluster = hello.cluster
-        channel = Channel(server.sender(routing_id), self._handle, f"{self._cluster_id}<-{cluster}")
+        channel = Channel(server.sender(routing_id), self._handle, f"{self._cluster_id}<-{cluster}",
+                          self._messages(cluster))
         link = Link(cluster, channel, is_client=False, endpoint=server.endpoint, remote_role=hello.role,
                     routing_id=routing_id)
         channel.context = link
@@ -468,7 +472,7 @@ class LinkManager:
 
         sock, connection = connect_dealer(self._ctx, endpoint, b"c" + secrets.token_bytes(15), self._settings.curve,
                                           remote_id, watch=watch)
-        channel = Channel(dealer_sender(sock), self._handle, name)
+        channel = Channel(dealer_sender(sock), self._handle, name, self._messages(remote_id))
         reader = self._tasks.spawn(read_dealer(sock, channel, self._tasks), name=f"reader-{remote_id}",
                                    on_error=functools.partial(self._reader_failed, channel))
         return _Client(endpoint, sock, channel, reader, connection)

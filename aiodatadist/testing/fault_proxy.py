@@ -3,7 +3,7 @@ cut them on command.
 
 Put it between a decoder and a prompt's control port (link to ``proxy.port``) to see what the library does
 when the network hangs or breaks.  ``soak --chaos`` runs it in a process of its own
-(:mod:`aiodatadist.tools.soak_proxy`); tests run it in their own event loop.
+(:mod:`aiodatadist_benchmarks.soak_proxy`); tests run it in their own event loop.
 """
 
 from __future__ import annotations

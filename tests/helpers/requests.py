@@ -1,41 +1,52 @@
-"""Counting the control-plane requests an in-process instance sends to its (only) peer."""
+"""Counting the control-plane requests an in-process instance sends, from its statistics
+(``LLMDataDist.stats().messages``: messages by kind, per remote cluster)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
+from aiodatadist import LLMDataDist
 from aiodatadist.protocol.codec import Kind
 
 
-def count_requests(dd: Any) -> dict[str, int]:
-    """Count the requests ``dd`` sends to its (only) peer, by kind (awaited and not)."""
-    link = next(iter(dd._links.links.values()))
-    sent: dict[str, int] = {}
-    channel = link.channel
-    request, notify = channel.request, channel.notify
-
-    async def counting(msg: Any) -> dict[str, Any]:
-        sent[msg.KIND] = sent.get(msg.KIND, 0) + 1
-        return await request(msg)
-
-    def counting_notify(msg: Any) -> None:
-        sent[msg.KIND] = sent.get(msg.KIND, 0) + 1
-        notify(msg)
-
-    channel.request = counting
-    channel.notify = counting_notify
-    return sent
+def _sent(dd: LLMDataDist) -> dict[str, int]:
+    """Every message ``dd`` sent so far, by kind, summed over its remote clusters."""
+    total: dict[str, int] = {}
+    for entry in dd.stats().messages:
+        for kind, count in entry.sent.items():
+            total[kind] = total.get(kind, 0) + count
+    return total
 
 
-def count_begins(dd: Any) -> list[int]:
-    """Count the BEGIN requests ``dd`` sends to its (only) peer: ``[n]``, kept current."""
-    link = next(iter(dd._links.links.values()))
-    sent = [0]
-    request = link.channel.request
+class SentRequests(Mapping[str, int]):
+    """The requests ``dd`` sent since this was made, by kind (awaited and not; replies are not requests), read
+    from its statistics each time it is looked at."""
 
-    async def counting(msg: Any) -> dict[str, Any]:
-        sent[0] += msg.KIND == Kind.BEGIN
-        return await request(msg)
+    def __init__(self, dd: LLMDataDist) -> None:
+        self._dd = dd
+        self._before = _sent(dd)
 
-    link.channel.request = counting
-    return sent
+    def _now(self) -> dict[str, int]:
+        now = _sent(self._dd)
+        return {kind: count - self._before.get(kind, 0) for kind, count in now.items()
+                if kind != Kind.REPLY and count > self._before.get(kind, 0)}
+
+    def __getitem__(self, kind: str) -> int:
+        return self._now()[kind]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._now())
+
+    def __len__(self) -> int:
+        return len(self._now())
+
+
+def count_requests(dd: LLMDataDist) -> SentRequests:
+    """Count the requests ``dd`` sends from now on, by kind (awaited and not), kept current."""
+    return SentRequests(dd)
+
+
+def count_begins(dd: LLMDataDist) -> Callable[[], int]:
+    """Count the BEGIN requests ``dd`` sends from now on: call the result for the count so far."""
+    sent = SentRequests(dd)
+    return lambda: sent.get(Kind.BEGIN, 0)

@@ -24,7 +24,7 @@ is defined.  After all of them: fresh well-behaved decoders (both implementation
 no lease is held.
 
 Deterministic: every case comes from ``numpy.random.default_rng`` with a fixed seed.  ``AIODATADIST_FUZZ_SEED``
-sets another seed, ``AIODATADIST_FUZZ_SCALE`` multiplies the random cases (``tools/fuzz_long.py`` runs this file
+sets another seed, ``AIODATADIST_FUZZ_SCALE`` multiplies the random cases (``scripts/fuzz_long.py`` runs this file
 for N minutes with random seeds).  ``pytest -s`` shows how many frames of each kind were tried.
 """
 

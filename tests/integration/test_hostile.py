@@ -39,7 +39,7 @@ from aiodatadist.testing import cluster_info, free_port
 from aiodatadist.transport.tcp.frames import HEADER, MAGIC
 
 S = LLMStatusCode
-# tools/fuzz_long.py raises it (with --hypothesis-seed) for long runs
+# scripts/fuzz_long.py raises it (with --hypothesis-seed) for long runs
 CONTROL_EXAMPLES = int(os.environ.get("AIODATADIST_FUZZ_EXAMPLES", "60") or 60)
 DESC = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)
 GEOMETRY = geometry_to_wire(CacheGeometry(2, 8 * 4096, 8, True, DESC.data_type.value))

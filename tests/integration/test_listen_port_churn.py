@@ -1,5 +1,5 @@
 """A listen port that anything can reach: connection churn, garbage, half-finished handshakes held open and floods
-of HELLOs, each from a hostile client in its own OS process (``aiodatadist.tools.port_churn``).
+of HELLOs, each from a hostile client in its own OS process (``aiodatadist_benchmarks.port_churn``).
 
 After each, within a second, a new decoder links, pulls byte-exact and unlinks cleanly, and a decoder linked before
 it still gets its requests answered and unlinks cleanly (the control socket answers).  The rule asserted is that
@@ -30,6 +30,9 @@ from aiodatadist import (
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION
 from aiodatadist.testing import cluster_info, free_port
 
+pytest.importorskip("aiodatadist_benchmarks.port_churn", reason="the hostile clients come with the benchmarks "
+                    "distribution (pip install -e ./benchmarks)")
+
 S = LLMStatusCode
 DESC = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)
 LINK_WITHIN_MS = 1000  # a legitimate link after the hostile client is done (a link takes milliseconds)
@@ -38,7 +41,7 @@ WAIT_S = 30.0  # generous bound for what happens in the background (the machine 
 
 async def _clients(kind: str, port: int, n: int) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "aiodatadist.tools.port_churn", kind, str(port), str(n), str(PROTOCOL_VERSION),
+        sys.executable, "-m", "aiodatadist_benchmarks.port_churn", kind, str(port), str(n), str(PROTOCOL_VERSION),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
 
 

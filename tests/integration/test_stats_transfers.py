@@ -15,6 +15,7 @@ from aiodatadist import (
     LLMConfig,
     LLMException,
     LLMStatusCode,
+    MessageStats,
     Placement,
     StatsSnapshot,
 )
@@ -32,7 +33,7 @@ async def test_transfers_are_counted_per_cluster_and_direction(transport: str) -
         dst = decoder.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(2, 4))
         fill_pattern(src, 1)
         fill_pattern(dst, 2)
-        assert decoder.stats() == StatsSnapshot()
+        assert decoder.stats() == StatsSnapshot(messages=decoder.stats().messages)  # (the handshake's)
         await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [1, 2], [3, 4])  # 4 tensors x 2 KiB
         await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [5], [6])  # 4 KiB
         before = decoder.stats()
@@ -84,6 +85,34 @@ async def test_the_owner_counts_what_it_served(transport: str) -> None:
         await decoder.unlink_clusters([cluster_info(1, 0)], timeout=3000)
         await asyncio.sleep(0.1)
         assert prompt.stats().served_of(2, "pull") == pulls  # the counts outlive the link
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_control_messages_are_counted_by_kind_on_both_sides(transport: str) -> None:
+    """Every message of the link's channel, by kind: what one side sent the other received, and a pull through
+    the owner is a BEGIN and an END, each answered."""
+    cfg = LLMConfig()
+    cfg.transport = transport
+    async with linked_pair(config=cfg) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 3))
+        dst = decoder.cache_manager.allocate_blocks_cache(DESC)
+        fill_pattern(src, 1)
+        linked = decoder.stats().messages_of(1)
+        assert linked.sent.get("hello", 0) >= 1 and linked.received.get("reply", 0) >= 1  # the handshake's
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 3), dst, [1, 2], [3, 4])  # asks the owner
+        await decoder.notify(1, b"x")
+        await asyncio.sleep(0.1)  # the owner's last replies are on their way when the calls return
+        mine, theirs = decoder.stats().messages_of(1), prompt.stats().messages_of(2)
+        sent = {kind: n - linked.sent.get(kind, 0) for kind, n in mine.sent.items()}
+        assert sent.get("begin") == 1 and sent.get("notify") == 1
+        assert theirs.received.get("begin") == 1 and theirs.received.get("notify") == 1
+        for kind in ("begin", "end", "notify"):  # (the server counts no HELLO: its channel comes after it)
+            assert mine.sent.get(kind, 0) == theirs.received.get(kind, 0), kind
+            assert theirs.sent.get(kind, 0) == mine.received.get(kind, 0), kind
+        assert mine.received.get("reply", 0) >= sent["begin"] + sent["notify"] + linked.received["reply"]
+        assert decoder.stats().messages_of(7) == MessageStats(7)  # no link to it
+        await decoder.unlink_clusters([cluster_info(1, 0)], timeout=3000)
+        assert decoder.stats().messages_of(1).sent.get("bye", 0) >= 1  # the counts outlive the link
 
 
 async def test_prometheus_export_reads_the_statistics() -> None:

@@ -2,7 +2,7 @@
 (options, buffer groups, messages) and its data path (two instances in this process pushing pages and aux rows
 into registered numpy memory, as the prefill and decode ranks do).
 
-The backend with the real engine: ``test_sglang_pd.py`` (``bash tools/sglang_tests.sh``)."""
+The backend with the real engine: ``test_sglang_pd.py`` (``bash scripts/sglang_tests.sh``)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ and after D restarted; P sends every prompt in several chunks (``--chunked-prefi
 D or on P while P is still sending end at once, and the engines go on serving.  The negative control: a P that
 zeroes its source pages before each push makes D produce other tokens.
 
-Skipped without SGLang (``bash tools/sglang_tests.sh`` builds a venv with SGLang and the CPU shim and runs these).
+Skipped without SGLang (``bash scripts/sglang_tests.sh`` builds a venv with SGLang and the CPU shim and runs these).
 Each server takes 30-60 s to start on 2 cores; the whole file about 10 minutes.
 """
 
@@ -25,9 +25,11 @@ import pytest
 pytest.importorskip("sglang.srt.disaggregation.utils")
 pytest.importorskip("sglang_router")
 
-from aiodatadist.tools.bench.sglang_servers import Router, Server, ServerError, ServerSettings, generate
-from aiodatadist.tools.bench.sglang_tweaks import site_dir
-from aiodatadist.tools.bench.vllm_model import ModelSpec, build_model, random_prompts
+pytest.importorskip("aiodatadist_benchmarks",
+                    reason="the benchmarks are not installed (pip install -e ./benchmarks)")
+from aiodatadist_benchmarks.bench.sglang_servers import Router, Server, ServerError, ServerSettings, generate
+from aiodatadist_benchmarks.bench.sglang_tweaks import site_dir
+from aiodatadist_benchmarks.bench.vllm_model import ModelSpec, build_model, random_prompts
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -1,8 +1,8 @@
-"""The command line and the examples run end to end (real processes) and report success."""
+"""The command line and the examples run end to end (real processes) and report success; ``bench`` and ``soak``
+forward to the benchmarks distribution, whose own tests run them (``benchmarks/tests/``)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,71 +24,57 @@ def test_demo_moves_and_verifies_every_byte() -> None:
     assert "GB/s" in result.stdout and "p99" in result.stdout
 
 
-def test_bench_local_reports_a_ratio(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    result = run("-m", "aiodatadist", "bench", "local", "small", "--repeat", "1", "--transport", "shm",
-                 "--direction", "pull", "--json", str(out))
-    assert result.returncode == 0, result.stdout + result.stderr
-    results = json.loads(out.read_text())
-    local = next(r for r in results if r["workload"] == "local")
-    assert local["ratio"] > 0 and local["baseline_gbps"] > 0
-    # the copy limit, measured in turn with the workload (the native helper is built in this suite)
-    assert local["limit"].startswith("streaming copy 256 MiB, ")
-    assert local["limit_gbps"] > 0 and local["limit_ratio"] == pytest.approx(local["gbps"] / local["limit_gbps"])
-    assert local["same_memory"] == "streaming copy 256 MiB within the local cache"  # its own pages, contiguous
-    assert local["same_memory_ratio"] == pytest.approx(local["gbps"] / local["same_memory_gbps"])
-    small = next(r for r in results if r["workload"] == "small")
-    assert 0 < small["p50_ms"] <= small["p99_ms"] and small["transport"] == "shm" and "spaced_ms" not in small
-    spaced = [r for r in results if r["workload"] == "small" and "spaced_ms" in r]  # the same call, the loop idle
-    assert len(spaced) == 1 and spaced[0]["spaced_ms"] == 1 and 0 < spaced[0]["p50_ms"] <= spaced[0]["p99_ms"]
-    assert "baseline: np.copyto" in result.stderr  # progress lines
-
-
-def test_bench_tcp_measures_against_a_plain_socket_stream(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    result = run("-m", "aiodatadist", "bench", "paged", "small", "--repeat", "1", "--transport", "tcp",
-                 "--json", str(out))
-    assert result.returncode == 0, result.stdout + result.stderr
-    results = json.loads(out.read_text())
-    paged = [r for r in results if r["workload"] == "paged"]
-    assert {r["direction"] for r in paged} == {"pull", "push"}
-    assert all(r["transport"] == "tcp" and r["baseline"].startswith("plain TCP stream") and r["ratio"] > 0
-               for r in paged)
-    assert {r["direction"] for r in results if r["workload"] == "small"} == {"pull", "push"}
-
-
-def test_bench_calls_times_both_sizes_in_turn(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    result = run("-m", "aiodatadist", "bench", "calls", "--repeat", "1", "--transport", "shm", "--direction",
-                 "pull,push", "--json", str(out))
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = [r for r in json.loads(out.read_text()) if r["workload"] == "calls"]
-    each_way = [(64, False, False, False), (8192, False, False, False), (64, True, False, False),
-                (8192, True, False, False)]
-    assert [(r["direction"], r["spans"], r.get("new_blocks", False), r.get("by_key", False),
-             r.get("registered", False)) for r in rows] == [
-        *(("pull", *r) for r in each_way), ("pull", 64, False, True, False), ("pull", 8192, True, False, True),
-        *(("push", *r) for r in each_way), ("push", 8192, True, False, True)]
-    assert all(r["runs"] == 500 and 0 < r["p50_us"] <= r["p99_us"] for r in rows)
-    assert ["ns_per_extra_span" in r for r in rows] == [False, True, False, False, False, False,
-                                                         False, True, False, False, False]
-    assert ("calls of 64 and 8192 spans, and of 64 and 8192 spans of other blocks each call, in turn x 500, then by "
-            "request key") in result.stderr
-    assert result.stderr.count("then of registered memory") == 2
-    assert "other blocks each call" in result.stdout and "pull_cache by CacheKey (through the owner)" in result.stdout
-    assert result.stdout.count("other blocks each call, memory the peer registered") == 2
-
-
-def test_bench_rejects_unknown_workloads_and_transports() -> None:
-    result = run("-m", "aiodatadist", "bench", "nonsense")
-    assert result.returncode == 2 and "unknown workloads" in result.stderr
-    result = run("-m", "aiodatadist", "bench", "small", "--transport", "rdma")
-    assert result.returncode == 2 and "--transport" in result.stderr
-
-
 def test_info() -> None:
     result = run("-m", "aiodatadist", "info")
     assert result.returncode == 0 and "aiodatadist" in result.stdout
+
+
+def test_the_console_script_is_the_command_line() -> None:
+    script = Path(sys.executable).parent / "aiodatadist"
+    if not script.exists():
+        pytest.skip("the package's console script is not installed beside this interpreter")
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=False, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("usage: python -m aiodatadist {demo,bench,soak,info}")
+
+
+# -- bench and soak: forwarded to the benchmarks distribution ------------------------------------------------
+# Runs ``python -m aiodatadist ARGS`` in an interpreter where the benchmarks cannot be imported: a finder first
+# on sys.meta_path refuses them, as an interpreter without them installed would.
+WITHOUT_BENCHMARKS = """
+import runpy, sys
+
+class NoBenchmarks:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "aiodatadist_benchmarks":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoBenchmarks())
+sys.argv = ["aiodatadist", *sys.argv[1:]]
+runpy.run_module("aiodatadist", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("command", ["bench", "soak"])
+def test_bench_and_soak_forward_to_the_benchmarks(command: str) -> None:
+    pytest.importorskip("aiodatadist_benchmarks",
+                    reason="the benchmarks are not installed (pip install -e ./benchmarks)")
+    result = run("-m", "aiodatadist", command, "--help")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith(f"usage: python -m aiodatadist {command}")
+
+
+@pytest.mark.parametrize("command", ["bench", "soak"])
+def test_bench_and_soak_say_how_to_install_the_benchmarks_without_them(command: str) -> None:
+    result = run("-c", WITHOUT_BENCHMARKS, command, "--help")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert not result.stdout
+    assert result.stderr.startswith(f"python -m aiodatadist {command}: not installed here: ")
+    assert "pip install -e ./benchmarks" in result.stderr and "Traceback" not in result.stderr
+    result = run("-c", WITHOUT_BENCHMARKS, "info")  # the library's own commands do not need them
+    assert result.returncode == 0 and "aiodatadist" in result.stdout
+    result = run("-c", WITHOUT_BENCHMARKS, "--help")
+    assert result.returncode == 0 and "pip install -e ./benchmarks" in result.stdout
 
 
 @pytest.mark.parametrize("example", ["serving_pair.py", "push_blocks.py", "switch_role.py"])

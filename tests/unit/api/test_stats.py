@@ -1,5 +1,5 @@
 """Transfer statistics: the recorder and its immutable snapshots (no instance, no link; the counting of real
-transfers and the Prometheus export are in ``integration/test_stats_transfers.py``)."""
+transfers and messages and the Prometheus export are in ``integration/test_stats_transfers.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from helpers.examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiodatadist.stats import LATENCY_WINDOW, StatsRecorder
+from aiodatadist.protocol.codec import Kind
+from aiodatadist.stats import LATENCY_WINDOW, MessageStats, StatsRecorder
 
 
 @settings(max_examples=examples(60), deadline=None)
@@ -55,3 +56,23 @@ def test_snapshots_are_immutable() -> None:
         entry.failures["LLM_TIMEOUT"] = 0  # type: ignore[index]
     recorder.record(1, "pull", "shm", 0.01, 10, None)
     assert snapshot.links[0].operations == 1 and recorder.snapshot().links[0].operations == 2
+
+
+def test_control_messages_are_counted_by_kind_per_remote_cluster() -> None:
+    recorder = StatsRecorder()
+    assert recorder.snapshot().messages_of(3) == MessageStats(3) and recorder.snapshot().messages == ()
+    counter = recorder.messages(3)
+    assert recorder.messages(3) is counter  # one counter for every link to the cluster, kept past them
+    counter.sent[Kind.BEGIN] = 2
+    counter.sent[Kind.REPLY] = 1
+    counter.received["reply"] = 2
+    snapshot = recorder.snapshot()
+    entry = snapshot.messages_of(3)
+    assert snapshot.messages == (entry,) and entry.remote_cluster_id == 3
+    assert dict(entry.sent) == {"begin": 2, "reply": 1} and dict(entry.received) == {"reply": 2}
+    assert all(type(kind) is str for kind in entry.sent)  # plain names, as on the wire
+    assert (entry.total_sent, entry.total_received) == (3, 2)
+    counter.sent[Kind.BEGIN] += 1
+    assert entry.sent["begin"] == 2  # a snapshot never changes
+    with pytest.raises(TypeError):
+        entry.sent["begin"] = 0  # type: ignore[index]

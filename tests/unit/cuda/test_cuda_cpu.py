@@ -137,7 +137,7 @@ def test_ptxas_accepts_the_shipped_ptx(arch: str, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_shipped_ptx_matches_the_source(tmp_path: Path) -> None:
-    """The committed PTX is what tools/gen_ptx.sh makes of copy_kernel.cu (with the same nvcc release)."""
+    """The committed PTX is what scripts/gen_ptx.sh makes of copy_kernel.cu (with the same nvcc release)."""
     shipped = cuda.ptx_text()[:-1].decode()
     release = re.search(r"^// Cuda compilation tools, (.*)$", shipped, re.MULTILINE)
     nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
@@ -148,7 +148,7 @@ def test_shipped_ptx_matches_the_source(tmp_path: Path) -> None:
     subprocess.run(["nvcc", "-ptx", "-arch=compute_75", "-O3", str(source), "-o", str(out)], check=True,
                    timeout=300)
     fresh = re.sub(r"^\.version .*$", "", out.read_text(), flags=re.MULTILINE)
-    assert re.sub(r"^\.version .*$", "", shipped, flags=re.MULTILINE) == fresh, "run tools/gen_ptx.sh"
+    assert re.sub(r"^\.version .*$", "", shipped, flags=re.MULTILINE) == fresh, "run scripts/gen_ptx.sh"
 
 
 # -- pure helpers --------------------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ GROUPS: dict[str, set[str]] = {
     "facade": {"cache_manager", "layer_transfer", "datadist"},  # public facade, composition root
     "helpers": {"metrics", "testing", "sync", "torch"},  # built on the facade
     "adapters": {"integrations", "compat"},  # engine adapters; drop-in modules
-    "top": {"tools", "__main__", "__init__"},  # CLI and the package's public namespace
+    "namespace": {"__init__"},  # the package's public names, loaded on first use
+    "cli": {"cli", "__main__"},  # the command line: demo, info; bench and soak forwarded to the benchmarks
 }
 _BASE = {"values"}
 _SYSTEM = _BASE | {"native", "memory"}
@@ -63,7 +64,8 @@ ALLOWED: dict[str, set[str]] = {
 ALLOWED["facade"] = set(ALLOWED) - {"cuda"} | {"facade"}
 ALLOWED["helpers"] = ALLOWED["facade"] | {"helpers"}
 ALLOWED["adapters"] = ALLOWED["helpers"] | {"adapters"}
-ALLOWED["top"] = set(GROUPS)
+ALLOWED["cli"] = set(GROUPS) - {"cuda"}
+ALLOWED["namespace"] = set(GROUPS) - {"cli", "cuda"}
 GROUP = {part: group for group, parts in GROUPS.items() for part in parts}
 BELOW_THE_FACADE = {"values", "native", "memory", "jobs", "copy", "cuda", "protocol", "control", "transport", "registry",
                     "link", "transfer"}
@@ -80,11 +82,17 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("transport", "transfer", "a plane is driven by the transfer layer, never the other way"),
     ("cuda", "copy", "a device runtime sits below the copy layer that uses it"),
     *[(group, "cuda", "only the copy layer reaches a device runtime (through its interface)")
-      for group in set(GROUPS) - {"cuda", "copy", "top"}],
+      for group in set(GROUPS) - {"cuda", "copy"}],
     ("transport", "link", "a plane knows nothing of the link that holds it"),
     *[(group, "facade", "nothing below the facade reaches datadist/cache_manager") for group in BELOW_THE_FACADE],
-    *[(group, "top", "the library never imports the tools") for group in set(GROUPS) - {"top"}],
+    *[(group, "cli", "the library never imports the command line") for group in set(GROUPS) - {"cli"}],
 ]
+DEVICE_PROBES = {"aiodatadist.testing.probes"}
+"""The benchmarks' documented window into the CUDA runtime (docs/testing.md, "Benchmark hooks": the phases of a
+GPU copy, the copy kernel alone): the one module outside ``copy`` and ``cuda`` that imports CUDA names.  The
+library itself never imports it."""
+BENCHMARKS = "aiodatadist_benchmarks"  # the benchmarks distribution (benchmarks/ in the repository)
+BENCHMARKS_LOADER = "aiodatadist.cli.lab"  # forwards bench and soak to it, importing it by name
 
 
 def _module_name(path: Path) -> str:
@@ -179,7 +187,13 @@ def _group(module: str) -> str:
 
 
 def _edges() -> list[tuple[str, str]]:
-    return [(module, target) for module, targets in sorted(_graph().items()) for target in sorted(targets)]
+    return [(module, target) for module, targets in sorted(_graph().items()) for target in sorted(targets)
+            if not (module in DEVICE_PROBES and _group(target) == "cuda")]
+
+
+def test_nothing_imports_the_device_probes() -> None:
+    importers = [module for module, target in _edges() if target in DEVICE_PROBES]
+    assert not importers, importers
 
 
 def test_every_module_belongs_to_a_layer() -> None:
@@ -218,18 +232,49 @@ def test_the_protocol_loads_no_native_code() -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("protected", ["aiodatadist.tools", "aiodatadist.datadist", "aiodatadist.cache_manager"])
-def test_only_the_top_reaches_the_facade_and_the_tools(protected: str) -> None:
+@pytest.mark.parametrize("protected", ["aiodatadist.cli", "aiodatadist.datadist", "aiodatadist.cache_manager"])
+def test_only_the_top_reaches_the_facade_and_the_command_line(protected: str) -> None:
     allowed = {"aiodatadist", "aiodatadist.__main__", "aiodatadist.testing", "aiodatadist.metrics",
                "aiodatadist.sync",
-               "aiodatadist.tools", "aiodatadist.datadist"}
+               "aiodatadist.cli", "aiodatadist.datadist"}
     offenders = sorted(
         module for module, targets in _graph().items()
         if any(t == protected or t.startswith(protected + ".") for t in targets)
         and not (module in allowed
-                 or module.startswith(("aiodatadist.tools.", protected, "aiodatadist.testing.")))
+                 or module.startswith(("aiodatadist.cli.", protected, "aiodatadist.testing.")))
     )
     assert not offenders, f"{protected} is imported from below: {offenders}"
+
+
+def test_the_library_never_imports_the_benchmarks() -> None:
+    """The benchmarks depend on the library, never the reverse: no module imports ``aiodatadist_benchmarks``,
+    and only the CLI's forwarder holds its name as a value, to load it by name when ``bench`` or ``soak`` runs."""
+    def ours(target: object) -> bool:
+        return isinstance(target, str) and (target == BENCHMARKS or target.startswith(BENCHMARKS + "."))
+
+    importers, naming = set(), set()
+    for name, path in sorted(_modules().items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(ours(t) for t in targets):
+                importers.add(name)
+            if isinstance(node, ast.Constant) and ours(node.value) and name != BENCHMARKS_LOADER:
+                naming.add(name)
+    assert not importers, f"the library imports the benchmarks: {sorted(importers)}"
+    assert not naming, f"only {BENCHMARKS_LOADER} may load the benchmarks by name: {sorted(naming)}"
+
+
+def test_the_public_modules_load_without_the_benchmarks() -> None:
+    """In a fresh interpreter, the package, its public modules and the command line load without the benchmarks
+    (they are imported only when ``bench`` or ``soak`` runs)."""
+    code = ("import sys, aiodatadist, aiodatadist.sync, aiodatadist.testing, aiodatadist.metrics, aiodatadist.cli\n"
+            "import aiodatadist.testing.probes\n"
+            f"loaded = sorted(m for m in sys.modules if m.split('.')[0] == {BENCHMARKS!r})\n"
+            "assert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_the_checker_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:

@@ -11,8 +11,8 @@ from aiodatadist import _WHERE
 
 PACKAGE = Path(aiodatadist.__file__).parent
 IMPORTED_BY_PATH = {"sync", "torch", "metrics", "testing", "compat", "integrations"}  # docs/api.md
-INTERNAL_PACKAGES = {"settings", "layout", "registry", "protocol", "control", "transport", "link", "transfer",
-                     "jobs", "copy", "cuda", "memory", "native", "cli"}
+INTERNAL_PACKAGES = {"settings", "layout", "registry", "protocol", "control", "transport", "link", "transfer", "memory",
+                     "jobs", "copy", "cuda", "native", "cli"}
 
 
 def test_every_public_root_module_defines_a_public_name_or_is_imported_by_path() -> None:
@@ -23,7 +23,7 @@ def test_every_public_root_module_defines_a_public_name_or_is_imported_by_path()
 
 def test_the_root_has_no_other_packages() -> None:
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert packages - INTERNAL_PACKAGES - IMPORTED_BY_PATH - {"memory"} <= {"tools"}  # (the lab, until it moves out)
+    assert packages - INTERNAL_PACKAGES - IMPORTED_BY_PATH == set()
 
 
 def test_the_public_names_are_where_the_lazy_table_says() -> None:

@@ -352,7 +352,7 @@ def test_unused_settings_are_gone_but_their_options_still_validated() -> None:
 
 # -- info and the one place ----------------------------------------------------------------------------
 def test_info_lists_every_knob(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from aiodatadist.tools.info import main
+    from aiodatadist.cli.info import main
 
     for name in NAMES:
         monkeypatch.delenv(name, raising=False)
@@ -375,7 +375,7 @@ def test_no_other_module_reads_an_aiodatadist_variable() -> None:
     readers = set()
     for path in root.rglob("*.py"):
         rel = path.relative_to(root).as_posix()
-        if rel == "settings/environment.py" or rel.startswith("tools/bench/"):  # bench sets UCX_* for its peers
+        if rel == "settings/environment.py":
             continue
         for line in path.read_text().splitlines():
             if re.search(r"(environ|getenv)\b.*(\"AIODATADIST_|ENV_[A-Z]+)", line):
@@ -388,8 +388,8 @@ PINNED_TO_ONE_CPU = """
 import os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # a serving engine's worker pinned to one core
 os.cpu_count = lambda: 16  # on a large host
+from aiodatadist.cli import info
 from aiodatadist.settings.environment import env_knobs
-from aiodatadist.tools import info
 knobs = env_knobs()
 print("knobs", knobs.copy_threads, knobs.tcp_connections, flush=True)
 sys.exit(info.main([]))

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks in one run (< 5 minutes on an H100): install the package and the benchmarks (benchmarks/) into
+# the machine's Python, both from the checkout and offline (wheels the core lacks there come from $WHEELS), run
+# tests/gpu, then `bench --device`.
+# Usage: bash scripts/gpu_checks.sh [OUTDIR]   (results: OUTDIR/gpu-tests.txt, bench-device.txt, bench-device.json)
+# The lent machines have no network and no pyzmq; fetch the wheels first, on a machine with one, into the
+# (git-ignored) folder the device tool carries:
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --no-deps \
+#       -d .gpuwheels pyzmq==27.3.0 pytest-asyncio==1.5.0 pytest-timeout
+# then, with the device tool: run(command="bash scripts/gpu_checks.sh $OUT", carry=[".gpuwheels"], timeout_s=420)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-${OUT:-/tmp/gpu-checks}}
+WHEELS=${WHEELS:-.gpuwheels}
+mkdir -p "$OUTDIR"
+PY=${PYTHON:-python3}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $PY --version
+} > "$OUTDIR/env.txt" 2>&1
+if [ -d "$WHEELS" ]; then
+  $PY -m pip install -q --no-index --find-links "$WHEELS" pyzmq pytest-asyncio >> "$OUTDIR/env.txt" 2>&1
+  $PY -m pip install -q --no-index --find-links "$WHEELS" pytest-timeout >> "$OUTDIR/env.txt" 2>&1
+fi
+# A hung test must not eat the machine's time; pytest-timeout is optional there.
+PER_TEST=()
+if $PY -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout 100); fi
+$PY -m pip install -q --no-build-isolation --no-deps -e . -e ./benchmarks >> "$OUTDIR/env.txt" 2>&1
+$PY -m aiodatadist info >> "$OUTDIR/env.txt" 2>&1
+timeout 240 $PY -m pytest -q -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} tests/gpu tests/unit/copy/test_device_cpu.py \
+  tests/unit/cuda/test_cuda_cpu.py tests/integration/test_device_refused.py tests/unit/api/test_torch.py \
+  > "$OUTDIR/gpu-tests.txt" 2>&1
+echo "pytest rc=$?" >> "$OUTDIR/gpu-tests.txt"
+timeout 150 $PY -m aiodatadist bench --device --repeat 9 --json "$OUTDIR/bench-device.json" \
+  > "$OUTDIR/bench-device.txt" 2>&1
+echo "bench rc=$?" >> "$OUTDIR/bench-device.txt"
+tail -n 30 "$OUTDIR/gpu-tests.txt"
+cat "$OUTDIR/bench-device.txt"
