@@ -20,7 +20,7 @@ from .types import Transport
 __all__ = ["LLMConfig", "LlmConfig", "OptionKey", "parse_curve_key", "parse_curve_peer_keys"]
 
 NET_IMPLEMENTATIONS = ("native", "python")  # values of llm.Net / AIODATADIST_NET
-MAX_TCP_CONNECTIONS = 16  # data connections per TCP link (MAX_CONNS in native/_net.c)
+MAX_TCP_CONNECTIONS = 16  # data connections per TCP link (MAX_CONNS in native/src/net.c)
 
 
 class OptionKey:

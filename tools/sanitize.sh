@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The native helpers (aiodatadist/native/_native.c + _net.c, aiodatadist/_blocks.c) under AddressSanitizer and
+# The native helpers (aiodatadist/native/src/*.c, aiodatadist/_blocks.c) under AddressSanitizer and
 # UndefinedBehaviorSanitizer, against the tests that drive them: copies, frames, fences, TCP links, cancellation,
 # the data-frame fuzzer and the hostile-peer tests.
 #
@@ -40,7 +40,7 @@ FLAGS="-O1 -g -fPIC -shared -pthread -Wall $SAN -I$INCLUDE"
 NATIVE_SO="$WORK/src/aiodatadist/native/_native$SUFFIX"
 BLOCKS_SO="$WORK/src/aiodatadist/_blocks$SUFFIX"
 set -e
-$CC $FLAGS -o "$NATIVE_SO" "$WORK/src/aiodatadist/native/_native.c" "$WORK/src/aiodatadist/native/_net.c"
+$CC $FLAGS -o "$NATIVE_SO" "$WORK"/src/aiodatadist/native/src/*.c
 $CC $FLAGS -o "$BLOCKS_SO" "$WORK/src/aiodatadist/_blocks.c"
 set +e
 for so in "$NATIVE_SO" "$BLOCKS_SO"; do
@@ -85,7 +85,8 @@ EOF
 if [ $# -gt 0 ]; then
   TESTS=("$@")
 else
-  TESTS=(tests/unit/test_native_build.py tests/unit/test_net_frames.py tests/unit/test_net_fence.py
+  TESTS=(tests/unit/test_native_build.py tests/unit/test_native_bindings.py tests/unit/test_net_frames.py
+         tests/unit/test_net_fence.py tests/unit/test_cuda_cpu.py tests/gpu/test_device_ops.py
          tests/unit/test_frames_spans.py tests/unit/test_executors.py tests/unit/test_inline_copy.py
          tests/unit/test_stream_copy_limit.py tests/unit/test_stream_lanes.py tests/unit/test_stream_stores.py
          tests/unit/test_covering_reads.py tests/unit/test_layout.py tests/unit/test_index_lists.py

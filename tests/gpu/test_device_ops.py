@@ -12,8 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from helpers.device_ops import (CUDA_FUNCTIONS, EVENT_PENDING, EVENT_READY, NO_ROOM, DeviceLane, DeviceOps,
-                                device_ops)
+from helpers.device_ops import (
+    CUDA_FUNCTIONS,
+    EVENT_PENDING,
+    EVENT_READY,
+    NO_ROOM,
+    DeviceLane,
+    DeviceOps,
+    device_ops,
+)
 
 from aiodatadist.cuda import Device
 from aiodatadist.cuda.kernels import KERNEL_NAME, ptx_text

@@ -31,7 +31,8 @@ class _Recorder:
     """Stands in for the loaded library: records what :func:`bindings.bind` declares, built or not."""
 
     def __init__(self) -> None:
-        self.functions: dict[str, Any] = defaultdict(lambda: type("Foreign", (), {"argtypes": None, "restype": None})())
+        foreign = type("Foreign", (), {"argtypes": None, "restype": None})
+        self.functions: dict[str, Any] = defaultdict(foreign)
 
     def __getattr__(self, name: str) -> Any:
         return self.functions[name]
@@ -82,7 +83,8 @@ def test_ctypes_signature_matches_the_prototype(name: str) -> None:
     assert foreign.argtypes is not None and len(foreign.argtypes) == len(params), \
         f"{name}: {len(params)} parameters in adt.h, argtypes {foreign.argtypes}"
     for i, (c_text, ctype) in enumerate(zip(params, foreign.argtypes, strict=True)):
-        assert _accepts(c_text, ctype, parameter=True), f"{name} parameter {i} is {c_text!r} in adt.h, {ctype} in ctypes"
+        assert _accepts(c_text, ctype, parameter=True), \
+            f"{name} parameter {i} is {c_text!r} in adt.h, {ctype} in ctypes"
     head = re.sub(r"\bADT_API\b", " ", prototype.head)
     assert _accepts(head, foreign.restype, parameter=False), \
         f"{name} returns {head.strip()!r} in adt.h, restype {foreign.restype}"

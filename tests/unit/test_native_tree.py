@@ -47,7 +47,8 @@ def test_every_function_used_across_files_is_declared_in_the_header() -> None:
     owners, declared = _definitions(), set(header_prototypes())
     for name, text in c_files().items():
         foreign = {f for f in identifiers(text) if f in owners and owners[f] != name}
-        assert not foreign - declared, f"{name} uses functions of other files not in adt.h: {sorted(foreign - declared)}"
+        undeclared = sorted(foreign - declared)
+        assert not undeclared, f"{name} uses functions of other files not in adt.h: {undeclared}"
 
 
 def test_only_what_the_header_declares_is_exported() -> None:

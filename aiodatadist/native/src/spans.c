@@ -15,8 +15,8 @@ static int lane_count = 4;   /* adt_stream_lanes */
 
 /* One lanes_step per store width: m bytes (whole lines) of every lane, a line of each in turn.  The full set of
  * four is unrolled with its pointers in registers: fewer instructions per line let the core keep more lines in
- * flight (the paged copy of performance.md item 35, in one process, three pairs of processes in turn with the loop over
- * lanes: 19.2-21.1 -> 19.7-22.1 GB/s). */
+ * flight (the pool's paged copy of 64 x 128 scattered 32 KiB blocks, in one process, three pairs of processes in
+ * turn with the loop over lanes: 19.2-21.1 -> 19.7-22.1 GB/s). */
 #define LANES_STEP(name, target, line)                                                                         \
     target static void name(const lanes *b, size_t m)                                                          \
     {                                                                                                          \
