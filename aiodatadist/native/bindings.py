@@ -60,8 +60,8 @@ class CopyMode(IntEnum):
 
 
 class JobState(IntEnum):
-    """What ``reap`` (``adt_job_reap`` in ``src/pool.c``) and ``adt_net_job_state`` (``src/net.c``) return (literals there:
-    "0 = running, 1 = finished, 2 = stopped early, 3 = stopped and fenced")."""
+    """What ``reap`` (``adt_job_reap`` in ``src/pool.c``) and ``adt_net_job_state`` (``src/net.c``) return
+    (literals there: "0 = running, 1 = finished, 2 = stopped early, 3 = stopped and fenced")."""
 
     RUNNING = 0
     FINISHED = 1
