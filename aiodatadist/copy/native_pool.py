@@ -116,7 +116,7 @@ class NativeExecutor(ExecutorBase):
         self.stream_share = known or 0
         if known is None:  # (its measurement copies for ~2 ms: never on the event loop)
             threading.Thread(target=self._learn_stream_share, name="aiodatadist-cache-probe", daemon=True).start()
-        # Local copies stream once the jobs queued together reach STREAMING_THRESHOLD (see submit in _native.c).
+        # Local copies stream once the jobs queued together reach STREAMING_THRESHOLD (submit in native/src/pool.c).
         self._pool: int | None = lib.adt_pool_new(self.workers, worker_nice(), worker_spin_ns(), STREAMING_THRESHOLD)
         if not self._pool:
             raise LLMException("cannot start the native copy threads", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)

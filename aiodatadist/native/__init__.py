@@ -1,5 +1,6 @@
-"""The compiled helper (``_native.c``, ``_net.c``) and the copy primitives built on it: batched span copies
-within this process and across processes, and the system calls they need.
+"""The compiled helper (``src/``: one C file per idea, every shared prototype in ``src/adt.h``) and the copy
+primitives built on it: batched span copies within this process and across processes, and the system calls they
+need.
 
 * :mod:`.bindings`: loading the helper, its ctypes signatures, and the codes and layouts Python shares with C;
 * :mod:`.spans`: :class:`CopySpec`, :class:`StopFlag` and the Python executor's chunk runners;

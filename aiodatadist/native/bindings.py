@@ -1,8 +1,10 @@
-"""The compiled helper (``_native.c``, ``_net.c``) as ctypes sees it: loading, the foreign functions' signatures,
-and the codes, modes and layouts that Python and C share.
+"""The compiled helper (the C files under ``native/src/``) as ctypes sees it: loading, the foreign functions'
+signatures, and the codes, modes and layouts that Python and C share.
 
-Every number the C code switches on or returns to Python is named here, once, with the C definition it mirrors;
-change both sides together.
+Each C function is bound one way: the ``ADT_API`` prototypes of ``src/adt.h`` through ctypes, with the signatures
+:func:`bind` declares (``tests/unit/native/test_native_bindings.py`` checks them against the header), the rest through the
+module's methods (:func:`aiodatadist.native.native_extension`).  Every number the C code switches on or returns to
+Python is named here, once, with the C definition it mirrors; change both sides together.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ log = logging.getLogger("aiodatadist.native")
 
 class Streaming(IntEnum):
     """Whether a local copy job streams: the ``streaming`` of ``adt_job_submit``/``submit_grid``/``adt_copy_spans``
-    (``STREAM_LANES``/``STREAM_ALONE`` in ``_native.c``)."""
+    (``STREAM_LANES``/``STREAM_ALONE`` in ``src/adt.h``)."""
 
     PLAIN = 0
     """Plain stores: the bytes stay in the CPU caches for whoever reads them next."""
@@ -47,7 +49,7 @@ class Streaming(IntEnum):
 
 class CopyMode(IntEnum):
     """How a copy job moves its spans: the ``mode`` of ``adt_job_submit``/``submit_grid`` (``adt_job.mode``
-    in ``_native.c``, which compares it with the literals 0, 1 and 2)."""
+    in ``src/pool.c``, compared with the literals 0, 1 and 2 there and in ``src/grid.c``)."""
 
     MEMCPY = 0
     """Both ends are mapped in this process (``memmove``, or streaming stores)."""
@@ -58,8 +60,8 @@ class CopyMode(IntEnum):
 
 
 class JobState(IntEnum):
-    """What ``reap`` (``_native.c``) and ``adt_net_job_state`` (``_net.c``) return (literals there:
-    "0 = running, 1 = finished, 2 = stopped early, 3 = stopped and fenced")."""
+    """What ``reap`` (``adt_job_reap`` in ``src/pool.c``) and ``adt_net_job_state`` (``src/net.c``) return
+    (literals there: "0 = running, 1 = finished, 2 = stopped early, 3 = stopped and fenced")."""
 
     RUNNING = 0
     FINISHED = 1
@@ -70,7 +72,7 @@ class JobState(IntEnum):
 
 class OwnerStatus(IntEnum):
     """Why an owner refused a one-sided read or write: the status code of its ERROR frame (``adt_hdr.offset``),
-    returned by ``serve_read``/``serve_write`` in ``_net.c`` and reported in ``*status`` by ``adt_net_job_state`` (0: none)."""
+    returned by ``serve_read``/``serve_write`` in ``src/net.c`` and reported in ``*status`` by ``adt_net_job_state`` (0: none)."""
 
     NONE = 0
     RELEASED = 1
@@ -82,7 +84,7 @@ class OwnerStatus(IntEnum):
 
 
 class FrameType(IntEnum):
-    """``adt_hdr.type`` of a TCP data-plane frame (``#define T_DATA``... in ``_net.c``)."""
+    """``adt_hdr.type`` of a TCP data-plane frame (``#define T_DATA``... in ``src/net.c``)."""
 
     DATA = 1
     READ = 2
@@ -108,11 +110,11 @@ ANY_MODEL: Final = -1
 """``model_id`` of ``adt_net_read`` that accepts whatever model id the directory row holds (``serve_read``)."""
 
 DIR_WORDS: Final = 8
-"""int64 words per cache directory row (``#define DIR_WORDS`` in ``_net.c``)."""
+"""int64 words per cache directory row (``#define DIR_WORDS`` in ``src/net.c``)."""
 
 
 class DirWord(IntEnum):
-    """The words of a cache directory row that ``_net.c`` reads (``w[0]``... in ``serve_read``, ``dir_enter``,
+    """The words of a cache directory row that ``src/net.c`` reads (``w[0]``... in ``serve_read``, ``dir_enter``,
     ``adt_dir_withdraw``).  A row's memory is either one range, ``[BASE, BASE + SIZE)`` (``TABLE`` 0), or
     ``TENSORS`` tensors of ``SIZE`` bytes each at the ascending, non-overlapping start addresses of the table
     at address ``TABLE`` (kept alive by the owner until the row is withdrawn)."""
@@ -129,8 +131,9 @@ class DirWord(IntEnum):
 
 
 def bind(lib: ctypes.CDLL) -> None:
-    """Declare the signatures of all the helper's exported functions: ctypes would otherwise pass and return C
-    ints, truncating pointers (``tests/unit/native/test_native_build.py`` checks that none is left out)."""
+    """Declare the signatures of the helper's functions that ctypes calls (``ADT_API`` in ``src/adt.h``): ctypes
+    would otherwise pass and return C ints, truncating pointers (``tests/unit/native/test_native_bindings.py`` checks that
+    these are the header's, every one of them)."""
     vp, c_int, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     u64, i64 = ctypes.c_uint64, ctypes.c_int64
     lib.adt_copy_spans.argtypes = [vp, vp, vp, sz, c_int, vp]
@@ -153,16 +156,9 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_dir_withdraw.argtypes, lib.adt_dir_withdraw.restype = [vp, i64, c_int], c_int
     lib.adt_net_new.argtypes, lib.adt_net_new.restype = [c_int, vp, sz, u64], vp
     lib.adt_net_attach.argtypes, lib.adt_net_attach.restype = [vp, c_int], c_int
-    lib.adt_net_send.argtypes, lib.adt_net_send.restype = [vp, u64, vp, sz, vp, vp, sz], vp
     lib.adt_net_receive.argtypes, lib.adt_net_receive.restype = [vp, u64], vp
-    lib.adt_net_set_destination.argtypes = [vp, vp, vp, sz, vp, vp, sz]
-    lib.adt_net_set_destination.restype = c_int
-    lib.adt_net_read.argtypes = [vp, u64, i64, u64, u64, i64, vp, sz, vp, vp, sz, vp, vp, c_int]
-    lib.adt_net_write.argtypes = [vp, u64, i64, u64, u64, i64, vp, sz, vp, vp, sz, vp, vp]
-    lib.adt_net_read.restype = lib.adt_net_write.restype = vp
     lib.adt_net_job_state.argtypes, lib.adt_net_job_state.restype = [vp, vp, vp, vp], c_int
     lib.adt_net_job_free.argtypes, lib.adt_net_job_free.restype = [vp], None
-    lib.adt_net_job_done.argtypes, lib.adt_net_job_done.restype = [vp], c_int
     lib.adt_net_flush.argtypes, lib.adt_net_flush.restype = [vp], None
     lib.adt_net_fence.argtypes, lib.adt_net_fence.restype = [vp, u64], vp
     lib.adt_net_cancel.argtypes, lib.adt_net_cancel.restype = [vp, vp, c_int], c_int
@@ -184,10 +180,8 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(spec.origin)
-        lib.adt_copy_spans  # noqa: B018
-        lib.adt_net_write  # noqa: B018 - a stale build without it is not used
+        bind(lib)  # a stale build that lacks a function is not used
     except (OSError, AttributeError) as exc:
         log.warning("native helper %s unusable (%s); using the Python fallback", spec.origin, exc)
         return None
-    bind(lib)
     return lib

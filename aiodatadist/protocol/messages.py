@@ -98,7 +98,7 @@ IPC_HANDLE_BYTES = 64
 MAX_ANNOUNCED_SEGMENTS = 4096
 """Segments of a HELLO (or its reply) that the receiver looks at; the rest are mapped lazily at first use."""
 MAX_DATA_CONNECTIONS = 16
-"""TCP data connections per link (``MAX_CONNS`` in ``_net.c``; the TCP plane's bound)."""
+"""TCP data connections per link (``MAX_CONNS`` in ``native/src/net.c``; the TCP plane's bound)."""
 HOST_NONCE_BYTES = 32
 """Size of the nonce in a host probe."""
 MAX_NOTE_BYTES = 4096

@@ -8,7 +8,7 @@ from .curve_keys import PEER_KEYS_OPTION, SECRET_KEY_OPTION
 __all__ = ["MAX_TCP_CONNECTIONS", "NET_IMPLEMENTATIONS", "OptionKey"]
 
 NET_IMPLEMENTATIONS = ("native", "python")  # values of llm.Net / AIODATADIST_NET
-MAX_TCP_CONNECTIONS = 16  # data connections per TCP link (MAX_CONNS in native/_net.c)
+MAX_TCP_CONNECTIONS = 16  # data connections per TCP link (MAX_CONNS in native/src/net.c)
 
 
 class OptionKey:

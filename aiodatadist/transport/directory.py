@@ -30,7 +30,7 @@ from ..protocol.identity import SegmentIdentity
 __all__ = ["DirectoryView", "Resolved"]
 
 MAX_DIRECTORY_BYTES = 4096 * DIR_WORDS * 8 * 16  # a bound on what a peer may announce (16x the default table)
-_WORDS = DIR_WORDS  # a row's words: see DirWord (mirrors _net.c)
+_WORDS = DIR_WORDS  # a row's words: see DirWord (mirrors native/src/net.c)
 _STAMP, _CACHE, _MODEL = int(DirWord.STAMP), int(DirWord.CACHE), int(DirWord.MODEL)
 
 

@@ -1,5 +1,5 @@
-"""Two native TCP helpers (``_net.c``) joined by real socket pairs, driven through their C API, and their jobs'
-states: for tests of the helper's framing, fences and jobs without a link around it."""
+"""Two native TCP helpers (``native/src/net.c``) joined by real socket pairs, driven through their C API, and their
+jobs' states: for tests of the helper's framing, fences and jobs without a link around it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from aiodatadist.native import JobState, native_pool
+import numpy as np
+
+from aiodatadist.native import JobState, native_extension, native_pool
 
 
 @contextlib.contextmanager
@@ -44,17 +46,17 @@ def joined_helpers(frame: int, connections: int = 1,
         os.close(w)
 
 
-_ZERO_BASE = (ctypes.c_uint64 * 1)(0)
+_ZERO_BASE = np.zeros(1, np.uint64)
 
 
 def send_spans(lib: Any, net: int, key: int, addr: Any, length: Any) -> int:
-    """``adt_net_send`` of a list of spans (numpy uint64 arrays): a grid of one tensor at 0."""
-    return int(lib.adt_net_send(net, key, _ZERO_BASE, 1, addr.ctypes.data, length.ctypes.data, len(length)) or 0)
+    """The module's ``net_send`` of a list of spans (numpy uint64 arrays): a grid of one tensor at 0."""
+    return int(native_extension().net_send(net, key, _ZERO_BASE, addr, length) or 0)
 
 
 def set_destination_spans(lib: Any, net: int, job: int, addr: Any, length: Any) -> int:
-    """``adt_net_set_destination`` of a list of spans (as :func:`send_spans`): 0 or an errno."""
-    return int(lib.adt_net_set_destination(net, job, _ZERO_BASE, 1, addr.ctypes.data, length.ctypes.data, len(length)))
+    """The module's ``net_set_destination`` of a list of spans (as :func:`send_spans`): 0 or an errno."""
+    return int(native_extension().net_set_destination(net, job, _ZERO_BASE, addr, length))
 
 
 def job_state(lib: Any, net: int, job: int) -> int:

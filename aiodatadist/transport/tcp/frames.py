@@ -25,7 +25,8 @@ __all__ = ["DATA_HELLO", "FRAME_BYTES", "HEADER", "MAGIC", "STOP_POLL_MS", "T_DA
 
 UInt64Array = npt.NDArray[np.uint64]
 # magic, type, key (flag << 63 | transfer id), stream offset, payload bytes, two words for other frame types;
-# the layout of adt_hdr in _net.c (both implementations speak it: either end may lack the native helper).
+# the layout of adt_hdr in native/src/net.c (both implementations speak it: either end may lack the native
+# helper).
 HEADER: Final = struct.Struct("<IIQQQQQ")
 MAGIC: Final = NET_MAGIC
 T_DATA: Final = FrameType.DATA

@@ -1,4 +1,5 @@
-"""The TCP data plane on the native helper (``_net.c``): I/O threads that never take the GIL, and one-sided reads.
+"""The TCP data plane on the native helper (``native/src/net.c``): I/O threads that never take the GIL, and
+one-sided reads.
 
 Same interface as :class:`~aiodatadist.transport.tcp.python_connections.PythonConnections` (``send``/``receive``/``set_destination``/
 ``cancel``/``wait``/``aclose``), plus :meth:`NativeConnections.read`: a pull by an already-resolved key that the

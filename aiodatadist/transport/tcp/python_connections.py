@@ -33,7 +33,7 @@ from ...errors import LLMException, LLMLinkError, LLMStatusCode
 from ...jobs.chunks import split_spans
 from ...layout.plans import Spans
 from ...native import TID_MASK
-from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in _net.c)
+from ...protocol.messages import MAX_DATA_CONNECTIONS  # per link (MAX_CONNS in native/src/net.c)
 from ..base import Grid, PythonTransferJob, TransferJob, WaitingMixin, grid_spans
 from .congestion import congestion_in_use, tune_congestion
 from .frames import (

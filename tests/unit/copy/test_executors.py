@@ -138,15 +138,15 @@ MALLOC_DEBUG = "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
 FRAME_PLANNING = """
 import os, sys
 import numpy as np
-from aiodatadist.native import native_pool
-lib = native_pool(); r, w = os.pipe(); rng = np.random.default_rng(int(sys.argv[1]))
+from aiodatadist.native import native_extension, native_pool
+lib, ext = native_pool(), native_extension(); r, w = os.pipe(); rng = np.random.default_rng(int(sys.argv[1]))
 zero = np.zeros(1, dtype=np.uint64)  # one tensor at 0: the spans are a grid's runs
 for _ in range(300):
     frame = int(rng.integers(1, 64))
     lens = rng.integers(0, 200, size=int(rng.integers(1, 40))).astype(np.uint64)
     addr = np.arange(len(lens), dtype=np.uint64) * np.uint64(4096) + np.uint64(4096)
     net = lib.adt_net_new(w, None, 0, frame)
-    job = lib.adt_net_send(net, 1, zero.ctypes.data, 1, addr.ctypes.data, lens.ctypes.data, len(lens))
+    job = ext.net_send(net, 1, zero, addr, lens)
     lib.adt_net_cancel(net, job, 0); lib.adt_net_job_free(job); lib.adt_net_close(net); lib.adt_net_free(net)
 print("ok")
 """

@@ -171,8 +171,8 @@ async def test_local_copies_stream_once_the_jobs_queued_together_reach_the_limit
     add up to :data:`STREAMING_THRESHOLD`: together they cannot stay cached.
 
     The pool decides at submit, from the bytes of the jobs submitted and not ended then (``queued`` in
-    ``_native.c``), so each expectation here is read from the state at that submit, never from which thread
-    finishes first: a job is "queued with" another only while that one is known not to have ended."""
+    ``native/src/pool.c``), so each expectation here is read from the state at that submit, never from which
+    thread finishes first: a job is "queued with" another only while that one is known not to have ended."""
     lib = native_pool()
     assert lib is not None
     executor = NativeExecutor(2, stream_share=0)  # no share: only the jobs queued together decide

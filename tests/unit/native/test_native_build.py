@@ -1,10 +1,10 @@
 """The native helper is an optional extension (no compiler: the package falls back to Python), so a build that
 fails where a compiler exists would go unnoticed but for this check: with a C compiler on the machine, the helper
-must be built from the current source and load with every function the package binds."""
+must be built from the current source and load with every function the package binds (``test_native_bindings.py``
+checks those functions' signatures)."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import sysconfig
 from pathlib import Path
@@ -32,19 +32,5 @@ def test_the_helper_is_built_from_the_current_source_where_a_compiler_exists() -
     here = Path(native.__file__).parent
     if (here.parent.parent / "pyproject.toml").exists():  # a source tree (editable install): compare the files
         built = Path(_native.__file__).stat().st_mtime
-        for name in ("_native.c", "_net.c"):
-            assert built >= (here / name).stat().st_mtime, f"the built helper is older than {name}: rebuild it"
-
-
-def test_every_exported_function_has_a_declared_signature() -> None:
-    """A function called through ctypes without ``argtypes`` gets its pointers truncated to C ints: a crash
-    (exit 139) rather than an error. Every non-static ``adt_*`` function of the sources must be declared."""
-    lib = native.native_pool()
-    if lib is None:
-        pytest.skip("native helper not built")
-    here = Path(native.__file__).parent
-    source = "".join((here / name).read_text() for name in ("_native.c", "_net.c"))
-    exported = set(re.findall(r"^(?!static)[A-Za-z_][\w \t]*?\**\s*\b(adt_\w+)\(", source, re.MULTILINE))
-    assert len(exported) >= 20, "the export pattern no longer matches the sources"
-    undeclared = sorted(name for name in exported if getattr(lib, name).argtypes is None)
-    assert not undeclared, f"exported but not declared in native/bindings.py: {undeclared}"
+        for source in sorted((here / "src").glob("*.[ch]")):
+            assert built >= source.stat().st_mtime, f"the built helper is older than src/{source.name}: rebuild it"

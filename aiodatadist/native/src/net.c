@@ -16,24 +16,16 @@
  *     marks the row busy while reading it, so a release (adt_dir_withdraw) waits for at most one frame (bounded).
  * A job's end is announced by writing its address to the link's notify pipe (as for the copy pool).
  */
+#include "adt.h"
+
 #include <errno.h>
 #include <pthread.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 #include <linux/sockios.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
-
-int adt_send_frame(int fd, const uint8_t *header, size_t hlen, const uint64_t *addr, const uint64_t *len,
-                   int64_t lo, int64_t hi);
-int adt_send_grid(int fd, const uint8_t *header, size_t hlen, const uint64_t *bases, size_t nt, const uint64_t *offs,
-                  const uint64_t *lens, size_t nr, const uint64_t *prefix, uint64_t b0, uint64_t b1);
-long adt_recv_frame(int fd, const uint64_t *addr, const uint64_t *len, const uint64_t *ends, size_t n,
-                    uint64_t off, uint64_t nbytes, const volatile int32_t *stop, uint8_t *scratch,
-                    size_t scratch_len, int poll_ms, uint64_t *consumed);
 
 #define NET_MAGIC 0xADD7F4A4u
 #define T_DATA 1u
@@ -802,7 +794,7 @@ static int send_small(int fd, const adt_hdr *h, const uint8_t *payload, size_t p
     return adt_send_frame(fd, NULL, 0, &a, &l, 0, 1);
 }
 
-/* ---- API (called through ctypes) ---- */
+/* ---- API (adt.h: through ctypes, or the module's methods) ---- */
 
 void *adt_net_new(int notify_fd, int64_t *dir, size_t dir_rows, uint64_t frame)
 {
@@ -1128,6 +1120,14 @@ int adt_net_job_state(void *net, void *job, int *error, int *status)
 int adt_net_job_done(void *job) { return __atomic_load_n(&((net_job *)job)->done, __ATOMIC_ACQUIRE); }
 
 void adt_net_job_free(void *job) { free_job((net_job *)job); }
+
+/* adt_net_job_state of a job that ended, and the job freed (the module's net_reap). */
+int adt_net_job_reap(void *net, void *job, int *error, int *status)
+{
+    int state = adt_net_job_state(net, job, error, status);
+    free_job((net_job *)job);
+    return state;
+}
 
 int adt_net_connections(void *net) { return ((adt_net *)net)->nconns; }
 
