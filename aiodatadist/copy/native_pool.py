@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
+from .._arrays import UInt64Array
 from .._env_knobs import usable_cpus
 from ..errors import LLMException, LLMStatusCode
 from ..layout import CopyPlan, Spans
@@ -35,7 +35,6 @@ from .spans import (
 
 __all__ = ["NativeExecutor", "NativeJob"]
 
-UInt64Array = npt.NDArray[np.uint64]
 _ext: Any = native_extension()
 
 POLL_RATE = 8e9

@@ -20,8 +20,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 
+from .._arrays import UInt64Array
 from .._checks import U64_LIMIT, require
 from ..errors import LLMException, LLMStatusCode
 from ..memory.segment import PAGE
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "PinnedHostMemory", "merged_ranges"]
 
 log = logging.getLogger("aiodatadist.transport.device")
-UInt64Array = npt.NDArray[np.uint64]
 ALIGN = 256  # tensors of an allocated device cache start on 256-byte boundaries (16-byte vector copies)
 
 

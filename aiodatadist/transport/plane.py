@@ -25,9 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
+from .._arrays import UInt64Array
 from ..errors import LLMException
 from ..layout import CacheGeometry, CopyPlan, TransferParams
 from ..protocol.messages import Descriptor, Freed, NixlReach, Plane
@@ -38,7 +36,6 @@ from .same_host import PeerCapabilities
 
 __all__ = ["Copies", "DataPlane", "LocalCache", "OfferedSource", "OnUntrusted", "Route", "ServedCache", "Transfer"]
 
-UInt64Array = npt.NDArray[np.uint64]
 OnUntrusted = Callable[[LLMException], Awaitable[None]]
 """Drops the link: its peer may still write what it was sent, or its plane broke."""
 

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._arrays import UInt64Array
 from .._checks import U64_LIMIT
 from ..copy.spans import INLINE_BYTES, STREAMING_THRESHOLD
 from ..errors import LLMException, LLMLinkError, LLMStatusCode
@@ -37,7 +38,6 @@ from .plane import (
     Route,
     ServedCache,
     Transfer,
-    UInt64Array,
 )
 from .same_host import PeerCapabilities, PeerMemory
 

@@ -26,6 +26,7 @@ GROUPS: dict[str, set[str]] = {
     "values": {"errors", "_checks", "types", "transfer_configs", "rank_table", "config", "layout", "stats",
                "segment_identity", "_aio", "_lazy", "_deadlines",  # values and generic helpers: import nothing else
                "_log_limits",  # warnings a flood cannot multiply
+               "_arrays",  # the numpy array types annotations share
                "_settings", "_env_knobs", "_curve_keys"},  # parsed options, environment knobs, CURVE keys
     "native": {"native"},  # the compiled helper and its ctypes bindings
     "memory": {"memory"},  # shared memory segments
