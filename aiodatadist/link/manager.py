@@ -52,7 +52,6 @@ class LinkManager:
 
     def __init__(self, cluster_id: int, role: LLMRole, settings: Settings, publications: Publications,
                  planes: PlaneFactory, start_nixl: Callable[[], object] | None = None) -> None:
-        self._cluster_id = cluster_id
         self._ctx = new_context()
         # Dropped without close() (the instance never finalized): free the sockets and context without blocking.
         self._abandoned = weakref.finalize(self, _abandoned, self._ctx, cluster_id)
