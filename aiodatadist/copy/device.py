@@ -21,8 +21,8 @@ import threading
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
+from .._arrays import UInt64Array
 from .._checks import U64_LIMIT, require
 from ..errors import LLMException, LLMStatusCode
 from ..memory.segment import PAGE
@@ -31,7 +31,6 @@ from .device_runtime import DeviceExecutor, DeviceRuntime, open_runtime
 __all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "PinnedHostMemory", "merged_ranges"]
 
 log = logging.getLogger("aiodatadist.copy.device")
-UInt64Array = npt.NDArray[np.uint64]
 ALIGN = 256  # tensors of an allocated device cache start on 256-byte boundaries (16-byte vector copies)
 
 

@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
+from .._arrays import UInt64Array
 from ..errors import LLMException, LLMStatusCode
 from ..jobs.base import ExecutorBase, default_workers, resolve_job, worker_nice, worker_spin_ns
 from ..jobs.chunks import PIECE, as_u64, split_spans
@@ -28,7 +28,6 @@ from .spans import STREAMING_THRESHOLD, copy_grid_now, measured_streaming_share,
 
 __all__ = ["NativeExecutor", "NativeJob"]
 
-UInt64Array = npt.NDArray[np.uint64]
 _ext: Any = native_extension()
 
 POLL_RATE = 8e9

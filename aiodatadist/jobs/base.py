@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
 from .._aio import settle, wait_through_cancellation
+from .._arrays import UInt64Array
 from ..layout.plans import CopyPlan, Spans, plan_to_spans
 from ..native import CopySpec
 from ..settings.environment import env_knobs
@@ -31,7 +29,6 @@ __all__ = [
     "worker_spin_ns",
 ]
 
-UInt64Array = npt.NDArray[np.uint64]
 
 
 def worker_nice() -> int:

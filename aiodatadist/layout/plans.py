@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from .._arrays import UInt64Array
 from .._checks import param_invalid, require
 
 _block_runs: Callable[..., bytes | None] | None
@@ -50,7 +51,6 @@ __all__ = [
 ]
 
 Int64Array = npt.NDArray[np.int64]
-UInt64Array = npt.NDArray[np.uint64]
 _INT64 = np.dtype(np.int64)
 
 

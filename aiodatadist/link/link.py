@@ -12,7 +12,7 @@ from ..control.monitor import ConnectionWatch
 from ..transport.plane import DataPlane
 from ..transport.tcp.plane import Connections
 
-__all__ = ["Link"]
+__all__ = ["Link", "split_endpoint"]
 
 
 @dataclass(eq=False)
@@ -49,3 +49,9 @@ class Link:
             "data_connections": self.plane.connections,
             "data_congestion": self.plane.congestion,
         }
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``tcp://host:port`` endpoint."""
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)

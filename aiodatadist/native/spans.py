@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 import numpy as np
-import numpy.typing as npt
 
+from .._arrays import UInt64Array
 from .bindings import CopyMode, load
 from .syscalls import IOVEC_BYTES, data_address, iovecs, libc
 
@@ -32,7 +32,6 @@ __all__ = [
     "pvm_copier",
 ]
 
-UInt64Array = npt.NDArray[np.uint64]
 ChunkRunner = Callable[[int, int, "StopFlag"], None]
 """Copies spans ``[lo, hi)`` of a bound span list, stopping early once the flag is set."""
 

@@ -8,7 +8,8 @@ import os
 from typing import Any, Final
 
 import numpy as np
-import numpy.typing as npt
+
+from .._arrays import UInt64Array
 
 __all__ = [
     "IOVEC_BYTES",
@@ -21,7 +22,6 @@ __all__ = [
     "process_vm_read",
 ]
 
-UInt64Array = npt.NDArray[np.uint64]
 IOV_MAX: Final = 1024
 """Spans per ``process_vm_*`` call (the kernel's ``UIO_MAXIOV``)."""
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, NamedTuple, Self, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
+from .._arrays import UInt64Array
 from .._checks import I64_MAX, I64_MIN, U64_LIMIT, U64_MAX
 from ..layout.plans import CacheGeometry, TransferParams
 from ..types import Transport
@@ -86,7 +86,6 @@ __all__ = [
     "transport_from_wire",
 ]
 
-UInt64Array = npt.NDArray[np.uint64]
 Plane = Literal["shm", "tcp", "nixl"]
 IpcAllocation = tuple[bytes, int, int]
 """A device allocation a same-host peer opens by CUDA IPC: ``(handle, base, size)``."""

@@ -46,6 +46,7 @@ from .data import fill_pattern, tensor_bytes, write_tensor
 
 
 def make_key(spec: dict[str, Any]) -> CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey:
+    """The cache key a transfer's key dict names (the forms in the module's documentation)."""
     kind = spec["type"]
     if kind == "blocks":
         return BlocksCacheKey(spec["cluster_id"], spec.get("model_id", 0))

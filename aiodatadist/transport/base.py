@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._aio import wait_through_cancellation
+from .._arrays import UInt64Array
 from ..jobs.completion import Polling
 from ..layout.plans import CopyPlan, coalesce
 from ..native import KEY_FLAG_SHIFT, StopFlag
@@ -25,7 +26,6 @@ from ..native import KEY_FLAG_SHIFT, StopFlag
 __all__ = ["PULL", "PUSH", "Grid", "PlaneJob", "PythonTransferJob", "TransferJob", "WaitingMixin", "grid_spans",
            "plan_grid"]
 
-UInt64Array = npt.NDArray[np.uint64]
 Grid = tuple[npt.NDArray[Any], npt.NDArray[Any]]
 """One side's runs of a transfer: its tensors' base addresses and the runs' offsets in them (8-byte integers, C
 order); with the runs' lengths, run ``r`` of tensor ``t`` is ``lengths[r]`` bytes at ``bases[t] + offsets[r]``, and

@@ -26,9 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
+from .._arrays import UInt64Array
 from ..copy.device import DeviceSupport
 from ..copy.engine import CopiedCache
 from ..copy.python_pool import CopyJob
@@ -43,7 +41,6 @@ from .same_host import PeerCapabilities
 
 __all__ = ["Copies", "DataPlane", "LocalCache", "OfferedSource", "OnUntrusted", "Route", "ServedCache", "Transfer"]
 
-UInt64Array = npt.NDArray[np.uint64]
 OnUntrusted = Callable[[LLMException], Awaitable[None]]
 """Drops the link: its peer may still write what it was sent, or its plane broke."""
 

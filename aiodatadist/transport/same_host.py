@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from .._checks import U64_LIMIT
 from ..errors import LLMException, LLMStatusCode
@@ -37,7 +36,6 @@ __all__ = ["MAX_ANNOUNCED_SEGMENTS", "NONCE_BYTES", "HostProbe", "PeerCapabiliti
            "allowed_mechanisms"]
 
 log = logging.getLogger("aiodatadist.transport.same_host")
-UInt64Array = npt.NDArray[np.uint64]
 
 
 def allowed_mechanisms() -> frozenset[str]:

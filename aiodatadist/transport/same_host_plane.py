@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._arrays import UInt64Array
 from .._checks import U64_LIMIT
 from ..copy.device import LinkDeviceState
 from ..copy.python_pool import CopyJob
@@ -38,7 +39,6 @@ from .plane import (
     Route,
     ServedCache,
     Transfer,
-    UInt64Array,
 )
 from .same_host import PeerCapabilities, PeerMemory
 

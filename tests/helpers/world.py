@@ -26,7 +26,6 @@ from aiodatadist import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
-    CacheKeyByIdAndIndex,
     DataType,
     LLMDataDist,
     LLMException,
@@ -36,6 +35,7 @@ from aiodatadist import (
 )
 from aiodatadist.cache import Cache
 from aiodatadist.testing import PeerError, PeerProcess, cluster_info, free_port
+from aiodatadist.testing._agent import make_key
 from helpers.data import fill_pattern
 from helpers.ids import new_cluster_id
 from helpers.internals import registry_of
@@ -91,15 +91,6 @@ def id_key(owner: int, cache_id: int, batch_index: int = 0) -> dict[str, Any]:
 
 def blocks_key(owner: int, model_id: int = 0) -> dict[str, Any]:
     return {"type": "blocks", "cluster_id": owner, "model_id": model_id}
-
-
-def make_key(spec: dict[str, Any]) -> CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey:
-    kind = spec["type"]
-    if kind == "blocks":
-        return BlocksCacheKey(spec["cluster_id"], spec.get("model_id", 0))
-    if kind == "id":
-        return CacheKeyByIdAndIndex(spec["cluster_id"], spec["cache_id"], spec.get("batch_index", 0))
-    return CacheKey(spec["cluster_id"], spec["req_id"], spec.get("model_id", 0), spec.get("prefix_id", U64_MAX))
 
 
 # -- caches --------------------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ async def test_data_connections_need_the_derived_token() -> None:
         assert (await client.link_clusters([cluster_info(1, port)], timeout=3000))[0] == S.LLM_SUCCESS
         link = server._links.links[2]
         before = link.plane.connections
-        listener = server._links._data_listener
+        listener = server._links._accept.data_listener
         assert listener is not None
 
         def intrude() -> bytes:  # in a thread: the server runs in this event loop
@@ -169,7 +169,7 @@ async def test_data_frames_and_reads_need_an_agreed_transfer() -> None:
         src = client.cache_manager.allocate_blocks_cache(big)
         data = fill_pattern(src, 5)
         fill_pattern(dst, 6)
-        listener = server._links._data_listener
+        listener = server._links._accept.data_listener
         assert listener is not None
         server_link = server._links.links[2]
         assert server_link.data_token is not None and server_link.offered is not None

@@ -84,7 +84,7 @@ async def test_the_socket_hands_nothing_to_strangers(pair: tuple[LLMDataDist, Pe
     identity = shared.identity
     with pytest.raises(OSError):
         await asyncio.to_thread(request_fd, name, SEGMENT, os.urandom(16), identity.inode, identity.device)
-    grant = next(iter(links._fd_grants))
+    grant = next(iter(links._fd_socket._grants))
     with pytest.raises(OSError):  # a granted peer, but memory that is no cache of this instance
         await asyncio.to_thread(request_fd, name, SEGMENT, grant, identity.inode + 1, identity.device)
     fd = await asyncio.to_thread(request_fd, name, SEGMENT, grant, identity.inode, identity.device)

@@ -173,7 +173,7 @@ async def test_the_data_port_survives_anything() -> None:
         src = server.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
         data = fill_pattern(src, 11)
         assert (await victim.link_clusters([cluster_info(1, port)], timeout=3000))[0] == S.LLM_SUCCESS
-        listener = server._links._data_listener
+        listener = server._links._accept.data_listener
         assert listener is not None
         data_port = listener.getsockname()[1]
         token = server._links.links[2].data_token

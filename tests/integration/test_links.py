@@ -37,6 +37,7 @@ from helpers.world import (
     start_peer,
 )
 
+import aiodatadist.link.dial
 import aiodatadist.link.manager
 from aiodatadist import (
     BlocksCacheKey,
@@ -293,9 +294,9 @@ async def _peer_link_count(peer: PeerSide, n: int) -> bool:
 
 
 async def test_client_side_link_cap(peer: PeerSide, make_local: MakeLocal, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cap applies to the linking instance too (``MAX_LINKS`` patched to 2 here, so that it needs only
-    three servers: the peer process and two in-process servers)."""
-    monkeypatch.setattr(aiodatadist.link.manager, "MAX_LINKS", 2)
+    """The cap applies to the linking instance too (``MAX_LINKS`` of the client side patched to 2 here, so that
+    it needs only three servers: the peer process and two in-process servers)."""
+    monkeypatch.setattr(aiodatadist.link.dial, "MAX_LINKS", 2)
     local = await make_local()
     first = await make_local(listen=True, role=LLMRole.PROMPT)
     second = await make_local(listen=True, role=LLMRole.PROMPT)

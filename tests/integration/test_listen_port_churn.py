@@ -168,7 +168,7 @@ async def test_a_hello_flood_against_a_keyed_instance_costs_bounded_state() -> N
     from aiodatadist.protocol.auth import MAX_PENDING
 
     async with world(auth_key="churn-test-key") as w:
-        challenges = w.server._links._challenges
+        challenges = w.server._links._accept.challenges
         flood = asyncio.ensure_future(_run_clients("hello", w.port, 5000))
         try:
             async with asyncio.timeout(WAIT_S):

@@ -77,7 +77,7 @@ async def test_each_pull_delivers_one_notification_to_the_owner(plane: str) -> N
             assert await prompt.get_notification(5) == Notification(D, b"blocks %d" % i)
         await dcm.pull_blocks(BlocksCacheKey(P, 3), dst_blocks, [0], [0])  # no notify: none delivered
         await nothing_more(prompt)
-        if decoder.links()[0]["plane"] == "shm" or decoder._links is not None and decoder._links._planes.native_net:
+        if decoder.links()[0]["plane"] == "shm" or decoder._links is not None and decoder._links._local.native_net:
             assert sent[Kind.BEGIN] == 3 and sent[Kind.NOTIFY] == 2  # the published/one-sided pulls sent NOTIFY
         else:  # the Python TCP plane serves no one-sided reads: every pull asks the owner, and its END carries it
             assert sent[Kind.BEGIN] == 6 and sent.get(Kind.NOTIFY, 0) == 0

@@ -1,4 +1,5 @@
-"""The vLLM connector's pure parts: where a layer's KV blocks lie in memory, and its options.
+"""The vLLM connector's pure parts: where a layer's KV blocks lie in memory (its options, which need no vLLM:
+``tests/unit/integrations/test_engine_options.py``).
 
 Skipped without vLLM (``bash scripts/vllm_tests.sh`` installs it in a venv of its own and runs these)."""
 
@@ -14,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiodatadist.integrations.vllm import ConnectorOptions, block_regions
+from aiodatadist.integrations.vllm import block_regions
 
 
 def _bytes_of_block(base: int, block: int, block_elems: int, itemsize: int) -> int:
@@ -57,20 +58,3 @@ def test_block_regions_refuse_blocks_that_are_not_contiguous() -> None:
         block_regions(strided, 5)
     with pytest.raises(ValueError, match="has 7 blocks"):
         block_regions(torch.zeros(5, 4), 7)
-
-
-def test_options_are_parsed_and_checked() -> None:
-    assert ConnectorOptions.from_extra_config(None) == ConnectorOptions()
-    options = ConnectorOptions.from_extra_config({"port_base": "7000", "transport": "tcp", "lease_seconds": 5})
-    assert (options.port_base, options.transport, options.lease_seconds) == (7000, "tcp", 5.0)
-    assert ConnectorOptions().share_kv and not ConnectorOptions.from_extra_config({"share_kv": "false"}).share_kv
-    with pytest.raises(ValueError, match="share_kv must be bool"):
-        ConnectorOptions.from_extra_config({"share_kv": "sometimes"})
-    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys \\['listen_port'\\]"):
-        ConnectorOptions.from_extra_config({"listen_port": 1})
-    with pytest.raises(ValueError, match="transport"):
-        ConnectorOptions.from_extra_config({"transport": "rdma"})
-    with pytest.raises(ValueError, match="port_base must be int"):
-        ConnectorOptions.from_extra_config({"port_base": "x"})
-    with pytest.raises(ValueError, match="out of range"):
-        ConnectorOptions.from_extra_config({"port_base": 70000})

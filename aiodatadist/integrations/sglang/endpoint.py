@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -23,11 +22,11 @@ import numpy as np
 import numpy.typing as npt
 
 from ...cache import Cache
-from ...config import LLMConfig
 from ...errors import LLMException, LLMStatusCode
 from ...sync import LLMDataDist as SyncLLMDataDist
 from ...sync import TransferFuture, submit
 from ...types import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement
+from .._config import llm_config, random_cluster_id
 from .layout import AuxPush, BufferGroup
 from .options import BackendOptions
 
@@ -45,18 +44,12 @@ class Endpoint:
     ``device_index``: the CUDA ordinal of a GPU KV pool (``None``: host memory)."""
 
     def __init__(self, options: BackendOptions, listen_host: str | None, device_index: int | None = None) -> None:
-        config = LLMConfig()
-        config.sync_kv_timeout = options.push_timeout_ms
-        config.transport = options.transport
-        if options.auth_key:
-            config.auth_key = options.auth_key
-        if device_index is not None:
-            config.device_id = device_index
-        if listen_host:
-            config.listen_ip_info = f"{listen_host}:0"
+        config = llm_config(transport=options.transport, auth_key=options.auth_key,
+                            transfer_timeout_ms=options.push_timeout_ms, device_index=device_index,
+                            listen=(listen_host, 0) if listen_host else None)
         self.options = options
         self.placement = Placement.HOST if device_index is None else Placement.DEVICE
-        self.dd = SyncLLMDataDist(LLMRole.DECODER if listen_host else LLMRole.PROMPT, secrets.randbits(62) + 1)
+        self.dd = SyncLLMDataDist(LLMRole.DECODER if listen_host else LLMRole.PROMPT, random_cluster_id())
         self.dd.init(config.generate_options())
         self.listen_host = listen_host
         self.caches: dict[int, Cache] = {}  # model id -> registered cache

@@ -25,10 +25,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .._config import TRANSPORTS, check_transport
+
 __all__ = ["ENV_PREFIX", "TRANSPORTS", "BackendOptions"]
 
 ENV_PREFIX = "AIODATADIST_SGLANG_"
-TRANSPORTS = ("auto", "shm", "tcp", "nixl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +68,5 @@ class BackendOptions:
         options = cls(**values)  # type: ignore[arg-type]
         if options.share_kv not in ("on", "off"):
             raise ValueError(f"{ENV_PREFIX}SHARE_KV must be on or off, got {options.share_kv!r}")
-        if options.transport not in TRANSPORTS:
-            raise ValueError(f"{ENV_PREFIX}TRANSPORT must be one of {', '.join(TRANSPORTS)}, got "
-                             f"{options.transport!r}")
+        check_transport(options.transport, f"{ENV_PREFIX}TRANSPORT")
         return options

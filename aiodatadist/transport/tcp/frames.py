@@ -16,14 +16,13 @@ import struct
 from typing import Final
 
 import numpy as np
-import numpy.typing as npt
 
+from ..._arrays import UInt64Array
 from ...native import NET_MAGIC, FrameType, native_pool
 
 __all__ = ["DATA_HELLO", "FRAME_BYTES", "HEADER", "MAGIC", "STOP_POLL_MS", "T_DATA", "FrameError", "drop_payload",
            "recv_exact", "recv_frame", "send_frame"]
 
-UInt64Array = npt.NDArray[np.uint64]
 # magic, type, key (flag << 63 | transfer id), stream offset, payload bytes, two words for other frame types;
 # the layout of adt_hdr in native/src/net.c (both implementations speak it: either end may lack the native
 # helper).

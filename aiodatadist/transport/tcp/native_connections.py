@@ -16,7 +16,6 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 from ..._aio import in_thread, settle
@@ -40,7 +39,6 @@ _ext: Any = native_extension()  # the one-sided calls and the reaping, without c
 
 __all__ = ["NativeConnections"]
 
-UInt64Array = npt.NDArray[np.uint64]
 S = LLMStatusCode
 READ_BATCH = 16
 """Deferred READ frames after which a sender thread is woken without waiting for the end of the loop iteration.

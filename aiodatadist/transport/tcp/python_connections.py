@@ -51,7 +51,6 @@ from .frames import (
 __all__ = ["MAX_DATA_CONNECTIONS", "PythonConnections"]
 
 log = logging.getLogger("aiodatadist.tcp")
-UInt64Array = npt.NDArray[np.uint64]
 SCRATCH_BYTES = 1 << 20
 JOIN_TIMEOUT = 5.0  # seconds aclose() waits for each I/O thread (they end at once once their socket is shut down)
 
