@@ -21,7 +21,7 @@ and returns a :class:`TransferFuture` (a ``concurrent.futures.Future``) at once,
 in one hook and collect it in another.  Its done callbacks run on the loop thread: they must not block, nor call
 this API (that raises ``LLM_FAILED``).
 
-The loop thread, its lifecycle and :class:`TransferFuture` live in :mod:`aiodatadist.sync.loop_thread`; this module
+The loop thread, its lifecycle and :class:`TransferFuture` live in :mod:`aiodatadist.sync.runner`; this module
 holds the wrappers.
 """
 
@@ -43,8 +43,8 @@ from ..settings.options import Settings
 from ..stats import StatsSnapshot
 from ..transfer_configs import LayerSynchronizer, MemInfo, RegisterMemStatus
 from ..types import BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, LLMClusterInfo, LLMRole
-from .loop_thread import RUNNER as _RUNNER
-from .loop_thread import THREAD_NAME, TransferFuture, loop_thread, submit
+from .runner import RUNNER as _RUNNER
+from .runner import THREAD_NAME, TransferFuture, loop_thread, submit
 
 __all__ = ["THREAD_NAME", "CacheManager", "CacheManagerSubmit", "CacheTask", "LLMDataDist", "TransferFuture", "loop_thread",
            "submit"]

@@ -39,7 +39,7 @@ from aiodatadist import (
     sync,
 )
 from aiodatadist import LLMDataDist as AsyncLLMDataDist
-from aiodatadist.sync import loop_thread as _loop_thread
+from aiodatadist.sync import runner as _loop_thread
 from aiodatadist.testing import PeerProcess, cluster_info, free_port
 
 THREADS = 16

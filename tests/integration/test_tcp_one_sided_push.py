@@ -349,7 +349,7 @@ def test_a_withdrawal_held_up_by_a_frame_is_bounded_and_retires_the_row(caplog: 
         row, _ = published
         rows = directory._words.reshape(-1, DIR_WORDS)
         rows[row, DirWord.BUSY] = 1  # an I/O thread in the row
-        from aiodatadist.registry.caches import publication
+        from aiodatadist.registry import publication
         bound, publication.WITHDRAW_BOUND_MS = publication.WITHDRAW_BOUND_MS, 20
         try:
             with caplog.at_level("ERROR", logger="aiodatadist.cache"):
