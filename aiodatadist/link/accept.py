@@ -30,6 +30,7 @@ from .fd_socket import FdSocket
 from .link import Link, split_endpoint
 from .local_end import LocalEnd
 from .plane_setup import PlaneSetup
+from .side import LinkSide
 from .table import LinkTable
 
 __all__ = ["Acceptor"]
@@ -42,24 +43,14 @@ _at_link_limit = LimitedWarning(log)
 _challenges_full = LimitedWarning(log)
 
 
-class Acceptor:
+class Acceptor(LinkSide):
     """Listens for links: the server socket (ROUTER) and the data listener, HELLOs answered (the challenge when
     this instance has a key, admission, the plane), the admitted links listed in ``table``, and connections that
-    end watched so that a link whose client vanished goes at once.
-
-    ``auth_key``: the key derived from ``llm.AuthKey``, or None; ``ctx``, ``tasks``: the instance's ZeroMQ
-    context and background tasks."""
+    end watched so that a link whose client vanished goes at once."""
 
     def __init__(self, local: LocalEnd, settings: Settings, auth_key: bytes | None, ctx: Context, tasks: TaskSet,
                  table: LinkTable, planes: PlaneSetup, fds: FdSocket) -> None:
-        self._local = local
-        self._settings = settings
-        self._auth_key = auth_key
-        self._ctx = ctx
-        self._tasks = tasks
-        self._table = table
-        self._planes = planes
-        self._fds = fds
+        super().__init__(local, settings, auth_key, ctx, tasks, table, planes, fds)
         self._server: Server | None = None
         self._server_task: asyncio.Task[Any] | None = None
         self._server_watch: asyncio.Task[Any] | None = None

@@ -15,10 +15,10 @@ from typing import Any
 import zmq
 
 from .._aio import wait_through_cancellation
-from ..control.channel import Channel, TaskSet
+from ..control.channel import Channel
 from ..control.loop_socket import LoopSocket
 from ..control.monitor import ConnectionWatch, describe_failure
-from ..control.sockets import LINGER_MS, Context, connect_dealer, dealer_sender, read_dealer
+from ..control.sockets import LINGER_MS, connect_dealer, dealer_sender, read_dealer
 from ..errors import LinkDropReason, LLMException, LLMLinkError, LLMStatusCode
 from ..protocol import auth
 from ..protocol.codec import ProtocolError
@@ -33,16 +33,12 @@ from ..protocol.handshake import (
     may_link,
 )
 from ..protocol.messages import FD_TOKEN_BYTES, Bye, HelloChallenge, HelloReply, is_challenge
-from ..settings.options import Settings
 from ..transport.same_host import probe_peer, probe_peer_fds
 from ..transport.tcp.connect import connect_data
 from ..transport.tcp.plane import Connections
 from ..types import LLMClusterInfo, ip_int_to_str
-from .fd_socket import FdSocket
 from .link import Link, split_endpoint
-from .local_end import LocalEnd
-from .plane_setup import PlaneSetup
-from .table import LinkTable
+from .side import LinkSide
 
 __all__ = ["Dialer"]
 
@@ -66,24 +62,10 @@ class _Client:
     link: Link | None = None
 
 
-class Dialer:
+class Dialer(LinkSide):
     """Links to servers: one attempt per remote cluster at a time (``table.attempts``, joined by concurrent
     callers), each a DEALER socket watched from before it connects, the handshake, the data connections of a TCP
-    link, and the link listed in ``table``.
-
-    ``auth_key``: the key derived from ``llm.AuthKey``, or None; ``ctx``, ``tasks``: the instance's ZeroMQ
-    context and background tasks."""
-
-    def __init__(self, local: LocalEnd, settings: Settings, auth_key: bytes | None, ctx: Context, tasks: TaskSet,
-                 table: LinkTable, planes: PlaneSetup, fds: FdSocket) -> None:
-        self._local = local
-        self._settings = settings
-        self._auth_key = auth_key
-        self._ctx = ctx
-        self._tasks = tasks
-        self._table = table
-        self._planes = planes
-        self._fds = fds
+    link, and the link listed in ``table``."""
 
     async def link_one(self, cluster: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
         """Link to ``cluster`` (``link_clusters`` of one cluster): its per-cluster code.  A call while a link to the
