@@ -30,6 +30,7 @@ import zmq.asyncio
 import zmq.utils.z85
 
 from .._aio import drop_cancellation
+from .._listen import LISTEN_BACKLOG
 from .._log_limits import LimitedWarning
 from ..errors import LLMLinkError, LLMStatusCode
 from ..protocol.codec import MAX_MESSAGE_BYTES, Kind, decode_batch, encode
@@ -352,6 +353,7 @@ class Server:
         raw.setsockopt(zmq.ROUTER_MANDATORY, 1)
         raw.setsockopt(zmq.ROUTER_HANDOVER, 1)
         raw.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)  # a half-open greeting holds its descriptor no longer
+        raw.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         if curve is not None:
             raw.setsockopt(zmq.CURVE_SERVER, 1)
             raw.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)

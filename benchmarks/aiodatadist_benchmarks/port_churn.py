@@ -47,7 +47,7 @@ def _context() -> zmq.Context[zmq.Socket[bytes]]:
 
 def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], port: int) -> zmq.Socket[bytes]:
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 200)  # what was sent still goes out after close()
+    sock.setsockopt(zmq.LINGER, 2000)  # what was sent still goes out after close(), however busy the server is
     sock.connect(f"tcp://127.0.0.1:{port}")
     return sock
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +30,7 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
+from aiodatadist._listen import LISTEN_BACKLOG
 from aiodatadist.protocol.handshake import PROTOCOL_VERSION
 from aiodatadist.testing import cluster_info, free_port
 
@@ -36,6 +40,8 @@ pytest.importorskip("aiodatadist_benchmarks.port_churn", reason="the hostile cli
 S = LLMStatusCode
 DESC = CacheDesc(2, (8, 4096), DataType.DT_UINT8, Placement.HOST)
 LINK_WITHIN_MS = 1000  # a legitimate link after the hostile client is done (a link takes milliseconds)
+LINK_DURING_MS = 10_000  # a legitimate link during a flood: its HELLOs queue behind the flood's, as long as the
+# machine takes to answer those (the rule is that it links, not how fast this machine answers a flood)
 WAIT_S = 30.0  # generous bound for what happens in the background (the machine may be loaded)
 
 
@@ -84,11 +90,12 @@ class World:
         finally:
             dd.cache_manager.deallocate_blocks_cache(cache)
 
-    async def legitimate_peers_served(self, new_id: int = 3) -> None:
-        """A new decoder links within a second, pulls and unlinks; the early decoder's link still answers."""
+    async def legitimate_peers_served(self, new_id: int = 3, link_within_ms: int = LINK_WITHIN_MS) -> None:
+        """A new decoder links (within a second unless told), pulls and unlinks; the early decoder's link still
+        answers."""
         async with LLMDataDist(LLMRole.DECODER, new_id) as late:
             await late.init(dict(self.options))
-            code, per = await late.link_clusters([cluster_info(1, self.port)], timeout=LINK_WITHIN_MS)
+            code, per = await late.link_clusters([cluster_info(1, self.port)], timeout=link_within_ms)
             assert code == S.LLM_SUCCESS and per == [S.LLM_SUCCESS]
             await self.pull_checked(late, [6, 1], [0, 7])
             code, per = await late.unlink_clusters([cluster_info(1, self.port)], timeout=3000)
@@ -164,7 +171,8 @@ async def test_hellos_from_clients_that_stay_are_links_until_they_go() -> None:
 
 async def test_a_hello_flood_against_a_keyed_instance_costs_bounded_state() -> None:
     """With ``llm.AuthKey`` a HELLO without the key's proof is answered with a challenge and nothing else; the
-    pending challenges stay bounded and a legitimate handshake during the flood links within a second."""
+    pending challenges stay bounded and a legitimate handshake during the flood links (its challenge is not pushed
+    out)."""
     from aiodatadist.protocol.auth import MAX_PENDING
 
     async with world(auth_key="churn-test-key") as w:
@@ -175,9 +183,30 @@ async def test_a_hello_flood_against_a_keyed_instance_costs_bounded_state() -> N
                 while len(challenges) < 50 and not flood.done():  # the flood is under way
                     await asyncio.sleep(0.005)
             for new_id in (3, 4, 5):  # during the flood
-                await w.legitimate_peers_served(new_id)
+                await w.legitimate_peers_served(new_id, LINK_DURING_MS)
                 assert len(challenges) <= MAX_PENDING
         finally:
             await flood
         assert await w.links_served() == {2}
         await w.legitimate_peers_served(6)
+
+
+def _listen_queue(port: int) -> int | None:
+    """The accept queue's length of the socket listening on 127.0.0.1:``port`` (``ss``), or None without ``ss``."""
+    ss = shutil.which("ss")
+    if ss is None:
+        return None
+    out = subprocess.run([ss, "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return int(out.split()[2])
+
+
+async def test_the_listen_ports_queue_a_burst_of_connections() -> None:
+    """Both listening sockets (control and data) queue a burst as large as the kernel allows: a short queue drops
+    SYNs under a burst, and each dropped SYN costs a legitimate client a 1 s retransmission."""
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2) to read a listening socket's queue length")
+    wanted = min(int(Path("/proc/sys/net/core/somaxconn").read_text()), LISTEN_BACKLOG)
+    async with world() as w:
+        data_port = w.server._links._accept.data_listener.getsockname()[1]
+        assert _listen_queue(w.port) == wanted
+        assert _listen_queue(data_port) == wanted

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
+from ..._listen import LISTEN_BACKLOG
 from ..._log_limits import LimitedWarning
 from .frames import DATA_HELLO, MAGIC
 
@@ -35,7 +36,7 @@ def data_listener(ip: str) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((ip, 0))
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
         sock.setblocking(False)
     except OSError:
         sock.close()

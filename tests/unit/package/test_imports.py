@@ -26,6 +26,7 @@ GROUPS: dict[str, set[str]] = {
     "values": {"errors", "_checks", "types", "transfer_configs", "config", "stats",
                "_aio", "_lazy", "_deadlines",  # values and generic helpers: import nothing else
                "_log_limits",  # warnings a flood cannot multiply
+               "_listen",  # the listening sockets' queue length
                "_arrays",  # the numpy array types annotations share
                "settings",  # option keys, parsed options, environment knobs, CURVE keys
                "layout"},  # cache geometry and copy plans (with _blocks, its compiled block lists -> runs)
