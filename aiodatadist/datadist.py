@@ -106,7 +106,7 @@ class LLMDataDist:
                 nixl.start()  # LLM_FEATURE_NOT_ENABLED here, not at the first link, when NIXL is missing
             # TCP links use the native helper's I/O threads unless llm.Net / AIODATADIST_NET says python
             planes = PlaneFactory(self._cluster_id, engine, nixl, settings.native_net and native_pool() is not None,
-                                  (directory.address, directory.rows))
+                                  (directory.address, directory.rows), settings.device_staging)
             links = LinkManager(self._cluster_id, self._role, settings, registry, planes, nixl.start,
                                 self._stats.messages)
             inbox = NotificationInbox(self._stats)

@@ -9,6 +9,7 @@ device memory, a peer's memory opened through IPC and page-locked host memory ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy.typing as npt
 from ..jobs.base import ExecutorJob
 from ..layout.plans import CopyPlan
 
-__all__ = ["DeviceExecutor", "DeviceRuntime", "open_runtime", "runtime_status"]
+__all__ = ["DeviceExecutor", "DeviceRuntime", "Lane", "open_runtime", "runtime_status"]
 
 UInt64Array = npt.NDArray[np.uint64]
 
@@ -35,6 +36,23 @@ class DeviceExecutor(Protocol):
     def cancel(self, job: ExecutorJob, error: BaseException | None = None) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Lane:
+    """What the native I/O threads need to gather spans of device memory into page-locked host memory, or scatter
+    them from it, with one launch of the runtime's copy (``adt_device_lane`` in ``native/src/adt.h``, plus the
+    event recorded after each copy).  Handles are the runtime's, as ints."""
+
+    kernel: int
+    stream: int
+    staging: int  # page-locked memory for ``capacity`` descriptors (24 bytes each)
+    device_table: int  # device memory for as many
+    capacity: int
+    piece: int  # longer spans are cut into pieces of this many bytes (0: never)
+    block: int
+    max_grid: int
+    event: int
 
 
 class DeviceRuntime(Protocol):
@@ -88,6 +106,21 @@ class DeviceRuntime(Protocol):
         ...
 
     def ipc_close(self, ptr: int) -> None: ...
+
+    def device_table(self) -> tuple[object, int]:
+        """The native device-runtime table (a capsule named ``aiodatadist.native.device_ops``: bind, gather,
+        scatter, record, query) and the device handle its ``bind`` takes; raises ``LLM_FEATURE_NOT_ENABLED``
+        without the native helper."""
+        ...
+
+    def open_lane(self, capacity: int, chunk_bytes: int) -> Lane:
+        """A stream of its own, an event and descriptor memory for ``capacity`` descriptors, shaped for copies
+        of about ``chunk_bytes``."""
+        ...
+
+    def close_lane(self, lane: Lane) -> None:
+        """Free what :meth:`open_lane` made (its stream is waited for first)."""
+        ...
 
     def copy_to_device(self, dst: int, src_host: int, nbytes: int) -> None:
         """A synchronous copy from host memory (for checks and tests; transfers go through the executor)."""

@@ -44,7 +44,7 @@ class CopyCalls:
     (:data:`STAGE_FAILED` plus the ``CUresult`` of that copy if it failed).  :meth:`error` turns a failure into its
     exception."""
 
-    __slots__ = ("_device", "launch", "query", "record")
+    __slots__ = ("_device", "launch", "query", "record", "table")
 
     def __init__(self, device: Device) -> None:
         self._device = device
@@ -53,8 +53,10 @@ class CopyCalls:
         self.launch: Callable[..., int]
         self.record: Callable[[int, int], int]
         self.query: Callable[[int], int]
+        self.table: object | None = None
+        """The native device-runtime table of these functions (a capsule), or None without the native helper."""
         if bind is not None:
-            fns = bind(*(_address(device.driver.fn(name)) for name in _BOUND))
+            fns = self.table = bind(*(_address(device.driver.fn(name)) for name in _BOUND))
             self.launch = functools.partial(ext.cuda_launch, fns, device.context)
             self.record = functools.partial(ext.cuda_record, fns, device.context)
             self.query = functools.partial(ext.cuda_query, fns, device.context)

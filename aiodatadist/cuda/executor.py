@@ -114,6 +114,16 @@ class CudaExecutor(ExecutorBase):
         self._stream_at = stream.value or 0
         self._function_at = function.value or 0
 
+    @property
+    def kernel(self) -> int:
+        """The pointer-list copy kernel, loaded for this device (its ``CUfunction``)."""
+        return self._function_at
+
+    @property
+    def device_table(self) -> object | None:
+        """The native device-runtime table of this executor's driver functions (a capsule), or None."""
+        return self._calls.table
+
     # -- jobs ---------------------------------------------------------------------------------------------
 
     def start(self, spans: Spans, copier: object = None, *, chunk_bytes: int | None = None) -> CudaJob:

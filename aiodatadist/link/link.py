@@ -48,6 +48,8 @@ class Link:
             "peer": self.plane.caps.describe(),
             "data_connections": self.plane.connections,
             "data_congestion": self.plane.congestion,
+            "device_path": self.plane.device_path,
+            "staging": self.plane.staging(),
         }
 
 

@@ -16,6 +16,7 @@ from ..transport.same_host import PeerCapabilities
 from ..transport.same_host_plane import SameHostPlane
 from ..transport.tcp.native_connections import NativeConnections
 from ..transport.tcp.plane import Connections, NativeTcpPlane, TcpPlane
+from ..transport.tcp.staging import DeviceStaging
 from ..transport.tcp.python_connections import PythonConnections
 
 __all__ = ["PlaneFactory"]
@@ -26,12 +27,14 @@ class PlaneFactory:
 
     ``copies``: the instance's copy engine (same-host copies); ``nixl``: its NIXL agent's caches; ``native_net``:
     TCP links use the native helper's I/O threads; ``directory``: ``(address, rows)`` of this instance's cache
-    directory, which those threads check one-sided reads and writes against."""
+    directory, which those threads check one-sided reads and writes against; ``device_staging``: TCP links move
+    device caches staged through page-locked memory (``llm.DeviceStaging``), else refuse them."""
 
     def __init__(self, cluster_id: int, copies: Copies, nixl: NixlAgentCaches, native_net: bool,
-                 directory: tuple[int, int] | None) -> None:
+                 directory: tuple[int, int] | None, device_staging: bool = True) -> None:
         self._cluster_id = cluster_id
         self._copies = copies
+        self._staging = DeviceStaging(device_staging, lambda: copies.device().runtime)
         self._nixl = nixl
         self.native_net = native_net
         self._directory = directory
@@ -69,6 +72,6 @@ class PlaneFactory:
             assert conns is not None
             if peer_serves_reads and conns.serves_reads:  # both ends run the native helper's I/O threads
                 assert isinstance(conns, NativeConnections)
-                return NativeTcpPlane(peer, name, caps, on_untrusted, conns)
-            return TcpPlane(peer, name, caps, on_untrusted, conns)
+                return NativeTcpPlane(peer, name, caps, on_untrusted, conns, self._staging)
+            return TcpPlane(peer, name, caps, on_untrusted, conns, self._staging)
         return SameHostPlane(peer, name, caps, on_untrusted, self._copies, fd_token)

@@ -21,12 +21,15 @@ __all__ = [
     "DIR_WORDS",
     "KEY_FLAG_SHIFT",
     "NET_MAGIC",
+    "STAGE_STATS",
     "TID_MASK",
     "CopyMode",
     "DirWord",
     "FrameType",
+    "DeviceLane",
     "JobState",
     "OwnerStatus",
+    "StageSlot",
     "Streaming",
     "bind",
     "load",
@@ -81,6 +84,9 @@ class OwnerStatus(IntEnum):
     """The owner could not allocate the job."""
     OUT_OF_RANGE = 3
     """A requested span lies outside the cache."""
+    DEVICE = 4
+    """A device copy of a staged transfer failed (``STATUS_DEVICE``); a job that failed on this side also carries
+    the device runtime's code, ``status >> 8``."""
 
 
 class FrameType(IntEnum):
@@ -130,6 +136,24 @@ class DirWord(IntEnum):
     TENSORS = 7
 
 
+class DeviceLane(ctypes.Structure):
+    """``adt_device_lane`` (``src/adt.h``): a stream set up for the pointer-list kernel's gathers and scatters."""
+
+    _fields_ = [("kernel", ctypes.c_void_p), ("stream", ctypes.c_void_p), ("staging", ctypes.c_void_p),
+                ("device_table", ctypes.c_uint64), ("capacity", ctypes.c_size_t), ("piece", ctypes.c_uint64),
+                ("block", ctypes.c_uint), ("max_grid", ctypes.c_uint)]
+
+
+class StageSlot(ctypes.Structure):
+    """``adt_stage_slot`` (``src/adt.h``): one slot of a staging ring, its lane, event and page-locked memory."""
+
+    _fields_ = [("lane", DeviceLane), ("event", ctypes.c_void_p), ("host", ctypes.c_uint64)]
+
+
+STAGE_STATS: Final = 4
+"""Words of ``adt_stage_stats``: chunks moved, their bytes, waits for a free slot, device copies that failed."""
+
+
 def bind(lib: ctypes.CDLL) -> None:
     """Declare the signatures of the helper's functions that ctypes calls (``ADT_API`` in ``src/adt.h``): ctypes
     would otherwise pass and return C ints, truncating pointers (``tests/unit/native/test_native_bindings.py`` checks that
@@ -166,6 +190,11 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_net_served.argtypes, lib.adt_net_served.restype = [vp, ctypes.POINTER(ctypes.c_uint64)], None
     lib.adt_net_close.argtypes, lib.adt_net_close.restype = [vp], None
     lib.adt_net_free.argtypes, lib.adt_net_free.restype = [vp], None
+    lib.adt_net_set_stage.argtypes, lib.adt_net_set_stage.restype = [vp, c_int, vp], None
+    lib.adt_stage_new.argtypes = [vp, vp, u64, ctypes.POINTER(StageSlot), c_int]
+    lib.adt_stage_new.restype = vp
+    lib.adt_stage_free.argtypes, lib.adt_stage_free.restype = [vp], None
+    lib.adt_stage_stats.argtypes, lib.adt_stage_stats.restype = [vp, ctypes.POINTER(ctypes.c_uint64)], None
     lib.adt_job_cancel.argtypes, lib.adt_job_cancel.restype = [vp, vp], None
     lib.adt_job_free.argtypes, lib.adt_job_free.restype = [vp], None
 

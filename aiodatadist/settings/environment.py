@@ -46,6 +46,7 @@ __all__ = [
     "ENV_NET",
     "ENV_POLL_US",
     "ENV_SAME_HOST",
+    "ENV_STAGING_BYTES",
     "ENV_TCP_CONGESTION",
     "ENV_TCP_CONNECTIONS",
     "HUGE_PAGE_MODES",
@@ -78,6 +79,9 @@ ENV_SAME_HOST: Final = "AIODATADIST_SAME_HOST"
 ENV_NET: Final = "AIODATADIST_NET"
 ENV_DIRECTORY: Final = "AIODATADIST_DIRECTORY"
 ENV_TCP_CONNECTIONS: Final = "AIODATADIST_TCP_CONNECTIONS"
+ENV_STAGING_BYTES: Final = "AIODATADIST_STAGING_BYTES"
+MIN_STAGING_BYTES: Final = 4 << 20  # two slots
+MAX_STAGING_BYTES: Final = 1 << 40
 ENV_TCP_CONGESTION: Final = "AIODATADIST_TCP_CONGESTION"
 ENV_LIBCUDA: Final = "AIODATADIST_LIBCUDA"
 ENV_HUGE_PAGES: Final = "AIODATADIST_HUGE_PAGES"
@@ -241,6 +245,10 @@ KNOBS: Final[tuple[Knob, ...]] = (
          lambda raw: _choice(raw, HUGE_PAGE_MODES), "warning",
          help="host caches and host memory on the system's huge pages (hugetlb): where free, else ordinary "
               "pages (try); or fail (on); never (off)"),
+    Knob(ENV_STAGING_BYTES, "staging_bytes", f"an integer in [{MIN_STAGING_BYTES}, {MAX_STAGING_BYTES}] (bytes)",
+         lambda: 256 << 20, lambda raw: _digits(raw, MIN_STAGING_BYTES, MAX_STAGING_BYTES), "warning",
+         salvage=_clamp(MAX_STAGING_BYTES),
+         help="page-locked memory this process may hold for staging device caches over TCP links (bytes)"),
     Knob(ENV_LIBCUDA, "libcuda", "paths of the CUDA driver library", lambda: (), _parse_libcuda, "none",
          help="CUDA driver library to load (default: search)"),
 )
@@ -267,6 +275,7 @@ class EnvKnobs:
     tcp_connections: int = field(default_factory=_default_tcp_connections)
     tcp_congestion: str = "auto"
     huge_pages: str = "try"
+    staging_bytes: int = 256 << 20
     libcuda: tuple[str, ...] = ()
     raw: Mapping[str, str] = field(default_factory=dict, compare=False)  # the variables that were set
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # env name -> where the value is from

@@ -31,6 +31,7 @@ class OptionKey:
     NET = "llm.Net"
     DIRECTORY = "llm.Directory"
     TCP_CONNECTIONS = "llm.TcpConnections"
+    DEVICE_STAGING = "llm.DeviceStaging"
     CURVE_SECRET_KEY = SECRET_KEY_OPTION  # the CURVE options are named with their keys, in curve_keys
     CURVE_PEER_KEYS = PEER_KEYS_OPTION
     # Accepted for compatibility; they configure Ascend/HCCL resources that do not exist here.

@@ -44,6 +44,7 @@ class Settings:
     native_net: bool  # TCP links use the native helper's I/O threads where it is built (llm.Net)
     directory: bool  # same-host requesters read the owner's cache directory (llm.Directory)
     tcp_connections: int  # data connections of each TCP link this instance serves (llm.TcpConnections)
+    device_staging: bool  # TCP links move device caches staged through page-locked memory (llm.DeviceStaging)
     link_total_time_s: int  # bound of a two-sided link's bring-up (llm.LinkTotalTime; 0: the default)
     raw: dict[str, str] = field(repr=False)  # the options as given (plus the keys llm.LocalCommRes defaults)
     curve: CurveKeys | None = None  # ZeroMQ CURVE on every control socket (llm.CurveSecretKey, llm.CurvePeerKeys)
@@ -141,6 +142,7 @@ def parse_options(options: Any, knobs: EnvKnobs | None = None) -> Settings:
         native_net=_per_link(opts, knobs, ENV_NET),
         directory=_per_link(opts, knobs, ENV_DIRECTORY),
         tcp_connections=_per_link(opts, knobs, ENV_TCP_CONNECTIONS),
+        device_staging=_flag(opts, OptionKey.DEVICE_STAGING) is not False,
         link_total_time_s=link_total_time,
         raw=opts,
         curve=curve,

@@ -154,7 +154,7 @@ class Requester:
         if resolved is None:
             return None
         descriptor = st.descriptors.get(resolved.cache_id)
-        route = link.plane.route(resolved, descriptor, params.op == "pull")
+        route = link.plane.route(resolved, descriptor, params.op == "pull", local)
         if route is not Route.ONE_SIDED or descriptor is None:
             if route is Route.STALE:
                 del st.resolved[index]

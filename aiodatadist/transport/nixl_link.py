@@ -38,6 +38,10 @@ class NixlLinkPlane(DataPlane):
 
     kind = "nixl"
 
+    @property
+    def device_path(self) -> str:
+        return "nixl"
+
     def __init__(self, peer: int, name: str, caps: PeerCapabilities, on_untrusted: OnUntrusted,
                  agent: NixlAgentCaches) -> None:
         super().__init__(peer, name, caps, on_untrusted)

@@ -141,8 +141,18 @@ class DataPlane:
     def check_local(self, local: LocalCache, cluster_id: int) -> None:
         """Raise if this plane cannot move ``local`` (e.g. a device cache over TCP)."""
 
-    def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool) -> Route:
-        """How a transfer on ``resolved`` (a cache the owner published before) goes."""
+    @property
+    def device_path(self) -> str:
+        """How this link moves device caches: ``"device-direct"`` (the peer's device memory opened through IPC),
+        ``"device-staged"`` (through page-locked host memory, over TCP), ``"nixl"``, or ``"refused"``."""
+        return "refused"
+
+    def staging(self) -> dict[str, Any] | None:
+        """The link's staging rings and what moved through them (``links()``), or None without one."""
+        return None
+
+    def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool, local: LocalCache) -> Route:
+        """How a transfer between ``local`` and ``resolved`` (a cache the owner published before) goes."""
         return Route.OWNER
 
     def remembers(self, model_id: int) -> bool:

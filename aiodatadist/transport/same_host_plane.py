@@ -94,7 +94,11 @@ class SameHostPlane(DataPlane):
         return self.memory.premap(segments)
 
     # -- requester side --------------------------------------------------------------------------------------
-    def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool) -> Route:
+    @property
+    def device_path(self) -> str:
+        return "device-direct"
+
+    def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool, local: LocalCache) -> Route:
         if self.directory is None or descriptor is None:
             return Route.OWNER
         if not self.directory.live(resolved.row, resolved.stamp, resolved.cache_id, resolved.model_id):

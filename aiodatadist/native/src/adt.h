@@ -8,9 +8,11 @@
  *   frames.c  frames on a stream socket: spans gathered into sendmsg, received straight into spans
  *   net.c     the TCP data plane of a link: connections, their I/O threads, transfers, the cache directory
  *   cuda.c    the CUDA driver behind the device-runtime table (adt_device_ops)
+ *   stage.c   staging rings: page-locked slots through which the TCP plane moves device memory (via the table)
  *   module.c  the CPython module: its methods table and their argument parsing
  *
  * Calls between files go one way: module -> pool -> grid -> spans, module -> grid, net and cuda, net -> frames
+ * and stage
  * (tests/unit/test_native_tree.py checks that every call into another file is declared here and that the files'
  * call graph has no cycle).  Only module.c includes Python.h.
  *
@@ -187,11 +189,13 @@ ADT_API int adt_net_connections(void *net);
 ADT_API void adt_net_served(void *net, uint64_t *out);
 ADT_API void adt_net_close(void *net);
 ADT_API void adt_net_free(void *net);
+ADT_API void adt_net_set_stage(void *net, int receiving, void *stage);
 ADT_API int adt_dir_withdraw(int64_t *words, int64_t row, int bound_ms);
+/* `staged`: the grid is device memory, moved through the link's staging ring of that direction (adt_net_set_stage). */
 ADT_INTERNAL void *adt_net_send(void *net, uint64_t key, const uint64_t *bases, size_t nt, const uint64_t *offs,
-                                const uint64_t *lens, size_t nr);
+                                const uint64_t *lens, size_t nr, int staged);
 ADT_INTERNAL int adt_net_set_destination(void *net, void *job, const uint64_t *bases, size_t nt,
-                                         const uint64_t *offs, const uint64_t *lens, size_t nr);
+                                         const uint64_t *offs, const uint64_t *lens, size_t nr, int staged);
 ADT_INTERNAL void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id,
                                 int64_t model_id, const uint64_t *bases, size_t ntensors, const uint64_t *offsets,
                                 const uint64_t *lengths, size_t nruns, const uint64_t *local_bases,
@@ -270,6 +274,35 @@ typedef struct adt_device_ops {
     /* ADT_EVENT_READY, ADT_EVENT_PENDING or ADT_EVENT_FAILED; *code: the runtime's own result. */
     int (*query)(void *ctx, void *event, int *code);
 } adt_device_ops;
+
+/* ---- staging rings (stage.c): page-locked slots through which the TCP plane moves device memory -------------- */
+
+/* One slot of a ring: page-locked host memory (at the address the device sees it at), the lane its copies run on
+ * (a stream of its own and the kernel's descriptor memory) and the event recorded after them. */
+typedef struct adt_stage_slot {
+    adt_device_lane lane;
+    void *event;
+    uint64_t host;
+} adt_stage_slot;
+
+typedef struct adt_stage adt_stage;
+#define ADT_STAGE_STATS 4   /* chunks moved, their bytes, waits for a free slot, device copies that failed */
+
+ADT_API void *adt_stage_new(const adt_device_ops *ops, void *device, uint64_t slot_bytes, const adt_stage_slot *slots,
+                            int n);
+ADT_API void adt_stage_free(void *stage);
+ADT_API void adt_stage_stats(void *stage, uint64_t *out);
+ADT_INTERNAL uint64_t adt_stage_slot_bytes(const adt_stage *st);
+ADT_INTERNAL uint64_t adt_stage_host(const adt_stage *st, int slot);
+ADT_INTERNAL int adt_stage_take(adt_stage *st, int want, int *out, const volatile int32_t *stop);
+ADT_INTERNAL void adt_stage_give(adt_stage *st, const int *slots, int n, uint64_t chunks, uint64_t bytes,
+                                 uint64_t failed);
+ADT_INTERNAL int adt_stage_bind(adt_stage *st);
+/* Launch the copy of n spans between device memory and a slot (to_host: gather into it, else scatter from it),
+ * back to back from the slot's start; adt_stage_wait waits for it (never abandoned).  0 or the runtime's code. */
+ADT_INTERNAL int adt_stage_copy(adt_stage *st, int slot, const uint64_t *addr, const uint64_t *len, size_t n,
+                                int to_host);
+ADT_INTERNAL int adt_stage_wait(adt_stage *st, int slot);
 
 /* The CUDA driver functions a table is built from, in this order (their addresses, as ctypes found them in the
  * loaded libcuda): cuCtxGetCurrent, cuCtxSetCurrent, cuLaunchKernel, cuEventRecord, cuEventQuery,

@@ -219,14 +219,18 @@ static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int writ
 }
 
 /* The two-sided calls, with one side as a grid (bases, offsets, lengths; see net_read):
- * net_send(net, key, bases, offsets, lengths) -> job handle (0: out of memory), and
- * net_set_destination(net, job, bases, offsets, lengths) -> 0 or ENOMEM. */
+ * net_send(net, key, bases, offsets, lengths[, staged]) -> job handle (0: out of memory), and
+ * net_set_destination(net, job, bases, offsets, lengths[, staged]) -> 0 or ENOMEM; `staged`: the grid is device
+ * memory, moved through the link's staging ring of that direction. */
 static PyObject *net_two_sided(PyObject *const *args, Py_ssize_t nargs, int send)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, send ? "net_send takes 5 arguments" : "net_set_destination takes 5 arguments");
+    if (nargs != 5 && nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, send ? "net_send takes 5 or 6 arguments"
+                                              : "net_set_destination takes 5 or 6 arguments");
         return NULL;
     }
+    int staged = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
+    if (staged < 0) return NULL;
     void *net = PyLong_AsVoidPtr(args[0]);
     uint64_t key = send ? PyLong_AsUnsignedLongLongMask(args[1]) : 0;
     void *job = send ? NULL : PyLong_AsVoidPtr(args[1]);
@@ -237,8 +241,8 @@ static PyObject *net_two_sided(PyObject *const *args, Py_ssize_t nargs, int send
     size_t nt = (size_t)(b[0].len / 8), nr = (size_t)(b[1].len / 8);
     PyObject *out = NULL;
     if ((size_t)(b[2].len / 8) != nr) PyErr_SetString(PyExc_ValueError, "grid arrays of different lengths");
-    else if (send) out = PyLong_FromVoidPtr(adt_net_send(net, key, b[0].buf, nt, b[1].buf, b[2].buf, nr));
-    else out = PyLong_FromLong(adt_net_set_destination(net, job, b[0].buf, nt, b[1].buf, b[2].buf, nr));
+    else if (send) out = PyLong_FromVoidPtr(adt_net_send(net, key, b[0].buf, nt, b[1].buf, b[2].buf, nr, staged));
+    else out = PyLong_FromLong(adt_net_set_destination(net, job, b[0].buf, nt, b[1].buf, b[2].buf, nr, staged));
     release_buffers(b, 3);
     return out;
 }

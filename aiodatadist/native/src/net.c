@@ -15,6 +15,15 @@
  *     and no control-plane round trip on the owner.  A serve job re-checks the stamp before each frame and
  *     marks the row busy while reading it, so a release (adt_dir_withdraw) waits for at most one frame (bounded).
  * A job's end is announced by writing its address to the link's notify pipe (as for the copy pool).
+ *
+ * A *staged* job's memory is device memory (a DEVICE cache): its bytes go through the link's staging ring of
+ * that direction (stage.c).  The sender of a staged send gathers each frame into a slot with one launch, polls
+ * the copy's event and sends the slot (frames are then at most a slot long); with a second slot it gathers the
+ * job's next frame while the first is on the wire.  A receiver takes a staged frame into slots piece by piece and
+ * scatters each into the destination with one launch, receiving the next piece while the last one is scattered;
+ * the frame counts as landed only once every scatter of it is done, so a stopped job ends only after the device
+ * stopped writing for it.  A failed device copy fails the job with STATUS_DEVICE (and the runtime's code), and
+ * tells the peer with an ERROR frame; nothing of the frame goes on the wire.
  */
 #include "adt.h"
 
@@ -42,6 +51,7 @@
 #define STOP_POLL_MS 5       /* a receiver waiting mid-frame for a stalled peer looks at its job's stop this often */
 #define CTRL_BATCH 64        /* control frames a sender thread sends in one sendmsg */
 #define DIR_WORDS 8          /* directory row: stamp, cache id, model id, tensor table, base, size, busy, tensors */
+#define STATUS_DEVICE 4      /* a device copy failed (a job's status: this, plus the runtime's code << 8 locally) */
 
 /* A READ's payload: words model id (-1: any), ntensors, nruns, then the owner's tensor bases [ntensors], the runs'
  * offsets [nruns] and lengths [nruns].  Its spans, in stream order: base[t] + offset[r], length[r] for each t, then
@@ -71,6 +81,7 @@ typedef struct net_job {
     size_t nframes, next_frame;
     uint64_t total, moved;
     int ready;               /* receive: spans known */
+    int staged;              /* its memory is device memory, moved through the staging ring (send or receive) */
     volatile int32_t stop;
     int inflight, done, error, status;
     int64_t row; uint64_t stamp;  /* serve: the directory entry it reads */
@@ -102,6 +113,7 @@ typedef struct adt_net {
     int live_rx;                     /* receive jobs not ended yet (an inline READ only when it is the only one) */
     int ctrl_any, ctrl_for[MAX_CONNS];   /* queued control frames for any connection, for connection i */
     uint64_t served[6];              /* one-sided READs of our caches: accepted, their bytes, refused; WRITEs: same */
+    adt_stage *stage[2];             /* the staging rings for sending and receiving device memory (NULL: none) */
 } adt_net;
 
 static void net_announce(int fd, net_job *j)
@@ -496,6 +508,10 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
 
 typedef struct { adt_net *n; int fd, index; } conn_arg;
 
+static long recv_staged(adt_net *n, int fd, net_job *j, uint64_t off, uint64_t length, uint8_t *scratch,
+                        uint64_t *consumed, int *dev);
+static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame);
+
 static int send_small(int fd, const adt_hdr *h, const uint8_t *payload, size_t plen);
 static int serve_inline(adt_net *n, int index, int fd, net_job *j);
 
@@ -545,7 +561,9 @@ static void *receiver(void *arg)
             while (j && !j->ready) pthread_cond_wait(&n->ready, &n->lock);
             pthread_mutex_unlock(&n->lock);
             uint64_t consumed = h.length;
-            long got = j ? adt_recv_frame(fd, j->addr, j->len, j->ends, j->n, h.offset, h.length, &j->stop, scratch,
+            int dev = 0;
+            long got = j && j->staged ? recv_staged(n, fd, j, h.offset, h.length, scratch, &consumed, &dev)
+                     : j ? adt_recv_frame(fd, j->addr, j->len, j->ends, j->n, h.offset, h.length, &j->stop, scratch,
                                           SCRATCH, STOP_POLL_MS, &consumed)
                          : adt_recv_frame(fd, NULL, NULL, NULL, 0, h.offset, h.length, &always, scratch, SCRATCH, 0,
                                           NULL);
@@ -561,6 +579,7 @@ static void *receiver(void *arg)
                 pthread_mutex_unlock(&n->lock);
                 break;
             }
+            if (dev && !j->stop) { j->status = STATUS_DEVICE | dev << 8; j->stop = 1; }
             if (!j->stop) {
                 if ((uint64_t)got != h.length) { j->error = EPROTO; j->stop = 1; }
                 j->moved += (uint64_t)got;
@@ -766,7 +785,7 @@ static void *sender(void *arg)
         pthread_mutex_unlock(&n->lock);
 
         pthread_mutex_lock(send_lock);
-        if (send_job_frame(n, c_index, fd, j, frame)) break;
+        if (j->staged ? send_staged(n, c_index, fd, j, frame) : send_job_frame(n, c_index, fd, j, frame)) break;
     }
     return NULL;
 }
@@ -853,11 +872,18 @@ static void *start_send(adt_net *n, net_job *j)
 /* Two-sided send: the bytes of a grid (run r of tensor t at bases[t] + offs[r], lens[r] bytes, tensor-major: a
  * plan's order; a list of spans is a grid of one tensor at 0) as transfer `key` (copied arrays). */
 void *adt_net_send(void *net, uint64_t key, const uint64_t *bases, size_t nt, const uint64_t *offs,
-                   const uint64_t *lens, size_t nr)
+                   const uint64_t *lens, size_t nr, int staged)
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
-    if (!j || copied_grid_job(j, bases, nt, offs, lens, nr, n->frame, n->nconns)) { free_job(j); return NULL; }
+    uint64_t frame = n->frame;
+    if (staged && n->stage[0] && adt_stage_slot_bytes(n->stage[0]) < frame) frame = adt_stage_slot_bytes(n->stage[0]);
+    if (!j || copied_grid_job(j, bases, nt, offs, lens, nr, frame, n->nconns)) { free_job(j); return NULL; }
+    if (staged && j->frame_bytes > frame) {   /* a frame fits a slot (frame_for may make them longer) */
+        j->frame_bytes = frame;
+        j->nframes = (size_t)((j->total + frame - 1) / frame);
+    }
+    j->staged = staged;
     return start_send(n, j);
 }
 
@@ -879,10 +905,12 @@ void *adt_net_receive(void *net, uint64_t key)
 
 /* Hand a receive job its destination: `count` spans at a[i], l[i] bytes, e[i] their running ends (the job takes
  * the arrays, or they are freed if it had ended); DATA frames that waited for it land now. */
-static void install_destination(adt_net *n, net_job *j, uint64_t *a, uint64_t *l, uint64_t *e, size_t count)
+static void install_destination(adt_net *n, net_job *j, uint64_t *a, uint64_t *l, uint64_t *e, size_t count,
+                                int staged)
 {
     pthread_mutex_lock(&n->lock);
     if (!j->ready) {
+        j->staged = staged;
         j->addr = a; j->len = l; j->ends = e; j->n = count; j->total = count ? e[count - 1] : 0; j->ready = 1;
         a = l = e = NULL;
     }
@@ -920,11 +948,11 @@ static int grid_destination(const uint64_t *bases, size_t nt, const uint64_t *of
 
 /* Hand a receive job its destination, a grid as adt_net_send's (the arrays are read, not kept). 0 or ENOMEM. */
 int adt_net_set_destination(void *net, void *job, const uint64_t *bases, size_t nt, const uint64_t *offs,
-                            const uint64_t *lens, size_t nr)
+                            const uint64_t *lens, size_t nr, int staged)
 {
     dest_spans dest;
     if (grid_destination(bases, nt, offs, lens, nr, &dest)) return ENOMEM;
-    install_destination((adt_net *)net, (net_job *)job, dest.a, dest.l, dest.e, dest.n);
+    install_destination((adt_net *)net, (net_job *)job, dest.a, dest.l, dest.e, dest.n, staged);
     return 0;
 }
 
@@ -950,7 +978,7 @@ void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_
     if (grid_destination(local_bases, ntensors, local_offsets, lengths, nruns, &dest)) { free(list); return NULL; }
     net_job *j = (net_job *)adt_net_receive(net, key);
     if (!j) { free(list); free(dest.a); free(dest.l); free(dest.e); return NULL; }
-    install_destination(n, j, dest.a, dest.l, dest.e, dest.n);
+    install_destination(n, j, dest.a, dest.l, dest.e, dest.n, 0);
     pthread_mutex_lock(&n->lock);
     int conn = n->nconns ? n->next_conn++ % n->nconns : -1, fd = conn >= 0 ? n->fds[conn] : -1;
     int live = !j->done && !n->closed && conn >= 0;
@@ -1131,6 +1159,16 @@ int adt_net_job_reap(void *net, void *job, int *error, int *status)
 
 int adt_net_connections(void *net) { return ((adt_net *)net)->nconns; }
 
+/* The staging ring through which this link sends (receiving 0) or receives (1) device memory: set before the
+ * first staged job of that direction, and kept until adt_net_free (the caller frees the ring after it). */
+void adt_net_set_stage(void *net, int receiving, void *stage)
+{
+    adt_net *n = (adt_net *)net;
+    pthread_mutex_lock(&n->lock);
+    n->stage[receiving ? 1 : 0] = (adt_stage *)stage;
+    pthread_mutex_unlock(&n->lock);
+}
+
 /* The one-sided READs this link served: accepted, their bytes, refused (stale or outside the cache); then the
  * same for WRITE frames (out: 6 words). */
 void adt_net_served(void *net, uint64_t *out)
@@ -1163,4 +1201,198 @@ void adt_net_free(void *net)
     pthread_cond_destroy(&n->ready);
     pthread_mutex_destroy(&n->lock);
     free(n);
+}
+
+/* ---- staged jobs: device memory through the staging rings (stage.c) ---- */
+
+/* Growable span arrays of one thread. */
+typedef struct { uint64_t *addr, *len; size_t cap; } span_buf;
+
+static int span_room(span_buf *b, size_t n)
+{
+    if (n <= b->cap) return 0;
+    size_t cap = n > 2 * b->cap ? n : 2 * b->cap;
+    uint64_t *a = realloc(b->addr, cap * 8);
+    if (!a) return ENOMEM;
+    b->addr = a;
+    uint64_t *l = realloc(b->len, cap * 8);
+    if (!l) return ENOMEM;
+    b->len = l;
+    b->cap = cap;
+    return 0;
+}
+
+/* The device spans of bytes [lo, hi) of a send job's stream, merged where they continue; -1 when out of memory. */
+static long send_spans(const net_job *j, uint64_t lo, uint64_t hi, span_buf *b)
+{
+    uint64_t per = j->prefix[j->nr];   /* bytes of one tensor's runs */
+    if (!per || hi <= lo) return 0;
+    uint64_t rem = lo % per;
+    size_t r = run_at(j->prefix, j->nr, rem);
+    grid_walk w = {j->bases, j->offs, j->lens, j->nt, j->nr, (size_t)(lo / per), r, rem - j->prefix[r]};
+    grid_walk probe = w;
+    size_t count = walk_spans(&probe, hi - lo, NULL);
+    uint64_t *pairs = malloc((count ? count : 1) * 16);
+    if (!pairs || span_room(b, count)) { free(pairs); return -1; }
+    walk_spans(&w, hi - lo, pairs);
+    for (size_t i = 0; i < count; i++) { b->addr[i] = pairs[2 * i]; b->len[i] = pairs[2 * i + 1]; }
+    free(pairs);
+    return (long)count;
+}
+
+/* The destination spans of bytes [lo, hi) of a receive job's stream (its spans and their running ends). */
+static long recv_spans(const net_job *j, uint64_t lo, uint64_t hi, span_buf *b)
+{
+    size_t first = 0, top = j->n;   /* the first span ending past lo */
+    while (first < top) { size_t mid = first + (top - first) / 2; if (j->ends[mid] <= lo) first = mid + 1; else top = mid; }
+    size_t count = 0;
+    for (size_t i = first; i < j->n && j->ends[i] - j->len[i] < hi; i++) count++;
+    if (span_room(b, count)) return -1;
+    for (size_t k = 0; k < count; k++) {
+        size_t i = first + k;
+        uint64_t start = j->ends[i] - j->len[i], a = start > lo ? start : lo, e = j->ends[i] < hi ? j->ends[i] : hi;
+        b->addr[k] = j->addr[i] + (a - start);
+        b->len[k] = e - a;
+    }
+    return (long)count;
+}
+
+/* Gather frame f of a staged send into a slot (launched, not waited for).  0 or the runtime's code. */
+static int gather_frame(adt_stage *st, int slot, const net_job *j, size_t f, span_buf *b)
+{
+    long count = send_spans(j, frame_start(j, f), frame_end(j, f), b);
+    if (count < 0) return ENOMEM;
+    return adt_stage_copy(st, slot, b->addr, b->len, (size_t)count, 1);
+}
+
+/* A staged frame's end on the sending side (under the lock as send_job_frame's): `sent` whether it went out, `dev`
+ * the runtime's code of a failed gather (the job fails, and the peer is told with an ERROR frame). */
+static void staged_frame_done(adt_net *n, net_job *j, size_t frame, int err, int sent, int dev)
+{
+    pthread_mutex_lock(&n->lock);
+    j->inflight--;
+    if (dev && !j->stop) {
+        j->stop = 1;
+        j->status = STATUS_DEVICE | dev << 8;
+        j->next_frame = j->nframes;
+        unqueue(n, j);
+        if (!n->closed) queue_ctrl(n, T_ERROR, j->key, STATUS_DEVICE, NULL, 0, 0, 0);
+    }
+    if (sent) j->moved += frame_end(j, frame) - frame_start(j, frame);
+    if (err) { if (!j->error) j->error = err; broken(n); }
+    int ann = finish_if_idle(n, j);
+    if (err) finish_all_idle(n);
+    pthread_mutex_unlock(&n->lock);
+    if (ann) end_job(n, j);
+}
+
+/* Claim the next frame of j for this thread, if it has one left (under the lock); SIZE_MAX if not. */
+static size_t claim_next(adt_net *n, net_job *j)
+{
+    size_t f = SIZE_MAX;
+    pthread_mutex_lock(&n->lock);
+    if (!j->stop && !n->closed && j->next_frame < j->nframes) {
+        f = j->next_frame++;
+        j->inflight++;
+        if (j->next_frame >= j->nframes) unqueue(n, j);
+    }
+    pthread_mutex_unlock(&n->lock);
+    return f;
+}
+
+/* Send frame `frame` of a staged job (claimed, the connection's send lock held, released here): gathered into a
+ * slot, its event polled, the slot sent; with a second slot the job's next frames follow on this connection, each
+ * gathered while the one before is on the wire.  Returns the errno that broke the connection, or 0. */
+static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame)
+{
+    adt_stage *st = n->stage[0];
+    span_buf b = {0};
+    int slots[2], have = st ? adt_stage_take(st, 2, slots, &j->stop) : 0, err = 0;
+    uint64_t chunks = 0, bytes = 0, failed = 0;
+    if (!have) {   /* no ring (fails the job), or stopped while waiting for a slot */
+        pthread_mutex_unlock(&n->send_lock[index]);
+        staged_frame_done(n, j, frame, 0, 0, st ? 0 : ENODEV);
+        return 0;
+    }
+    int dev = adt_stage_bind(st);
+    if (!dev) dev = gather_frame(st, slots[0], j, frame, &b);
+    size_t f = frame;
+    while (f != SIZE_MAX) {
+        int done = adt_stage_wait(st, slots[0]);   /* (also after a failed launch: what it queued is waited for) */
+        if (!dev) dev = done;
+        size_t next = SIZE_MAX;
+        int next_dev = 0;
+        if (have == 2 && !dev && !err) {
+            next = claim_next(n, j);
+            if (next != SIZE_MAX) next_dev = gather_frame(st, slots[1], j, next, &b);
+        }
+        int sent = 0;
+        if (!dev && !err && !j->stop) {
+            uint64_t lo = frame_start(j, f), hi = frame_end(j, f), host = adt_stage_host(st, slots[0]), len = hi - lo;
+            adt_hdr h = {NET_MAGIC, T_DATA, j->key, lo, len, 0, 0};
+            err = adt_send_frame(fd, (const uint8_t *)&h, sizeof h, &host, &len, 0, 1);
+            sent = !err;
+            chunks++; bytes += len;
+        }
+        if (dev) failed++;
+        if (next == SIZE_MAX) pthread_mutex_unlock(&n->send_lock[index]);   /* before the job may end */
+        staged_frame_done(n, j, f, err, sent, dev);
+        if (next != SIZE_MAX) { int t = slots[0]; slots[0] = slots[1]; slots[1] = t; }
+        f = next;
+        dev = next_dev;
+    }
+    if (have) adt_stage_give(st, slots, have, chunks, bytes, failed);
+    free(b.addr); free(b.len);
+    return err;
+}
+
+/* Receive a staged DATA frame (bytes [off, off + length) of j's stream): piece by piece into slots, each scattered
+ * into the destination while the next is received, every scatter waited for before this returns.  Returns the
+ * bytes landed, or a negative errno when the connection failed; *consumed: the frame's bytes taken from the socket
+ * (fewer when j was stopped mid-frame); *dev: the runtime's code of a failed copy (the rest of the frame is then
+ * dropped). */
+static long recv_staged(adt_net *n, int fd, net_job *j, uint64_t off, uint64_t length, uint8_t *scratch,
+                        uint64_t *consumed, int *dev)
+{
+    static const volatile int32_t always = 1;
+    adt_stage *st = n->stage[1];
+    int slots[2], pending[2] = {0, 0}, have = st ? adt_stage_take(st, 2, slots, &j->stop) : 0, k = 0;
+    span_buf b = {0};
+    uint64_t done = 0, landed = 0, chunks = 0;
+    long failure = 0;
+    *dev = !st ? ENODEV : have ? adt_stage_bind(st) : 0;
+    while (done < length && have && !*dev && !j->stop) {
+        uint64_t piece = length - done < adt_stage_slot_bytes(st) ? length - done : adt_stage_slot_bytes(st);
+        if (pending[k]) { pending[k] = 0; *dev = adt_stage_wait(st, slots[k]); if (*dev) break; }
+        uint64_t host = adt_stage_host(st, slots[k]), taken = 0;
+        long got = adt_recv_frame(fd, &host, &piece, &piece, 1, 0, piece, &j->stop, scratch, SCRATCH, STOP_POLL_MS,
+                                  &taken);
+        if (got < 0) { failure = got; break; }
+        done += taken;
+        if ((uint64_t)got < piece) break;   /* stopped mid-piece */
+        long count = recv_spans(j, off + done - piece, off + done, &b);
+        int r = count < 0 ? ENOMEM : adt_stage_copy(st, slots[k], b.addr, b.len, (size_t)count, 0);
+        pending[k] = 1;   /* (a failed launch too: what it queued is waited for) */
+        if (r) { *dev = r; break; }
+        landed += piece;
+        chunks++;
+        if (have == 2) k ^= 1;
+    }
+    for (int i = 0; i < have; i++) {
+        if (!pending[i]) continue;
+        int r = adt_stage_wait(st, slots[i]);
+        if (r && !*dev) *dev = r;
+    }
+    if (have) adt_stage_give(st, slots, have, chunks, landed, *dev ? 1 : 0);
+    free(b.addr); free(b.len);
+    if (failure) return failure;
+    if (*dev || (!have && !j->stop)) {   /* the rest of the frame is dropped; nothing of it counts */
+        if (!*dev) *dev = ENODEV;
+        long rest = adt_recv_frame(fd, NULL, NULL, NULL, 0, 0, length - done, &always, scratch, SCRATCH, 0, NULL);
+        if (rest < 0) return rest;
+        *consumed = length;
+        return 0;
+    }
+    *consumed = done;
+    return (long)landed;
 }

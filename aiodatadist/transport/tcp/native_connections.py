@@ -75,6 +75,7 @@ class NativeConnections(WaitingMixin[TransferJob]):
         address, rows = directory or (0, 0)
         self._served = (0, 0, 0, 0, 0, 0)  # reads, then writes (see _counts)
         self._deferred = 0  # READ frames queued without waking a sender (flushed at the end of the iteration)
+        self._rings: dict[bool, tuple[Any, Callable[[Any], None]]] = {}  # staging rings by direction (receiving)
         self._net: int | None = lib.adt_net_new(self._notify.fd, address or None, rows, FRAME_BYTES)
         if not self._net:
             self._notify.close()
@@ -127,6 +128,30 @@ class NativeConnections(WaitingMixin[TransferJob]):
             os.close(fd)
             raise LLMLinkError(f"cannot start the data connection's threads: {os.strerror(err)}")
 
+    # -- staging rings ---------------------------------------------------------------------------------------
+    def staged(self, receiving: bool) -> bool:
+        """Whether the link has its staging ring for sending (False) or receiving (True) device memory."""
+        return receiving in self._rings
+
+    def stage(self, receiving: bool, ring: Any, give_back: Callable[[Any], None]) -> None:
+        """Hand the I/O threads the staging ring of one direction (``ring.handle``); ``give_back(ring)`` runs
+        once the threads have ended."""
+        self._check_open()
+        self._rings[receiving] = (ring, give_back)
+        self._lib.adt_net_set_stage(self._net, int(receiving), ring.handle)
+
+    def staging(self) -> dict[str, Any] | None:
+        """The staging rings' slots and what moved through them (``links()``), or None without one."""
+        if not self._rings:
+            return None
+        out: dict[str, Any] = {}
+        for receiving, (ring, _) in sorted(self._rings.items()):
+            chunks, nbytes, waits, failed = ring.stats()
+            out["receive" if receiving else "send"] = {
+                "slots": ring.slots, "slot_bytes": ring.slot_bytes, "shared": ring.shared, "chunks": chunks,
+                "bytes": nbytes, "slot_waits": waits, "device_failures": failed}
+        return out
+
     # -- jobs ------------------------------------------------------------------------------------------------
     def _track(self, kind: str, flag: int, tid: int, handle: int | None) -> TransferJob:
         if not handle:
@@ -140,12 +165,12 @@ class NativeConnections(WaitingMixin[TransferJob]):
         if self.closed is not None:
             raise self.closed
 
-    def send(self, flag: int, tid: int, grid: Grid, lengths: npt.NDArray[Any]) -> TransferJob:
+    def send(self, flag: int, tid: int, grid: Grid, lengths: npt.NDArray[Any], staged: bool = False) -> TransferJob:
         """Send the bytes of ``grid`` (runs of ``lengths`` at ``bases[t] + offsets[r]``, tensor-major: a plan's order)
-        as transfer ``(flag, tid)``."""
+        as transfer ``(flag, tid)``; ``staged``: device memory, through the sending ring (:meth:`stage`)."""
         self._check_open()
         return self._track("send", flag, tid, _ext.net_send(self._net, flag << KEY_FLAG_SHIFT | tid, grid[0], grid[1],
-                                                             lengths))
+                                                             lengths, staged))
 
     def receive(self, flag: int, tid: int) -> TransferJob:
         """Register the receiving end of ``(flag, tid)``; its frames wait for :meth:`set_destination`."""
@@ -153,10 +178,11 @@ class NativeConnections(WaitingMixin[TransferJob]):
         key = flag << KEY_FLAG_SHIFT | tid
         return self._track("receive", flag, tid, self._lib.adt_net_receive(self._net, key))
 
-    def set_destination(self, job: TransferJob, grid: Grid, lengths: npt.NDArray[Any]) -> None:
-        """Where a receive job's stream lands: ``grid`` as :meth:`send`'s (the helper walks it into its spans)."""
+    def set_destination(self, job: TransferJob, grid: Grid, lengths: npt.NDArray[Any], staged: bool = False) -> None:
+        """Where a receive job's stream lands: ``grid`` as :meth:`send`'s (the helper walks it into its spans);
+        ``staged``: device memory, through the receiving ring (:meth:`stage`)."""
         if job.handle is not None and self._net is not None and _ext.net_set_destination(
-                self._net, job.handle, grid[0], grid[1], lengths):
+                self._net, job.handle, grid[0], grid[1], lengths, staged):
             raise LLMException("cannot start a TCP transfer: out of memory", status_code=S.LLM_OUT_OF_MEMORY)
 
     def read(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None, remote: Grid,
@@ -250,7 +276,12 @@ class NativeConnections(WaitingMixin[TransferJob]):
         job.handle = None
         job.done = True
         if job.error is None:
-            if status != OwnerStatus.NONE:
+            if status & 0xFF == OwnerStatus.DEVICE:
+                runtime_code = status >> 8
+                where = f"here (the device runtime's code {runtime_code})" if runtime_code else "on the peer"
+                job.error = LLMException(f"a device copy of transfer {job.key & TID_MASK} failed {where}",
+                                         status_code=S.LLM_DEVICE_MEM_ERROR)
+            elif status != OwnerStatus.NONE:
                 code = _OWNER_STATUS.get(status, S.LLM_FAILED)
                 job.error = LLMException(f"the owner refused transfer {job.key & TID_MASK} ({code.name})",
                                          status_code=code)
@@ -283,3 +314,6 @@ class NativeConnections(WaitingMixin[TransferJob]):
         net, self._net = self._net, None
         await in_thread(self._lib.adt_net_free, net)
         self._notify.close()
+        rings, self._rings = self._rings, {}
+        for ring, give_back in rings.values():  # no I/O thread uses them any more
+            give_back(ring)

@@ -29,6 +29,7 @@ from ..plane import DataPlane, LocalCache, OfferedSource, OnUntrusted, Route, Se
 from ..same_host import PeerCapabilities
 from .native_connections import NativeConnections
 from .python_connections import PythonConnections
+from .staging import DeviceStaging
 
 __all__ = ["POLL_RATE", "STOP_ACK_TIMEOUT", "NativeTcpPlane", "TcpPlane"]
 
@@ -48,10 +49,25 @@ class TcpPlane(DataPlane):
     confirms_push = True
 
     def __init__(self, peer: int, name: str, caps: PeerCapabilities, on_untrusted: OnUntrusted,
-                 conns: Connections) -> None:
+                 conns: Connections, staging: DeviceStaging) -> None:
         super().__init__(peer, name, caps, on_untrusted)
         self.conns = conns
+        self._staging = staging
         self._polling = Polling(POLL_RATE)
+
+    @property
+    def device_path(self) -> str:
+        return self._staging.path(self.conns)
+
+    def staging(self) -> dict[str, Any] | None:
+        return self.conns.staging() if isinstance(self.conns, NativeConnections) else None
+
+    def _stage(self, receiving: bool) -> NativeConnections:
+        """This link's staging ring of one direction, ready (device memory moves through it)."""
+        conns = self.conns
+        assert isinstance(conns, NativeConnections)  # (refused otherwise: check_local, refusal)
+        self._staging.prepare(conns, receiving)
+        return conns
 
     @property
     def connections(self) -> int:
@@ -64,8 +80,9 @@ class TcpPlane(DataPlane):
     # -- requester side --------------------------------------------------------------------------------------
     def check_local(self, local: LocalCache, cluster_id: int) -> None:
         if local.on_device:
-            raise LLMException(f"device caches move only between processes on one host (CUDA IPC); the link to "
-                               f"cluster {cluster_id} uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
+            refusal = self._staging.refusal(self.conns, f"this side's cache (the link to cluster {cluster_id})")
+            if refusal is not None:
+                raise refusal
 
     def expect(self, tid: int, pull: bool) -> TransferJob | None:
         # A pull's receiving end exists before BEGIN: the owner starts sending as soon as it accepts.
@@ -75,10 +92,16 @@ class TcpPlane(DataPlane):
         conns, plan = self.conns, transfer.plan
         # This side as a grid: the helper walks it into its frames or its destination, no span list built here.
         grid, lengths = plan_grid(plan, transfer.local.addrs, not transfer.pull), np.ascontiguousarray(plan.runs.length)
+        staged = transfer.local.on_device
         if transfer.pull:
             job = transfer.pending
             assert job is not None
-            conns.set_destination(job, grid, lengths)
+            if staged:
+                self._stage(True).set_destination(job, grid, lengths, True)
+            else:
+                conns.set_destination(job, grid, lengths)
+        elif staged:
+            job = transfer.job = self._stage(False).send(PUSH, transfer.tid, grid, lengths, True)
         else:
             job = transfer.job = conns.send(PUSH, transfer.tid, grid, lengths)
         self._track(transfer, job)
@@ -110,14 +133,18 @@ class TcpPlane(DataPlane):
 
     # -- owner side ------------------------------------------------------------------------------------------
     def refusal(self, cache_id: int, on_device: bool) -> LLMException | None:
-        if on_device:
-            return LLMException(f"cache {cache_id} is a device cache: it moves only to a process on this host "
-                                "(CUDA IPC), and this link uses TCP", status_code=S.LLM_FEATURE_NOT_ENABLED)
-        return None
+        return self._staging.refusal(self.conns, f"cache {cache_id}") if on_device else None
 
     def serve(self, tid: int, pull: bool, plan: CopyPlan, cache: ServedCache,
               source: OfferedSource | None) -> TransferJob:
         grid, lengths = plan_grid(plan, cache.addrs, pull), np.ascontiguousarray(plan.runs.length)
+        if cache.on_device:
+            conns = self._stage(not pull)
+            if pull:
+                return conns.send(PULL, tid, grid, lengths, True)
+            job = conns.receive(PUSH, tid)
+            conns.set_destination(job, grid, lengths, True)
+            return job
         if pull:  # start sending now: the requester's receiving end already exists
             return self.conns.send(PULL, tid, grid, lengths)
         job = self.conns.receive(PUSH, tid)
@@ -161,9 +188,9 @@ class NativeTcpPlane(TcpPlane):
         return self.conns.closed is None
 
     # -- requester side --------------------------------------------------------------------------------------
-    def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool) -> Route:
-        if descriptor is None:
-            return Route.OWNER
+    def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool, local: LocalCache) -> Route:
+        if descriptor is None or descriptor.ipc is not None or local.on_device:
+            return Route.OWNER  # (device memory is staged by two-sided jobs: one-sided frames land in host memory)
         if pull:
             return Route.ONE_SIDED
         # Into caller-owned memory too: unregistering it withdraws its row (no WRITE frame lands afterwards) and
