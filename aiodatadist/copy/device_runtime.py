@@ -9,7 +9,6 @@ device memory, a peer's memory opened through IPC and page-locked host memory ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -17,6 +16,7 @@ import numpy.typing as npt
 
 from ..jobs.base import ExecutorJob
 from ..layout.plans import CopyPlan
+from ..native import Lane
 
 __all__ = ["DeviceExecutor", "DeviceRuntime", "Lane", "open_runtime", "runtime_status"]
 
@@ -36,23 +36,6 @@ class DeviceExecutor(Protocol):
     def cancel(self, job: ExecutorJob, error: BaseException | None = None) -> None: ...
 
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Lane:
-    """What the native I/O threads need to gather spans of device memory into page-locked host memory, or scatter
-    them from it, with one launch of the runtime's copy (``adt_device_lane`` in ``native/src/adt.h``, plus the
-    event recorded after each copy).  Handles are the runtime's, as ints."""
-
-    kernel: int
-    stream: int
-    staging: int  # page-locked memory for ``capacity`` descriptors (24 bytes each)
-    device_table: int  # device memory for as many
-    capacity: int
-    piece: int  # longer spans are cut into pieces of this many bytes (0: never)
-    block: int
-    max_grid: int
-    event: int
 
 
 class DeviceRuntime(Protocol):

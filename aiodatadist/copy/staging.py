@@ -20,9 +20,9 @@ import threading
 from typing import Any, Final
 
 from ..errors import LLMException, LLMStatusCode
-from ..native import STAGE_STATS, StageSlot, native_pool
+from ..native import STAGE_STATS, Lane, StageSlot, native_pool
 from ..settings.environment import env_knobs
-from .device_runtime import DeviceRuntime, Lane
+from .device_runtime import DeviceRuntime
 
 __all__ = ["CHUNK_BYTES", "DEFAULT_BUDGET", "SLOTS_PER_CONNECTION", "StagingBudget", "StagingRing", "budget"]
 
@@ -67,7 +67,8 @@ class StagingRing:
                 slot.lane.device_table, slot.lane.capacity, slot.lane.piece = lane.device_table, lane.capacity, lane.piece
                 slot.lane.block, slot.lane.max_grid = lane.block, lane.max_grid
                 slot.event, slot.host = lane.event, host
-            self.handle = lib.adt_stage_new(_get_pointer(self._table, _CAPSULE), device, slot_bytes, array, slots)
+            self.handle = lib.adt_stage_new(_get_pointer(self._table, _CAPSULE), device, slot_bytes,
+                                             ctypes.addressof(array), slots)
             if not self.handle:
                 raise LLMException("cannot create a staging ring: out of memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
         except BaseException:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import ctypes
 
-from ..copy.device_runtime import Lane
 from ..errors import LLMException, LLMStatusCode
+from ..native import Lane
 from .driver import CU_EVENT_DISABLE_TIMING, CU_STREAM_NON_BLOCKING, get_device
 from .executor import CudaExecutor
 from .kernels import MAX_BLOCK, choose_piece

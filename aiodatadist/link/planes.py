@@ -16,8 +16,8 @@ from ..transport.same_host import PeerCapabilities
 from ..transport.same_host_plane import SameHostPlane
 from ..transport.tcp.native_connections import NativeConnections
 from ..transport.tcp.plane import Connections, NativeTcpPlane, TcpPlane
-from ..transport.tcp.staging import DeviceStaging
 from ..transport.tcp.python_connections import PythonConnections
+from ..transport.tcp.staging import DeviceStaging
 
 __all__ = ["PlaneFactory"]
 

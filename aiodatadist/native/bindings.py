@@ -13,6 +13,7 @@ import ctypes
 import functools
 import importlib.util
 import logging
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
@@ -24,10 +25,11 @@ __all__ = [
     "STAGE_STATS",
     "TID_MASK",
     "CopyMode",
+    "DeviceLane",
     "DirWord",
     "FrameType",
-    "DeviceLane",
     "JobState",
+    "Lane",
     "OwnerStatus",
     "StageSlot",
     "Streaming",
@@ -150,6 +152,23 @@ class StageSlot(ctypes.Structure):
     _fields_ = [("lane", DeviceLane), ("event", ctypes.c_void_p), ("host", ctypes.c_uint64)]
 
 
+@dataclass(frozen=True)
+class Lane:
+    """What the native I/O threads need to gather spans of device memory into page-locked host memory, or scatter
+    them from it, with one launch of the runtime's copy (``adt_device_lane`` in ``native/src/adt.h``, plus the
+    event recorded after each copy).  Handles are the runtime's, as ints."""
+
+    kernel: int
+    stream: int
+    staging: int  # page-locked memory for ``capacity`` descriptors (24 bytes each)
+    device_table: int  # device memory for as many
+    capacity: int
+    piece: int  # longer spans are cut into pieces of this many bytes (0: never)
+    block: int
+    max_grid: int
+    event: int
+
+
 STAGE_STATS: Final = 4
 """Words of ``adt_stage_stats``: chunks moved, their bytes, waits for a free slot, device copies that failed."""
 
@@ -191,7 +210,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.adt_net_close.argtypes, lib.adt_net_close.restype = [vp], None
     lib.adt_net_free.argtypes, lib.adt_net_free.restype = [vp], None
     lib.adt_net_set_stage.argtypes, lib.adt_net_set_stage.restype = [vp, c_int, vp], None
-    lib.adt_stage_new.argtypes = [vp, vp, u64, ctypes.POINTER(StageSlot), c_int]
+    lib.adt_stage_new.argtypes = [vp, vp, u64, vp, c_int]  # (slots: an array of StageSlot)
     lib.adt_stage_new.restype = vp
     lib.adt_stage_free.argtypes, lib.adt_stage_free.restype = [vp], None
     lib.adt_stage_stats.argtypes, lib.adt_stage_stats.restype = [vp, ctypes.POINTER(ctypes.c_uint64)], None

@@ -299,19 +299,6 @@ async def test_a_cancelled_device_pull_writes_nothing_after_it_returns(gpu_mode:
         assert (tensor_bytes(dst)[0].reshape(512, -1)[1] == 0x5A).all()
 
 
-async def test_device_caches_refuse_tcp_links() -> None:
-    cfg = LLMConfig()
-    cfg.transport = "tcp"
-    async with linked_pair(config=cfg) as (prompt, decoder):
-        prompt.cache_manager.allocate_blocks_cache(DEV, BlocksCacheKey(1, 0))
-        host = decoder.cache_manager.allocate_blocks_cache(HOST)
-        dev = decoder.cache_manager.allocate_blocks_cache(DEV)
-        for dst in (host, dev):
-            with pytest.raises(LLMException) as info:
-                await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
-            assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
-
-
 async def test_the_event_loop_keeps_running_during_device_copies() -> None:
     """Awaiting a GPU copy never blocks the loop: a ticker keeps ticking through 20 large copies."""
     big = CacheDesc(4, (64, 1 << 20), DataType.DT_UINT8, Placement.DEVICE)

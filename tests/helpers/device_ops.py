@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from aiodatadist.native import DeviceLane  # (re-exported: the tests import it from here)
+
 CAPSULE = b"aiodatadist.native.device_ops"
 """``ADT_DEVICE_OPS_CAPSULE``."""
 BIND_FAILED = 1 << 20
@@ -24,12 +26,6 @@ class DeviceLaunch(ctypes.Structure):
     _fields_ = [("kernel", ctypes.c_void_p), ("grid", ctypes.c_uint), ("block", ctypes.c_uint),
                 ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p), ("table", ctypes.c_void_p),
                 ("table_bytes", ctypes.c_size_t), ("staging", ctypes.c_void_p), ("device_table", ctypes.c_uint64)]
-
-
-class DeviceLane(ctypes.Structure):
-    _fields_ = [("kernel", ctypes.c_void_p), ("stream", ctypes.c_void_p), ("staging", ctypes.c_void_p),
-                ("device_table", ctypes.c_uint64), ("capacity", ctypes.c_size_t), ("piece", ctypes.c_uint64),
-                ("block", ctypes.c_uint), ("max_grid", ctypes.c_uint)]
 
 
 _vp, _int, _sz, _u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64

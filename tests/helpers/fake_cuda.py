@@ -7,7 +7,8 @@ checks what the real driver would refuse (unknown pointers, kernel spans outside
 ``CUDA_ERROR_ILLEGAL_ADDRESS``, descriptors outside device memory, a non-current context), so code that passes
 against it uses the driver correctly; it says nothing about speed.  Knobs: ``FAKE_CUDA_DELAY_US`` (each stream
 operation sleeps that long first), ``FAKE_CUDA_MEM_LIMIT``, ``FAKE_CUDA_DEVICES``, ``FAKE_CUDA_INIT``,
-``FAKE_CUDA_FAIL_LAUNCH``, ``FAKE_CUDA_FAIL_CALLBACK``; and the library's ``int fake_hold``
+``FAKE_CUDA_FAIL_LAUNCH``, ``FAKE_CUDA_FAIL_CALLBACK``; the library's ``fake_fault(code)`` (a sticky error from
+then on, until ``fake_reset()``); and its ``int fake_hold``
 (``ctypes.c_int.in_dll``): while it is set, each copy and kernel waits before it runs (at most 60 s), so that a
 test keeps a copy on the "GPU" for as long as it needs instead of guessing what a delay covers on a loaded
 machine.

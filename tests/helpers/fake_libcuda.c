@@ -345,3 +345,5 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags)
 }
 CUresult cuIpcCloseMemHandle(CUdeviceptr p) { NEED_CTX; return drop(p, 3) ? 1 : 0; }
 void fake_reset(void) { sticky = 0; }
+/* A device fault from now on (a sticky error, e.g. 700 CUDA_ERROR_ILLEGAL_ADDRESS), until fake_reset. */
+void fake_fault(int code) { sticky = code; }

@@ -108,7 +108,8 @@ def test_the_built_library_exports_the_api_and_hides_the_rest() -> None:
 
 @pytest.mark.parametrize(("struct", "mirror"), [("adt_device_ops", device_ops.DeviceOps),
                                                ("adt_device_launch", device_ops.DeviceLaunch),
-                                               ("adt_device_lane", device_ops.DeviceLane)])
+                                               ("adt_device_lane", device_ops.DeviceLane),
+                                               ("adt_stage_slot", bindings.StageSlot)])
 def test_the_device_table_mirror_matches_the_header(struct: str, mirror: type[ctypes.Structure]) -> None:
     """The tests' ctypes view of the device-runtime table names the header's members in its order."""
     assert [field[0] for field in mirror._fields_] == struct_fields(struct)

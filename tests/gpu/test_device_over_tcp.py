@@ -1,0 +1,370 @@
+"""DEVICE caches over TCP links: staged through page-locked rings by the native I/O threads (``native/src/stage.c``).
+
+Every conversation of the host-memory TCP plane with a device cache on either side (or both), byte-exact on random
+data: pulls and pushes of blocks and caches, by ``BlocksCacheKey``, ``CacheKey`` and id/index, layer ranges; chunks
+cut anywhere (spans of 1 byte to 16 MiB, requests smaller than one chunk and many rings long); cancellation, a
+stalled and a killed owner, a device fault; the policy that refuses staging.  On a real GPU or the emulated one
+(see conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+from helpers.data import fill_pattern, tensor_bytes
+from helpers.internals import device_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiodatadist import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
+
+S = LLMStatusCode
+BLOCKS, BLOCK = 64, 4096 + 16  # not a multiple of 256: unaligned spans too
+PLACES = [("DEVICE", "DEVICE"), ("HOST", "DEVICE"), ("DEVICE", "HOST")]
+TCP = {"llm.Transport": "tcp"}
+
+
+def desc(placement: str, blocks: int = BLOCKS, block: int = BLOCK, tensors: int = 4) -> CacheDesc:
+    return CacheDesc(tensors, (blocks, block), DataType.DT_UINT8, Placement[placement])
+
+
+def rows(cache: Cache, blocks: int = BLOCKS) -> list[np.ndarray]:
+    """A cache's tensors as they are now (read back from the device), one row per block."""
+    return [t.reshape(blocks, -1) for t in tensor_bytes(cache)]
+
+
+def filled(cache: Cache, seed: int, blocks: int = BLOCKS) -> list[np.ndarray]:
+    """Fill ``cache`` with random bytes; its tensors, one row per block."""
+    return [t.reshape(blocks, -1) for t in fill_pattern(cache, seed)]
+
+
+def tcp_config() -> LLMConfig:
+    cfg = LLMConfig()
+    cfg.transport = "tcp"
+    return cfg
+
+
+@asynccontextmanager
+async def peer_prompt(placement: str, env: dict[str, str] | None = None,
+                      decoder_options: dict[str, str] | None = None
+                      ) -> AsyncIterator[tuple[PeerProcess, LLMDataDist, int]]:
+    """A prompt in another process over a TCP link, with a filled blocks cache (``placement``) under
+    ``BlocksCacheKey(1, 0)``, and a decoder here linked to it."""
+    port = free_port()
+    cfg = tcp_config()
+    cfg.listen_ip_info = f"127.0.0.1:{port}"
+    peer = await PeerProcess.start(env=env)
+    try:
+        await peer.call("init", role="PROMPT", cluster_id=1, options=dict(cfg.generate_options()))
+        cid = (await peer.call("allocate", num_tensors=4, shape=[BLOCKS, BLOCK], blocks=True, placement=placement,
+                               blocks_key=[1, 0]))["cache_id"]
+        await peer.call("fill", cache_id=cid, seed=11)
+        async with LLMDataDist(LLMRole.DECODER, 2) as decoder:
+            await decoder.init({**TCP, **(decoder_options or {})})
+            code, _ = await decoder.link_clusters([cluster_info(1, port)], timeout=10_000)
+            assert code == S.LLM_SUCCESS
+            yield peer, decoder, cid
+        if peer.returncode is None:  # (a test may have killed it)
+            await peer.call("finalize")
+    finally:
+        await peer.close()
+
+
+async def peer_rows(peer: PeerProcess, cid: int, blocks: int = BLOCKS, block: int = BLOCK,
+                    tensors: int = 4) -> list[np.ndarray]:
+    return [np.frombuffer(bytes.fromhex(await peer.call("read", cache_id=cid, tensor=t, offset=0,
+                                                         nbytes=blocks * block)), dtype=np.uint8).reshape(blocks, block)
+            for t in range(tensors)]
+
+
+@pytest.mark.parametrize(("owner", "mine"), PLACES)
+async def test_blocks_move_between_processes_staged(owner: str, mine: str) -> None:
+    rng = np.random.default_rng(12)
+    async with peer_prompt(owner) as (peer, decoder, cid):
+        assert decoder.links()[0]["plane"] == "tcp" and decoder.links()[0]["device_path"] == "device-staged"
+        cm = decoder.cache_manager
+        dst = cm.allocate_blocks_cache(desc(mine))
+        ours = filled(dst, 13)
+        theirs = await peer_rows(peer, cid)
+        src_b = [int(b) for b in rng.permutation(BLOCKS)[:20]]
+        dst_b = [int(b) for b in rng.permutation(BLOCKS)[:20]]
+        for _ in range(2):  # the second time on rings that already exist
+            await cm.pull_blocks(BlocksCacheKey(1, 0), dst, src_b, dst_b)
+        got = rows(dst)
+        for t in range(4):
+            expect = ours[t].copy()
+            expect[dst_b] = theirs[t][src_b]
+            assert np.array_equal(got[t], expect)
+        # A push of a layer range: tensors 2 and 3 (layer 1 of 2 per layer), blocks dst_b[:3] -> 0, 1, 2.
+        await cm.push_blocks(BlocksCacheKey(1, 0), dst, dst_b[:3], [0, 1, 2], src_layer_range=range(1, 2),
+                             dst_layer_range=range(1, 2), tensor_num_per_layer=2)
+        after = await peer_rows(peer, cid)
+        for t in range(4):
+            expect = theirs[t].copy()
+            if t >= 2:
+                expect[[0, 1, 2]] = got[t][dst_b[:3]]
+            assert np.array_equal(after[t], expect)
+        staged = decoder.links()[0]["staging"]
+        if mine == "DEVICE":
+            assert staged is not None and staged["receive"]["bytes"] > 0 and staged["send"]["bytes"] > 0
+            assert staged["receive"]["device_failures"] == 0
+        else:
+            assert staged is None  # a host cache here: only the owner stages
+
+
+async def test_caches_by_id_and_by_key_move_staged() -> None:
+    async with peer_prompt("DEVICE") as (peer, decoder, _):
+        cm = decoder.cache_manager
+        cid = (await peer.call("allocate", num_tensors=4, shape=[8, 5000], placement="DEVICE",
+                               keys=[[1, 77, 0]]))["cache_id"]
+        await peer.call("fill", cache_id=cid, seed=14)
+        theirs = await peer_rows(peer, cid, 8, 5000)
+        dst = cm.allocate_cache(desc("DEVICE", 8, 5000))
+        ours = filled(dst, 15, 8)
+        await cm.pull_cache(CacheKeyByIdAndIndex(1, cid, 5), dst, 2)  # their batch 5 -> our 2
+        await cm.pull_cache(CacheKeyByIdAndIndex(1, cid, 1), dst, 3, src_layer_range=range(1),
+                            dst_layer_range=range(1))  # layer 0: tensors 0 and 1
+        await cm.pull_cache(CacheKey(1, 77, 0), dst, 6)  # by key: the owner lets the key go
+        got = rows(dst, 8)
+        for t in range(4):
+            expect = ours[t].copy()
+            expect[2] = theirs[t][5]
+            if t < 2:
+                expect[3] = theirs[t][1]
+            expect[6] = theirs[t][0]
+            assert np.array_equal(got[t], expect)
+        with pytest.raises(LLMException) as info:
+            await cm.pull_cache(CacheKey(1, 77, 0), dst, 6)
+        assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+        await cm.push_cache(CacheKeyByIdAndIndex(1, cid, 7), dst, 3)  # our batch 3 -> their 7
+        after = await peer_rows(peer, cid, 8, 5000)
+        assert all(np.array_equal(after[t][7], got[t][3]) for t in range(4))
+        assert all(np.array_equal(after[t][:7], theirs[t][:7]) for t in range(4))
+
+
+@pytest.mark.parametrize(("blocks", "block", "picked"), [
+    (40000, 1, 30000),  # 1-byte spans: more descriptors than one launch takes
+    (6, (16 << 20) + 3, 3),  # 16 MiB spans: each cut across chunks, unaligned
+    (64, 1000, 1),  # smaller than one chunk
+    (512, 65536, 400),  # many rings long (25 MiB a tensor), 64 KiB spans
+])
+async def test_chunks_are_cut_anywhere(blocks: int, block: int, picked: int) -> None:
+    rng = np.random.default_rng(blocks)
+    async with linked_pair(config=tcp_config()) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 0))
+        dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2))
+        theirs, ours = filled(src, 3, blocks), filled(dst, 4, blocks)
+        src_b = [int(b) for b in rng.permutation(blocks)[:picked]]
+        dst_b = [int(b) for b in rng.permutation(blocks)[:picked]]
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, src_b, dst_b)
+        got = rows(dst, blocks)
+        for t in range(2):
+            expect = ours[t].copy()
+            expect[dst_b] = theirs[t][src_b]
+            assert np.array_equal(got[t], expect)
+        await decoder.cache_manager.push_blocks(BlocksCacheKey(1, 0), dst, dst_b, src_b[::-1])
+        after = rows(src, blocks)
+        for t in range(2):
+            assert np.array_equal(after[t][src_b[::-1]], got[t][dst_b])
+
+
+def unsynced_rows(dd: LLMDataDist, cache: Cache, blocks: int) -> list[np.ndarray]:
+    """:func:`rows` read without synchronising the device first (``cuMemcpyDtoH`` alone does not wait for the
+    copy streams): what the memory holds now, even while copies are held."""
+    device = device_of(dd.cache_manager).runtime.device
+    device.make_current()
+    out = []
+    for addr in cache.tensor_addrs:
+        buf = np.empty(cache.cache_desc.size, dtype=np.uint8)
+        device.driver.call("cuMemcpyDtoH_v2", ctypes.c_void_p(buf.ctypes.data), ctypes.c_uint64(addr),
+                           ctypes.c_size_t(buf.nbytes))
+        out.append(buf.reshape(blocks, -1))
+    return out
+
+
+def _fake_symbol(dd: LLMDataDist, name: str) -> ctypes.c_int:
+    return ctypes.c_int.in_dll(device_of(dd.cache_manager).runtime.device.driver.lib, name)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(block=st.integers(1, 300_000), data=st.data(), delay_us=st.sampled_from([0, 50, 400]))
+def test_no_slot_is_reused_while_its_copy_runs(gpu_mode: str, monkeypatch: pytest.MonkeyPatch, block: int,
+                                               data: st.DataObject, delay_us: int) -> None:
+    """Property: whatever the span sizes and however late the device runs each copy, every byte lands where it
+    belongs (a slot overwritten while its gather or scatter still ran would corrupt a chunk)."""
+    if gpu_mode != "emulated":
+        pytest.skip("delays are the emulated GPU's")
+    monkeypatch.setenv("FAKE_CUDA_DELAY_US", str(delay_us))
+    blocks = max(2, min(200, (24 << 20) // block))
+    picked = data.draw(st.lists(st.integers(0, blocks - 1), min_size=1, max_size=blocks, unique=True))
+    targets = data.draw(st.permutations(range(blocks)))[:len(picked)]
+
+    async def run() -> None:
+        async with linked_pair(config=tcp_config()) as (prompt, decoder):
+            src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 0))
+            dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2))
+            theirs, ours = filled(src, block, blocks), filled(dst, 1, blocks)
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, picked, list(targets))
+            got = rows(dst, blocks)
+            for t in range(2):
+                expect = ours[t].copy()
+                expect[list(targets)] = theirs[t][picked]
+                assert np.array_equal(got[t], expect)
+
+    asyncio.run(run())
+
+
+async def test_a_cancelled_staged_pull_writes_nothing_after_it_returns(gpu_mode: str) -> None:
+    """Held copies (the emulated GPU's gate, or a large pull on a real one): a pull cut short by its timeout at
+    several points returns, and from then on its destination does not change, however long the held copies take;
+    the link then pulls byte-exact."""
+    blocks, block = 64, 1 << 20
+    async with linked_pair(config=tcp_config()) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 0))
+        dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2))
+        theirs = filled(src, 5, blocks)
+        hold = _fake_symbol(prompt, "fake_hold") if gpu_mode == "emulated" else None
+        everything = list(range(blocks))
+        for deadline in (0.0005, 0.005, 0.05):
+            fill_pattern(dst, 6)
+            release = None
+            if hold is not None:
+                hold.value = 1
+
+                async def let_go(after: float) -> None:  # the copies run only once the pull gave up
+                    await asyncio.sleep(after)
+                    hold.value = 0
+
+                release = asyncio.ensure_future(let_go(deadline + 0.2))
+            try:
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(deadline):
+                        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, everything, everything)
+                snapshot = unsynced_rows(decoder, dst, blocks)  # returned: no copy of this pull may still write
+            finally:
+                if release is not None:
+                    await release
+            await asyncio.sleep(0.1)  # whatever was held runs now: none of it may be this pull's
+            assert all(np.array_equal(a, b) for a, b in zip(unsynced_rows(decoder, dst, blocks), snapshot))
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, everything, everything[::-1])
+        got = rows(dst, blocks)
+        assert all(np.array_equal(got[t][::-1], theirs[t]) for t in range(2))
+
+
+async def test_a_device_fault_fails_the_call_and_the_link_stays_usable(gpu_mode: str) -> None:
+    if gpu_mode != "emulated":
+        pytest.skip("a sticky fault on a real GPU ends the process's context")
+    async with linked_pair(config=tcp_config()) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE"), BlocksCacheKey(1, 0))
+        host = prompt.cache_manager.allocate_blocks_cache(desc("HOST"), BlocksCacheKey(1, 1))
+        dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE"))
+        host_dst = decoder.cache_manager.allocate_blocks_cache(desc("HOST"))
+        theirs = filled(src, 7)
+        host_rows = filled(host, 8)
+        lib = device_of(prompt.cache_manager).runtime.device.driver.lib
+        lib.fake_fault(700)  # CUDA_ERROR_ILLEGAL_ADDRESS, sticky
+        try:
+            with pytest.raises(LLMException) as info:
+                async with asyncio.timeout(10):
+                    await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1, 2], [3, 4])
+            assert info.value.status_code == S.LLM_DEVICE_MEM_ERROR
+            assert "device" in str(info.value)
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 1), host_dst, [5], [6])  # host memory moves
+            assert all(np.array_equal(rows(host_dst)[t][6], host_rows[t][5]) for t in range(4))
+        finally:
+            lib.fake_reset()
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1, 2], [3, 4])
+        assert all(np.array_equal(rows(dst)[t][[3, 4]], theirs[t][[1, 2]]) for t in range(4))
+        assert len(decoder.links()) == 1
+
+
+async def test_a_stalled_owner_gives_a_timeout_and_the_link_recovers() -> None:
+    async with peer_prompt("DEVICE") as (peer, decoder, cid):
+        cm = decoder.cache_manager
+        dst = cm.allocate_blocks_cache(desc("DEVICE"))
+        await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])  # the rings exist
+        await peer.stop()
+        try:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises((TimeoutError, LLMException)):
+                async with asyncio.timeout(0.5):
+                    await cm.pull_blocks(BlocksCacheKey(1, 0), dst, list(range(BLOCKS)), list(range(BLOCKS)))
+            assert loop.time() - started < 5  # within the deadline (plus a loaded machine's slack)
+        finally:
+            peer.cont()
+        await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [3, 4], [5, 6])
+        theirs = await peer_rows(peer, cid)
+        assert all(np.array_equal(rows(dst)[t][[5, 6]], theirs[t][[3, 4]]) for t in range(4))
+
+
+async def test_a_killed_owner_fails_the_pull_within_its_deadline() -> None:
+    # every copy on the owner starts 3 s late: the pull is still running when the owner dies
+    async with peer_prompt("DEVICE", env={"FAKE_CUDA_DELAY_US": "3000000"},
+                           decoder_options={"llm.SyncKvCacheWaitTime": "20000"}) as (peer, decoder, _):
+        cm = decoder.cache_manager
+        dst = cm.allocate_blocks_cache(desc("DEVICE"))
+        pull = asyncio.ensure_future(cm.pull_blocks(BlocksCacheKey(1, 0), dst, list(range(BLOCKS)),
+                                                    list(range(BLOCKS))))
+        await asyncio.sleep(0.05)
+        await peer.kill()
+        loop = asyncio.get_running_loop()
+        killed = loop.time()
+        with pytest.raises(LLMException) as info:
+            await pull
+        assert loop.time() - killed < 10  # the link's end, not the 20 s deadline
+        assert info.value.status_code != S.LLM_SUCCESS
+
+
+async def test_staging_refused_by_the_requester_or_the_owner() -> None:
+    cfg = tcp_config()
+    async with linked_pair(config=cfg) as (prompt, decoder):
+        prompt.cache_manager.allocate_blocks_cache(desc("DEVICE"), BlocksCacheKey(1, 0))
+        host_src = prompt.cache_manager.allocate_blocks_cache(desc("HOST"), BlocksCacheKey(1, 1))
+        fill_pattern(host_src, 9)
+        async with LLMDataDist(LLMRole.DECODER, 3) as strict:
+            await strict.init({**TCP, "llm.DeviceStaging": "0"})
+            address = prompt.listen_address
+            assert address is not None
+            code, _ = await strict.link_clusters([cluster_info(1, address[1])], timeout=5000)
+            assert code == S.LLM_SUCCESS
+            assert strict.links()[0]["device_path"] == "refused"
+            dev = strict.cache_manager.allocate_blocks_cache(desc("DEVICE"))
+            host = strict.cache_manager.allocate_blocks_cache(desc("HOST"))
+            with pytest.raises(LLMException) as info:
+                await strict.cache_manager.pull_blocks(BlocksCacheKey(1, 1), dev, [0], [0])
+            assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED and "llm.DeviceStaging" in str(info.value)
+            await strict.cache_manager.pull_blocks(BlocksCacheKey(1, 1), host, [2], [3])  # host memory still moves
+            assert all(np.array_equal(rows(host)[t][3], rows(host_src)[t][2]) for t in range(4))
+    # The owner refuses: its option, its cache.
+    port = free_port()
+    owner_cfg = tcp_config()
+    owner_cfg.listen_ip_info = f"127.0.0.1:{port}"
+    async with LLMDataDist(LLMRole.PROMPT, 1) as owner, LLMDataDist(LLMRole.DECODER, 2) as decoder:
+        await owner.init({**dict(owner_cfg.generate_options()), "llm.DeviceStaging": "0"})
+        await decoder.init(TCP)
+        owner.cache_manager.allocate_blocks_cache(desc("DEVICE"), BlocksCacheKey(1, 0))
+        code, _ = await decoder.link_clusters([cluster_info(1, port)], timeout=5000)
+        assert code == S.LLM_SUCCESS
+        dst = decoder.cache_manager.allocate_blocks_cache(desc("HOST"))
+        with pytest.raises(LLMException) as info:
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+        assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
