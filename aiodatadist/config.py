@@ -47,6 +47,7 @@ class LLMConfig:
         "_curve_secret_key",
         "_device_id",
         "_directory",
+        "_device_staging",
         "_enable_cache_manager",
         "_enable_remote_cache_accessible",
         "_enable_switch_role",
@@ -83,6 +84,7 @@ class LLMConfig:
         self._auth_key: str | None = None
         self._net: str | None = None
         self._directory: bool | None = None
+        self._device_staging: bool | None = None
         self._tcp_connections: int | None = None
         self._curve_secret_key: str | None = None
         self._curve_peer_keys: str | None = None
@@ -364,6 +366,16 @@ class LLMConfig:
         self._directory = check_bool("directory", value)
 
     @property
+    def device_staging(self) -> bool | None:
+        """Whether TCP links move ``Placement.DEVICE`` caches staged through page-locked host memory (``False``:
+        they refuse them with ``LLM_FEATURE_NOT_ENABLED``, fail closed); ``None`` (unset) = on."""
+        return self._device_staging
+
+    @device_staging.setter
+    def device_staging(self, value: bool) -> None:
+        self._device_staging = check_bool("device_staging", value)
+
+    @property
     def tcp_connections(self) -> int | None:
         """Data connections of each TCP link this instance accepts as the server (the client opens as many as
         the server asks for), in [1, 16]; ``None`` (unset) = the ``AIODATADIST_TCP_CONNECTIONS`` variable, else
@@ -443,6 +455,7 @@ class LLMConfig:
             (OptionKey.AUTH_KEY, self._auth_key, str),
             (OptionKey.NET, self._net, str),
             (OptionKey.DIRECTORY, self._directory, _flag),
+            (OptionKey.DEVICE_STAGING, self._device_staging, _flag),
             (OptionKey.TCP_CONNECTIONS, self._tcp_connections, str),
             (OptionKey.CURVE_SECRET_KEY, self._curve_secret_key, str),
             (OptionKey.CURVE_PEER_KEYS, self._curve_peer_keys, str),

@@ -8,8 +8,9 @@ slots of one link and direction, allocated at the link's first device transfer t
 
 Every ring comes out of one budget of page-locked memory per process (``AIODATADIST_STAGING_BYTES``, 256 MiB by
 default), reported by ``LLMDataDist.stats()``.  A ring gets the slots it asks for while the budget has them, fewer
-when it is short; once the budget is spent, new rings share one ring per device (allocated first, out of the
-budget), and their transfers wait for its slots instead of failing.  Everything here goes through the
+when it is short; once the budget is spent, an instance's further links share one ring per direction (so that a
+process's sending never waits for its own receiving), whose transfers wait for its slots instead of failing.  A
+shared ring takes what the budget has left, at least one slot: the one allowance beyond the budget.  Everything here goes through the
 device-runtime interface (:class:`~aiodatadist.copy.device_runtime.DeviceRuntime`): no runtime's own calls.
 """
 
@@ -35,6 +36,7 @@ LANE_CAPACITY: Final = 16384
 is copied in several launches."""
 DEFAULT_BUDGET: Final = 256 << 20
 SHARED_SLOTS: Final = 2
+"""Slots of a shared ring, where the budget has them."""
 
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _get_pointer.restype, _get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
@@ -115,17 +117,16 @@ class StagingBudget:
         self._lock = threading.Lock()
         self._used = 0
         self._rings = 0
-        self._shared: dict[int, StagingRing] = {}  # by the runtime's identity: a device's shared ring
-        self._sharing = 0  # ring requests served by a shared ring
+        # the shared rings, by (the runtime's id, receiving): the ring and the links using it
+        self._shared: dict[tuple[int, bool], tuple[StagingRing, int]] = {}
 
-    def ring(self, runtime: DeviceRuntime, wanted: int) -> StagingRing:
-        """A ring of ``wanted`` slots, fewer if the budget is short, or the device's shared ring when it is
-        spent (the caller releases it with :meth:`give_back`)."""
+    def ring(self, runtime: DeviceRuntime, wanted: int, receiving: bool) -> StagingRing:
+        """A ring of ``wanted`` slots, fewer if the budget is short, or, once it is spent, the ring that the
+        links of ``runtime`` (one instance's device) share in that direction; release it with :meth:`give_back`."""
         with self._lock:
-            affordable = (self.total - self._used) // CHUNK_BYTES - (0 if self._shared else SHARED_SLOTS)
-            slots = min(wanted, affordable)
+            slots = min(wanted, (self.total - self._used) // CHUNK_BYTES)
             if slots <= 0:
-                return self._shared_ring(runtime)
+                return self._shared_ring(runtime, receiving)
             self._used += slots * CHUNK_BYTES
             self._rings += 1
         try:
@@ -136,30 +137,40 @@ class StagingBudget:
                 self._rings -= 1
             raise
 
-    def _shared_ring(self, runtime: DeviceRuntime) -> StagingRing:
-        shared = self._shared.get(id(runtime))
-        if shared is None:
+    def _shared_ring(self, runtime: DeviceRuntime, receiving: bool) -> StagingRing:
+        """(Under the lock.)  A shared ring lives while a link uses it; it takes what the budget has left, at
+        least one slot: the one allowance beyond the budget, one slot per instance and direction."""
+        key = (id(runtime), receiving)
+        found = self._shared.get(key)
+        if found is None:
             slots = max(1, min(SHARED_SLOTS, (self.total - self._used) // CHUNK_BYTES))
-            shared = self._shared[id(runtime)] = StagingRing(runtime, slots, shared=True)
-            self._used += shared.nbytes
-        self._sharing += 1
-        return shared
+            found = self._shared[key] = (StagingRing(runtime, slots, shared=True), 0)
+            self._used += found[0].nbytes
+        ring, users = found
+        self._shared[key] = (ring, users + 1)
+        return ring
 
     def give_back(self, ring: StagingRing) -> None:
-        """A link is done with ``ring`` (its I/O threads have ended)."""
+        """A link is done with ``ring`` (its I/O threads have ended): a ring of its own is freed, a shared one once
+        no link uses it any more."""
         with self._lock:
             if ring.shared:
-                self._sharing -= 1
-                return
+                key = next(k for k, (r, _) in self._shared.items() if r is ring)
+                users = self._shared[key][1] - 1
+                if users:
+                    self._shared[key] = (ring, users)
+                    return
+                del self._shared[key]
+            else:
+                self._rings -= 1
             self._used -= ring.nbytes
-            self._rings -= 1
         ring.close()
 
     def stats(self) -> dict[str, Any]:
         """The budget, what rings hold of it, how many there are, and how many links use a shared ring."""
         with self._lock:
             return {"budget_bytes": self.total, "used_bytes": self._used, "rings": self._rings,
-                    "shared_ring_users": self._sharing}
+                    "shared_rings": len(self._shared), "shared_ring_users": sum(n for _, n in self._shared.values())}
 
 
 _budget: StagingBudget | None = None

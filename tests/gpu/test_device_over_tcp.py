@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -368,3 +369,44 @@ async def test_staging_refused_by_the_requester_or_the_owner() -> None:
         with pytest.raises(LLMException) as info:
             await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
         assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
+
+
+async def test_a_spent_budget_makes_links_share_a_ring_and_wait_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget of five slots, this process holding both ends: the owner's first send ring takes four (two per
+    connection), the first receive ring the last one; every later ring shares its instance's ring of that direction
+    (one slot, the allowance beyond the budget); concurrent transfers on all of them wait for slots and land
+    byte-exact."""
+    from aiodatadist.copy import staging
+
+    small = staging.StagingBudget(5 * staging.CHUNK_BYTES)
+    monkeypatch.setattr(staging, "_budget", small)
+    blocks, block = 32, 256 << 10  # 8 MiB a tensor: several chunks per transfer
+    async with linked_pair(config=tcp_config()) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 0))
+        theirs = filled(src, 21, blocks)
+        address = prompt.listen_address
+        assert address is not None
+        others = [LLMDataDist(LLMRole.DECODER, 10 + i) for i in range(2)]
+        try:
+            for dd in others:
+                await dd.init(TCP)
+                assert (await dd.link_clusters([cluster_info(1, address[1])], timeout=5000))[0] == S.LLM_SUCCESS
+            everyone = [decoder, *others]
+            dsts = [dd.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2)) for dd in everyone]
+            order = list(range(blocks))[::-1]
+            pulls = [functools.partial(dd.cache_manager.pull_blocks, BlocksCacheKey(1, 0), dst, list(range(blocks)),
+                                       order) for dd, dst in zip(everyone, dsts)]
+            await pulls[0]()  # the first link's rings: the owner's send ring, then this receive ring
+            await asyncio.gather(*(pull() for pull in pulls * 2))  # on the rings they have, or shared ones
+            for dst in dsts:
+                got = rows(dst, blocks)
+                assert all(np.array_equal(got[t][order], theirs[t]) for t in range(2))
+            receive = [dd.links()[0]["staging"]["receive"] for dd in everyone]
+            send = sorted((link["remote_cluster_id"], link["staging"]["send"]) for link in prompt.links())
+            assert [(r["shared"], r["slots"]) for r in receive] == [(False, 1), (True, 1), (True, 1)]
+            assert [(r["shared"], r["slots"]) for _, r in send] == [(False, 4), (True, 1), (True, 1)]
+            assert small.stats() == {"budget_bytes": small.total, "used_bytes": small.total + 3 * staging.CHUNK_BYTES,
+                                     "rings": 2, "shared_rings": 3, "shared_ring_users": 4}
+        finally:
+            for dd in others:
+                await dd.finalize()

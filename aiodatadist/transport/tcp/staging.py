@@ -45,5 +45,5 @@ class DeviceStaging:
         if conns.staged(receiving):
             return
         runtime = self._runtime()
-        ring: StagingRing = budget().ring(runtime, SLOTS_PER_CONNECTION * max(1, conns.connections))
+        ring: StagingRing = budget().ring(runtime, SLOTS_PER_CONNECTION * max(1, conns.connections), receiving)
         conns.stage(receiving, ring, budget().give_back)

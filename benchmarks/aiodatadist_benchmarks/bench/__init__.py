@@ -533,10 +533,11 @@ def _format(r: dict[str, Any]) -> str:
     return text
 
 
-def _device_main(ordinal: int, repeat: int, quiet: bool, json_path: str | None) -> int:
+def _device_main(ordinal: int, repeat: int, quiet: bool, json_path: str | None, tcp: bool = False) -> int:
     from aiodatadist import LLMException
 
     from .device import print_rows, run_device_bench
+    from .device_tcp import run_device_tcp_bench
 
     try:
         device = probes.gpu(ordinal)
@@ -546,8 +547,8 @@ def _device_main(ordinal: int, repeat: int, quiet: bool, json_path: str | None) 
     progress = stderr_progress(quiet)
 
     sys.stdout.write(f"aiodatadist bench --device: {device.name} ({probes.cuda_status()}, {device.driver.path}), "
-                     f"repeat={repeat}; medians, baselines measured in this run\n")
-    rows = asyncio.run(run_device_bench(repeat, ordinal, progress))
+                     f"repeat={repeat}{', over a TCP link' if tcp else ''}; medians, baselines measured in this run\n")
+    rows = asyncio.run((run_device_tcp_bench if tcp else run_device_bench)(repeat, ordinal, progress))
     print_rows(rows)
     if json_path:
         with open(json_path, "w") as f:
@@ -583,10 +584,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--device", nargs="?", const=0, type=int, metavar="ORDINAL",
                         help="run the GPU workloads instead (CUDA device ORDINAL, default 0): cross-process "
-                             "device pulls/pushes and swap_blocks, against the GPU's own cuMemcpy")
+                             "device pulls/pushes and swap_blocks, against the GPU's own cuMemcpy; with "
+                             "--transport tcp, device caches over a TCP link against the host-memory TCP plane")
     args = parser.parse_args(argv)
     if args.device is not None:
-        return _device_main(args.device, args.repeat, args.quiet, args.json)
+        return _device_main(args.device, args.repeat, args.quiet, args.json, tcp=args.transport == "tcp")
     names = [ALIASES.get(w, w) for w in args.workloads]
     unknown = set(names) - set(WORKLOADS)
     if unknown:

@@ -294,6 +294,9 @@ async def _check(prompt: PeerProcess, cache_id: int, dst: Any, src_blocks: list[
 def print_rows(rows: list[dict[str, Any]]) -> None:
     sys.stdout.write(f"{'workload':<30} {'GB/s':>8}  {'baseline':<10} {'GB/s':>8}  ratio\n")
     for r in rows:
+        if "info" in r:
+            sys.stdout.write(f"{r['name']}: {r['info']}\n")
+            continue
         if "p50_us" in r:
             sys.stdout.write(f"{r['name']:<30} p50 {r['p50_us']:.1f} us  p99 {r['p99_us']:.1f} us ({r['runs']} calls)\n")
             continue

@@ -1,0 +1,122 @@
+"""``bench --device --transport tcp``: device caches over a TCP link (staged through page-locked memory), against
+the host-memory TCP plane and the GPU's page-locked copies, all measured in the same run.
+
+A prompt in another process and a decoder here, linked with ``llm.Transport=tcp`` on loopback; each side has a
+device and a host blocks cache of 64 tensors x 256 blocks of 32 KiB, and 128 scattered blocks of each tensor move
+(256 MiB):
+
+* ``tcp host pull`` / ``tcp host push``: host cache to host cache: the baseline the device rows are held to;
+* ``tcp d2d pull`` / ``tcp d2d push``: device cache to device cache (both sides staged);
+* ``tcp host->dev pull`` / ``tcp dev->host pull``: one side staged;
+* ``tcp d2d pull 2 MiB`` / ``tcp host pull 2 MiB``: one block of each tensor, p50/p99 over ``max(200, 20 x
+  repeat)`` calls;
+* the GPU's own ``cuMemcpyDtoH`` / ``cuMemcpyHtoD`` of 256 MiB page-locked memory, for scale.
+
+GB/s = bytes moved / second; medians over ``--repeat``; every kind of transfer is checked byte-exact once.  On the
+emulated GPU (no NVIDIA GPU) the device copies are CPU copies, so the ratios bound the pipeline's own cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from aiodatadist import BlocksCacheKey, LLMConfig, LLMDataDist, LLMRole, Placement
+from aiodatadist.testing import PeerProcess, cluster_info, free_port
+
+from .device import BLOCKS, MOVED, MOVED_BYTES, _check, _desc, _gbps, _median_async, baselines
+from .timing import times as _times
+
+__all__ = ["run_device_tcp_bench"]
+
+
+async def run_device_tcp_bench(repeat: int, ordinal: int = 0,
+                               progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
+    """Run the device-over-TCP workloads; one row per figure (``name``, ``gbps``, ``baseline``, ``ratio``)."""
+    progress("baselines: cuMemcpy device-to-device and page-locked host<->device, 256 MiB")
+    base = await asyncio.to_thread(baselines, ordinal, repeat)
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, gbps: float, baseline: str) -> None:
+        rows.append({"name": name, "gbps": gbps, "baseline": baseline, "baseline_gbps": base[baseline],
+                     "ratio": gbps / base[baseline]})
+        progress(f"{name}: {gbps:.2f} GB/s ({gbps / base[baseline]:.2f}x {baseline})")
+
+    rng = np.random.default_rng(1)
+    src_blocks = [int(b) for b in rng.permutation(BLOCKS)[:MOVED]]
+    dst_blocks = [int(b) for b in rng.permutation(BLOCKS)[:MOVED]]
+    port = free_port()
+    cfg = LLMConfig()
+    cfg.listen_ip_info = f"127.0.0.1:{port}"
+    cfg.device_id = ordinal
+    cfg.transport = "tcp"
+    prompt = await PeerProcess.start()
+    try:
+        await prompt.call("init", role="PROMPT", cluster_id=1, options=dict(cfg.generate_options()))
+        shape = {"num_tensors": 64, "shape": [BLOCKS, 32 << 10], "blocks": True}
+        dev_src = (await prompt.call("allocate", **shape, placement="DEVICE", blocks_key=[1, 0]))["cache_id"]
+        host_src = (await prompt.call("allocate", **shape, placement="HOST", blocks_key=[1, 1]))["cache_id"]
+        await prompt.call("fill", cache_id=dev_src, seed=3)
+        await prompt.call("fill", cache_id=host_src, seed=4)
+        mine = LLMConfig()
+        mine.device_id = ordinal
+        mine.transport = "tcp"
+        async with LLMDataDist(LLMRole.DECODER, 2) as decoder:
+            await decoder.init(dict(mine.generate_options()))
+            code, _ = await decoder.link_clusters([cluster_info(1, port)], timeout=10_000)
+            if int(code) != 0:
+                raise RuntimeError(f"link failed: {code!r}")
+            cm = decoder.cache_manager
+            dev = cm.allocate_blocks_cache(_desc(Placement.DEVICE))
+            host = cm.allocate_blocks_cache(_desc(Placement.HOST))
+            host_gbps: dict[str, float] = {}
+
+            async def measured(name: str, call: Callable[[], Any], against: str | None) -> float:
+                progress(f"{name}: 64 x 128 scattered 32 KiB blocks over TCP")
+                gbps = _gbps(MOVED_BYTES, await _median_async(call, repeat))
+                entry: dict[str, Any] = {"name": name, "gbps": gbps}
+                if against is not None:
+                    entry.update(baseline=against, baseline_gbps=host_gbps[against], ratio=gbps / host_gbps[against])
+                    progress(f"{name}: {gbps:.2f} GB/s ({gbps / host_gbps[against]:.2f}x {against})")
+                else:
+                    entry.update(baseline="-", baseline_gbps=gbps, ratio=1.0)
+                rows.append(entry)
+                return gbps
+
+            def pull(model: int, dst: Any) -> Callable[[], Any]:
+                return functools.partial(cm.pull_blocks, BlocksCacheKey(1, model), dst, src_blocks, dst_blocks)
+
+            def push(model: int, src: Any) -> Callable[[], Any]:
+                return functools.partial(cm.push_blocks, BlocksCacheKey(1, model), src, dst_blocks, src_blocks)
+
+            host_gbps["tcp host pull"] = await measured("tcp host pull", pull(1, host), None)
+            await _check(prompt, host_src, host, src_blocks, dst_blocks)
+            await measured("tcp d2d pull", pull(0, dev), "tcp host pull")
+            await _check(prompt, dev_src, dev, src_blocks, dst_blocks)
+            await measured("tcp host->dev pull", pull(1, dev), "tcp host pull")
+            await _check(prompt, host_src, dev, src_blocks, dst_blocks)
+            await measured("tcp dev->host pull", pull(0, host), "tcp host pull")
+            await _check(prompt, dev_src, host, src_blocks, dst_blocks)
+            host_gbps["tcp host push"] = await measured("tcp host push", push(1, host), None)
+            await measured("tcp d2d push", push(0, dev), "tcp host push")
+            await _check(prompt, dev_src, dev, src_blocks, dst_blocks)  # (what it pushed is what it had pulled)
+            row("tcp d2d pull, vs page-locked d2h", rows[1]["gbps"], "d2h")
+            row("tcp d2d pull, vs page-locked h2d", rows[1]["gbps"], "h2d")
+            runs = max(200, 20 * repeat)
+            for name, model, dst in (("tcp host pull 2 MiB", 1, host), ("tcp d2d pull 2 MiB", 0, dev)):
+                progress(f"{name} x {runs}: one block of each tensor")
+                call = functools.partial(cm.pull_blocks, BlocksCacheKey(1, model), dst, [src_blocks[0]],
+                                         [dst_blocks[0]])
+                lat = sorted(t * 1e6 for t in await _times(call, runs, warmup=10))
+                rows.append({"name": name, "p50_us": statistics.median(lat),
+                             "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
+            rows.append({"name": "staging", "info": decoder.links()[0]["staging"]})
+        await prompt.call("finalize")
+    finally:
+        await prompt.close()
+    return rows
