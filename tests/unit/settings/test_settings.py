@@ -44,7 +44,7 @@ def test_every_variable_is_a_knob() -> None:
         "AIODATADIST_EXECUTOR", "AIODATADIST_COPY_THREADS", "AIODATADIST_COPY_NICE",
         "AIODATADIST_COPY_SPIN_US", "AIODATADIST_POLL_US",
         "AIODATADIST_SAME_HOST", "AIODATADIST_NET", "AIODATADIST_DIRECTORY", "AIODATADIST_TCP_CONNECTIONS",
-        "AIODATADIST_TCP_CONGESTION", "AIODATADIST_HUGE_PAGES", "AIODATADIST_LIBCUDA",
+        "AIODATADIST_TCP_CONGESTION", "AIODATADIST_HUGE_PAGES", "AIODATADIST_STAGING_BYTES", "AIODATADIST_LIBCUDA",
     ]
     assert {k.field for k in KNOBS} <= set(EnvKnobs.__dataclass_fields__)
 
@@ -87,6 +87,8 @@ def test_defaults_are_those_of_before(caplog: pytest.LogCaptureFixture) -> None:
     ("AIODATADIST_HUGE_PAGES", "on", "huge_pages", "on"),
     ("AIODATADIST_HUGE_PAGES", "off", "huge_pages", "off"),
     ("AIODATADIST_HUGE_PAGES", "try", "huge_pages", "try"),
+    ("AIODATADIST_STAGING_BYTES", "4194304", "staging_bytes", 4 << 20),
+    ("AIODATADIST_STAGING_BYTES", "1073741824", "staging_bytes", 1 << 30),
     ("AIODATADIST_SAME_HOST", "map", "same_host", frozenset({"map"})),
     ("AIODATADIST_SAME_HOST", " pvm , map ", "same_host", frozenset({"map", "pvm"})),
     ("AIODATADIST_SAME_HOST", "", "same_host", frozenset()),  # empty: no same-host mechanism
@@ -135,6 +137,8 @@ def test_an_empty_value_is_unset(env: str, caplog: pytest.LogCaptureFixture) -> 
     ("AIODATADIST_TCP_CONGESTION", "x" * 16, "tcp_congestion", "auto", "a congestion control algorithm"),
     ("AIODATADIST_HUGE_PAGES", "ON", "huge_pages", "try", '"try", "on" or "off"'),
     ("AIODATADIST_HUGE_PAGES", "1", "huge_pages", "try", '"try", "on" or "off"'),
+    ("AIODATADIST_STAGING_BYTES", "1000", "staging_bytes", 256 << 20, "[4194304, 1099511627776]"),
+    ("AIODATADIST_STAGING_BYTES", "64MiB", "staging_bytes", 256 << 20, "[4194304, 1099511627776]"),
     ("AIODATADIST_SAME_HOST", "map,mmap", "same_host", frozenset({"map"}), '"map", "pvm" and "fds"'),
     ("AIODATADIST_SAME_HOST", "shm", "same_host", frozenset(), '"map", "pvm" and "fds"'),
 ])
