@@ -5,8 +5,9 @@ A prompt in another process and a decoder here, linked with ``llm.Transport=tcp`
 device and a host blocks cache of 64 tensors x 256 blocks of 32 KiB, and 128 scattered blocks of each tensor move
 (256 MiB):
 
-* ``tcp host pull`` / ``tcp host push``: host cache to host cache: the baseline the device rows are held to;
-* ``tcp d2d pull`` / ``tcp d2d push``: device cache to device cache (both sides staged);
+* ``tcp d2d pull`` / ``tcp d2d push``: device cache to device cache (both sides staged), each run in turn with
+  the same transfer between the two host caches (``tcp host pull`` / ``tcp host push``), the baseline it is held
+  to;
 * ``tcp host->dev pull`` / ``tcp dev->host pull``: one side staged;
 * ``tcp d2d pull 2 MiB`` / ``tcp host pull 2 MiB``: one block of each tensor, p50/p99 over ``max(200, 20 x
   repeat)`` calls;
@@ -29,8 +30,8 @@ import numpy as np
 from aiodatadist import BlocksCacheKey, LLMConfig, LLMDataDist, LLMRole, Placement
 from aiodatadist.testing import PeerProcess, cluster_info, free_port
 
-from .device import BLOCKS, MOVED, MOVED_BYTES, _check, _desc, _gbps, _median_async, baselines
-from .timing import times as _times
+from .device import BLOCKS, MOVED, MOVED_BYTES, _check, _desc, _gbps, baselines
+from .timing import interleaved_times
 
 __all__ = ["run_device_tcp_bench"]
 
@@ -74,18 +75,17 @@ async def run_device_tcp_bench(repeat: int, ordinal: int = 0,
             cm = decoder.cache_manager
             dev = cm.allocate_blocks_cache(_desc(Placement.DEVICE))
             host = cm.allocate_blocks_cache(_desc(Placement.HOST))
-            host_gbps: dict[str, float] = {}
-
-            async def measured(name: str, call: Callable[[], Any], against: str | None) -> float:
-                progress(f"{name}: 64 x 128 scattered 32 KiB blocks over TCP")
-                gbps = _gbps(MOVED_BYTES, await _median_async(call, repeat))
-                entry: dict[str, Any] = {"name": name, "gbps": gbps}
-                if against is not None:
-                    entry.update(baseline=against, baseline_gbps=host_gbps[against], ratio=gbps / host_gbps[against])
-                    progress(f"{name}: {gbps:.2f} GB/s ({gbps / host_gbps[against]:.2f}x {against})")
-                else:
-                    entry.update(baseline="-", baseline_gbps=gbps, ratio=1.0)
-                rows.append(entry)
+            async def measured(name: str, call: Callable[[], Any], against: str,
+                               baseline: Callable[[], Any]) -> float:
+                """``call`` and its host-memory ``baseline`` in turn, ``repeat`` times each (a loaded machine's
+                noise falls on both alike): both medians, and the row of their ratio."""
+                progress(f"{name}: 64 x 128 scattered 32 KiB blocks over TCP, in turn with {against}")
+                ours, theirs = await interleaved_times([call, baseline], repeat)
+                await call()  # last: the destination holds what it moved, for the check that follows
+                gbps, base_gbps = (_gbps(MOVED_BYTES, statistics.median(t)) for t in (ours, theirs))
+                rows.append({"name": name, "gbps": gbps, "baseline": against, "baseline_gbps": base_gbps,
+                             "ratio": gbps / base_gbps})
+                progress(f"{name}: {gbps:.2f} GB/s ({gbps / base_gbps:.2f}x {against} at {base_gbps:.2f})")
                 return gbps
 
             def pull(model: int, dst: Any) -> Callable[[], Any]:
@@ -94,27 +94,32 @@ async def run_device_tcp_bench(repeat: int, ordinal: int = 0,
             def push(model: int, src: Any) -> Callable[[], Any]:
                 return functools.partial(cm.push_blocks, BlocksCacheKey(1, model), src, dst_blocks, src_blocks)
 
-            host_gbps["tcp host pull"] = await measured("tcp host pull", pull(1, host), None)
+            host_pull, host_push = pull(1, host), push(1, host)
+            await host_pull()
             await _check(prompt, host_src, host, src_blocks, dst_blocks)
-            await measured("tcp d2d pull", pull(0, dev), "tcp host pull")
+            d2d = await measured("tcp d2d pull", pull(0, dev), "tcp host pull", host_pull)
             await _check(prompt, dev_src, dev, src_blocks, dst_blocks)
-            await measured("tcp host->dev pull", pull(1, dev), "tcp host pull")
+            await measured("tcp host->dev pull", pull(1, dev), "tcp host pull", host_pull)
             await _check(prompt, host_src, dev, src_blocks, dst_blocks)
-            await measured("tcp dev->host pull", pull(0, host), "tcp host pull")
+            await measured("tcp dev->host pull", pull(0, host), "tcp host pull", host_pull)
             await _check(prompt, dev_src, host, src_blocks, dst_blocks)
-            host_gbps["tcp host push"] = await measured("tcp host push", push(1, host), None)
-            await measured("tcp d2d push", push(0, dev), "tcp host push")
-            await _check(prompt, dev_src, dev, src_blocks, dst_blocks)  # (what it pushed is what it had pulled)
-            row("tcp d2d pull, vs page-locked d2h", rows[1]["gbps"], "d2h")
-            row("tcp d2d pull, vs page-locked h2d", rows[1]["gbps"], "h2d")
+            # (the pushes write back what was pulled: the check holds after them too)
+            await measured("tcp d2d push", push(0, dev), "tcp host push", host_push)
+            await _check(prompt, dev_src, dev, src_blocks, dst_blocks)
+            row("tcp d2d pull, vs page-locked d2h", d2d, "d2h")
+            row("tcp d2d pull, vs page-locked h2d", d2d, "h2d")
             runs = max(200, 20 * repeat)
-            for name, model, dst in (("tcp host pull 2 MiB", 1, host), ("tcp d2d pull 2 MiB", 0, dev)):
-                progress(f"{name} x {runs}: one block of each tensor")
-                call = functools.partial(cm.pull_blocks, BlocksCacheKey(1, model), dst, [src_blocks[0]],
-                                         [dst_blocks[0]])
-                lat = sorted(t * 1e6 for t in await _times(call, runs, warmup=10))
-                rows.append({"name": name, "p50_us": statistics.median(lat),
-                             "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
+            progress(f"2 MiB pulls x {runs}, host and device in turn: one block of each tensor")
+            small = {name: functools.partial(cm.pull_blocks, BlocksCacheKey(1, model), dst, [src_blocks[0]],
+                                             [dst_blocks[0]])
+                     for name, model, dst in (("tcp host pull 2 MiB", 1, host), ("tcp d2d pull 2 MiB", 0, dev))}
+            samples = await interleaved_times(list(small.values()), runs, warmup=10)
+            for name, seconds in zip(small, samples):
+                got = sorted(t * 1e6 for t in seconds)
+                rows.append({"name": name, "p50_us": statistics.median(got),
+                             "p99_us": got[max(0, int(len(got) * 0.99) - 1)], "runs": len(got)})
+            rows.append({"name": "tcp d2d pull 2 MiB p50, vs the host's", "info":
+                         f"{rows[-1]['p50_us'] / rows[-2]['p50_us']:.2f}x"})
             rows.append({"name": "staging", "info": decoder.links()[0]["staging"]})
         await prompt.call("finalize")
     finally:
