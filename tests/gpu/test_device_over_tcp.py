@@ -28,12 +28,14 @@ from aiodatadist import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
+    LayerSynchronizer,
     LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
     Placement,
+    TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
 
@@ -410,3 +412,60 @@ async def test_a_spent_budget_makes_links_share_a_ring_and_wait_for_it(monkeypat
         finally:
             for dd in others:
                 await dd.finalize()
+
+
+class _OpenGate(LayerSynchronizer):
+    """Every layer ready at once (the layer-wise push goes out layer by layer all the same)."""
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+async def test_layer_wise_pushes_of_device_caches_are_staged() -> None:
+    layers = 4
+    async with linked_pair(config=tcp_config()) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", 8, 5000, 2 * layers))
+        dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", 8, 5000, 2 * layers), BlocksCacheKey(2, 0))
+        mine, theirs = filled(src, 31, 8), filled(dst, 32, 8)
+        configs = [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(1, 4), range(3))]
+        task = prompt.cache_manager.transfer_cache_async(src, _OpenGate(), configs, [1, 5, 6], [0, 3, 7])
+        assert await task == S.LLM_SUCCESS
+        got = rows(dst, 8)
+        for t in range(2 * layers):
+            expect = theirs[t].copy()
+            if t < 6:  # destination layers 0-2 (tensors 0-5) from source layers 1-3 (tensors 2-7)
+                expect[[0, 3, 7]] = mine[t + 2][[1, 5, 6]]
+            assert np.array_equal(got[t], expect)
+
+
+async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(gpu_mode: str) -> None:
+    """The owner deallocates the device cache a pull is reading (its copies held on the emulated GPU): the pull
+    fails or completes, never hangs or crashes, nothing lands after it returned, and the link moves the next
+    cache byte-exact."""
+    if gpu_mode != "emulated":
+        pytest.skip("needs the emulated GPU's gate to hold the owner's copies")
+    blocks, block = 16, 1 << 20
+    async with linked_pair(config=tcp_config()) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 0))
+        dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2))
+        filled(src, 41, blocks)
+        hold = _fake_symbol(prompt, "fake_hold")
+        hold.value = 1
+        everything = list(range(blocks))
+        pull = asyncio.ensure_future(decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, everything,
+                                                                       everything))
+        await asyncio.sleep(0.05)
+        releasing = asyncio.ensure_future(asyncio.to_thread(prompt.cache_manager.deallocate_blocks_cache, src))
+        await asyncio.sleep(0.05)
+        hold.value = 0
+        await releasing
+        outcome = await asyncio.gather(pull, return_exceptions=True)
+        assert outcome[0] is None or isinstance(outcome[0], LLMException), outcome
+        snapshot = unsynced_rows(decoder, dst, blocks)
+        await asyncio.sleep(0.1)
+        assert all(np.array_equal(a, b) for a, b in zip(unsynced_rows(decoder, dst, blocks), snapshot))
+        again = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 1))
+        theirs = filled(again, 42, blocks)
+        await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 1), dst, [3, 4], [5, 6])
+        got = rows(dst, blocks)
+        assert all(np.array_equal(got[t][[5, 6]], theirs[t][[3, 4]]) for t in range(2))
