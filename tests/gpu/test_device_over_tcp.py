@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -454,11 +455,13 @@ async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(gpu_mode: 
         everything = list(range(blocks))
         pull = asyncio.ensure_future(decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, everything,
                                                                        everything))
-        await asyncio.sleep(0.05)
-        releasing = asyncio.ensure_future(asyncio.to_thread(prompt.cache_manager.deallocate_blocks_cache, src))
-        await asyncio.sleep(0.05)
-        hold.value = 0
-        await releasing
+        await asyncio.sleep(0.05)  # the owner's gathers are held: the pull is under way
+        let_go = threading.Timer(0.3, lambda: setattr(hold, "value", 0))  # (the release may wait for them)
+        let_go.start()
+        try:
+            prompt.cache_manager.deallocate_blocks_cache(src)
+        finally:
+            let_go.join()
         outcome = await asyncio.gather(pull, return_exceptions=True)
         assert outcome[0] is None or isinstance(outcome[0], LLMException), outcome
         snapshot = unsynced_rows(decoder, dst, blocks)

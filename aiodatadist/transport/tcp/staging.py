@@ -45,5 +45,10 @@ class DeviceStaging:
         if conns.staged(receiving):
             return
         runtime = self._runtime()
-        ring: StagingRing = budget().ring(runtime, SLOTS_PER_CONNECTION * max(1, conns.connections), receiving)
-        conns.stage(receiving, ring, budget().give_back)
+        rings = budget()
+        ring: StagingRing = rings.ring(runtime, SLOTS_PER_CONNECTION * max(1, conns.connections), receiving)
+        try:
+            conns.stage(receiving, ring, rings.give_back)
+        except BaseException:  # the link closed meanwhile
+            rings.give_back(ring)
+            raise
