@@ -31,7 +31,7 @@ PER_TEST=()
 if $PY -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout 100); fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . -e ./benchmarks >> "$OUTDIR/env.txt" 2>&1
 $PY -m aiodatadist info >> "$OUTDIR/env.txt" 2>&1
-timeout 200 $PY -m pytest -q -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} tests/gpu tests/unit/copy/test_device_cpu.py \
+timeout 180 $PY -m pytest -q -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} tests/gpu tests/unit/copy/test_device_cpu.py \
   tests/unit/cuda/test_cuda_cpu.py tests/integration/test_device_refused.py tests/unit/api/test_torch.py \
   > "$OUTDIR/gpu-tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUTDIR/gpu-tests.txt"
@@ -41,6 +41,9 @@ echo "bench rc=$?" >> "$OUTDIR/bench-device.txt"
 timeout 60 $PY -m aiodatadist bench --device --transport tcp --repeat 5 --json "$OUTDIR/bench-device-tcp.json" \
   > "$OUTDIR/bench-device-tcp.txt" 2>&1
 echo "bench tcp rc=$?" >> "$OUTDIR/bench-device-tcp.txt"
+# An engine's CUDA KV (torch tensors, aiodatadist.torch) between two processes over TCP, blocking API: its figure.
+timeout 40 $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_torch_over_tcp.py > "$OUTDIR/torch-over-tcp.txt" 2>&1
+echo "torch over tcp rc=$?" >> "$OUTDIR/torch-over-tcp.txt"
 if $PY -c "import nixl._api" 2>/dev/null || $PY -c "import nixl" 2>/dev/null; then
   timeout 60 $PY -m aiodatadist_benchmarks.bench.nixl_vram --repeat 5 > "$OUTDIR/nixl-vram.txt" 2> "$OUTDIR/nixl-vram-ucx.txt"
   echo "nixl rc=$?" >> "$OUTDIR/nixl-vram.txt"
@@ -50,3 +53,4 @@ else
 fi
 tail -n 30 "$OUTDIR/gpu-tests.txt"
 cat "$OUTDIR/bench-device.txt" "$OUTDIR/bench-device-tcp.txt" "$OUTDIR/nixl-vram.txt"
+grep -h "GB/s\|passed\|failed\|rc=" "$OUTDIR/torch-over-tcp.txt"
