@@ -31,7 +31,7 @@ PER_TEST=()
 if $PY -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout 100); fi
 $PY -m pip install -q --no-build-isolation --no-deps -e . -e ./benchmarks >> "$OUTDIR/env.txt" 2>&1
 $PY -m aiodatadist info >> "$OUTDIR/env.txt" 2>&1
-timeout 180 $PY -m pytest -q -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} tests/gpu tests/unit/copy/test_device_cpu.py \
+timeout 180 $PY -m pytest -q -p no:cacheprovider -rs ${PER_TEST[@]+"${PER_TEST[@]}"} --ignore=tests/gpu/test_torch_over_tcp.py tests/gpu tests/unit/copy/test_device_cpu.py \
   tests/unit/cuda/test_cuda_cpu.py tests/integration/test_device_refused.py tests/unit/api/test_torch.py \
   > "$OUTDIR/gpu-tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUTDIR/gpu-tests.txt"
