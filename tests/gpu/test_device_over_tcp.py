@@ -472,3 +472,29 @@ async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(gpu_mode: 
         await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 1), dst, [3, 4], [5, 6])
         got = rows(dst, blocks)
         assert all(np.array_equal(got[t][[5, 6]], theirs[t][[3, 4]]) for t in range(2))
+
+
+async def test_a_device_cache_moves_one_sided_with_a_host_owner() -> None:
+    """Once the owner resolved its host cache, a device cache here pulls from it and pushes into it with no
+    control round trip (the owner's I/O threads serve the host side; this side stages its own): no BEGIN goes
+    out for the repeated calls, the owner counts them as one-sided, and every byte lands."""
+    async with linked_pair(config=tcp_config()) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(desc("HOST", 64, 65536, 2), BlocksCacheKey(1, 0))
+        dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", 64, 65536, 2))
+        theirs = filled(src, 51, 64)
+        cm = decoder.cache_manager
+
+        def begins() -> int:
+            return next(m.sent.get("begin", 0) for m in decoder.stats().messages if m.remote_cluster_id == 1)
+
+        await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])  # resolves the key (through the owner)
+        before = begins()
+        await cm.pull_blocks(BlocksCacheKey(1, 0), dst, list(range(0, 64, 2)), list(range(32)))
+        got = rows(dst, 64)
+        assert all(np.array_equal(got[t][:32], theirs[t][0:64:2]) for t in range(2))
+        await cm.push_blocks(BlocksCacheKey(1, 0), dst, [0, 1, 2], [61, 62, 63])
+        after = rows(src, 64)
+        assert all(np.array_equal(after[t][61:], got[t][:3]) for t in range(2))
+        assert begins() == before  # neither went through the owner
+        served = prompt.stats().served_of(2, "pull")
+        assert served is not None and served.bytes >= 2 * 32 * 65536

@@ -199,11 +199,11 @@ ADT_INTERNAL int adt_net_set_destination(void *net, void *job, const uint64_t *b
 ADT_INTERNAL void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id,
                                 int64_t model_id, const uint64_t *bases, size_t ntensors, const uint64_t *offsets,
                                 const uint64_t *lengths, size_t nruns, const uint64_t *local_bases,
-                                const uint64_t *local_offsets, int defer);
+                                const uint64_t *local_offsets, int defer, int staged);
 ADT_INTERNAL void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id,
                                  int64_t model_id, const uint64_t *remote_bases, size_t nt,
                                  const uint64_t *remote_offs, const uint64_t *lens, size_t nr,
-                                 const uint64_t *local_bases, const uint64_t *local_offs);
+                                 const uint64_t *local_bases, const uint64_t *local_offs, int staged);
 ADT_INTERNAL int adt_net_job_done(void *job);
 ADT_INTERNAL int adt_net_job_reap(void *net, void *job, int *error, int *status);
 

@@ -191,10 +191,13 @@ static void release_buffers(Py_buffer *b, int count)
  * offsets here (tensor t's run r pairs with tensor t's run r); the arrays (8-byte items) are copied by the callee. */
 static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int write)
 {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, write ? "net_write takes 11 arguments" : "net_read takes 11 arguments");
+    if (nargs != 11 && nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, write ? "net_write takes 11 or 12 arguments"
+                                               : "net_read takes 11 or 12 arguments");
         return NULL;
     }
+    int staged = nargs == 12 ? PyObject_IsTrue(args[11]) : 0;
+    if (staged < 0) return NULL;
     void *net = PyLong_AsVoidPtr(args[0]);
     uint64_t key = PyLong_AsUnsignedLongLongMask(args[1]), stamp = PyLong_AsUnsignedLongLongMask(args[3]);
     uint64_t cache_id = PyLong_AsUnsignedLongLongMask(args[4]);
@@ -209,10 +212,10 @@ static PyObject *net_one_sided(PyObject *const *args, Py_ssize_t nargs, int writ
         PyErr_SetString(PyExc_ValueError, "grid arrays of different lengths");
     else if (write)
         job = adt_net_write(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, nt, b[1].buf,
-                            b[2].buf, nr, b[3].buf, b[4].buf);
+                            b[2].buf, nr, b[3].buf, b[4].buf, staged);
     else
         job = adt_net_read(net, key, (int64_t)row, stamp, cache_id, (int64_t)model, b[0].buf, nt, b[1].buf,
-                           b[2].buf, nr, b[3].buf, b[4].buf, 1);
+                           b[2].buf, nr, b[3].buf, b[4].buf, 1, staged);
     release_buffers(b, 5);
     if (PyErr_Occurred()) return NULL;
     return PyLong_FromVoidPtr(job);

@@ -871,19 +871,24 @@ static void *start_send(adt_net *n, net_job *j)
 
 /* Two-sided send: the bytes of a grid (run r of tensor t at bases[t] + offs[r], lens[r] bytes, tensor-major: a
  * plan's order; a list of spans is a grid of one tensor at 0) as transfer `key` (copied arrays). */
+/* A send job of device memory: staged, its frames at most a slot long (frame_for may make them longer). */
+static void staged_frames(adt_net *n, net_job *j)
+{
+    uint64_t slot = n->stage[0] ? adt_stage_slot_bytes(n->stage[0]) : 0;
+    if (slot && j->frame_bytes > slot) {
+        j->frame_bytes = slot;
+        j->nframes = (size_t)((j->total + slot - 1) / slot);
+    }
+    j->staged = 1;
+}
+
 void *adt_net_send(void *net, uint64_t key, const uint64_t *bases, size_t nt, const uint64_t *offs,
                    const uint64_t *lens, size_t nr, int staged)
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
-    uint64_t frame = n->frame;
-    if (staged && n->stage[0] && adt_stage_slot_bytes(n->stage[0]) < frame) frame = adt_stage_slot_bytes(n->stage[0]);
-    if (!j || copied_grid_job(j, bases, nt, offs, lens, nr, frame, n->nconns)) { free_job(j); return NULL; }
-    if (staged && j->frame_bytes > frame) {   /* a frame fits a slot (frame_for may make them longer) */
-        j->frame_bytes = frame;
-        j->nframes = (size_t)((j->total + frame - 1) / frame);
-    }
-    j->staged = staged;
+    if (!j || copied_grid_job(j, bases, nt, offs, lens, nr, n->frame, n->nconns)) { free_job(j); return NULL; }
+    if (staged) staged_frames(n, j);
     return start_send(n, j);
 }
 
@@ -964,7 +969,7 @@ int adt_net_set_destination(void *net, void *job, const uint64_t *bases, size_t 
  * it, woken at once, or (`defer`) only by adt_net_flush, so that a burst of reads costs one wake-up. */
 void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                    const uint64_t *bases, size_t ntensors, const uint64_t *offsets, const uint64_t *lengths,
-                   size_t nruns, const uint64_t *local_bases, const uint64_t *local_offsets, int defer)
+                   size_t nruns, const uint64_t *local_bases, const uint64_t *local_offsets, int defer, int staged)
 {
     adt_net *n = (adt_net *)net;
     size_t plen = 8 * (READ_HEAD + ntensors + 2 * nruns);
@@ -978,7 +983,7 @@ void *adt_net_read(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_
     if (grid_destination(local_bases, ntensors, local_offsets, lengths, nruns, &dest)) { free(list); return NULL; }
     net_job *j = (net_job *)adt_net_receive(net, key);
     if (!j) { free(list); free(dest.a); free(dest.l); free(dest.e); return NULL; }
-    install_destination(n, j, dest.a, dest.l, dest.e, dest.n, 0);
+    install_destination(n, j, dest.a, dest.l, dest.e, dest.n, staged);
     pthread_mutex_lock(&n->lock);
     int conn = n->nconns ? n->next_conn++ % n->nconns : -1, fd = conn >= 0 ? n->fds[conn] : -1;
     int live = !j->done && !n->closed && conn >= 0;
@@ -1050,7 +1055,7 @@ static size_t walk_spans(grid_walk *w, uint64_t want, uint64_t *out)
  * run r of tensor t is at remote_bases[t] + remote_offs[r] there and local_bases[t] + local_offs[r] here. */
 void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64_t cache_id, int64_t model_id,
                     const uint64_t *remote_bases, size_t nt, const uint64_t *remote_offs, const uint64_t *lens,
-                    size_t nr, const uint64_t *local_bases, const uint64_t *local_offs)
+                    size_t nr, const uint64_t *local_bases, const uint64_t *local_offs, int staged)
 {
     adt_net *n = (adt_net *)net;
     net_job *j = new_job(1, key);
@@ -1058,6 +1063,7 @@ void *adt_net_write(void *net, uint64_t key, int64_t row, uint64_t stamp, uint64
         free_job(j);
         return NULL;
     }
+    if (staged) staged_frames(n, j);
     j->wframe = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe);
     j->wframe_len = calloc(j->nframes ? j->nframes : 1, sizeof *j->wframe_len);
     int bad = !j->wframe || !j->wframe_len;
@@ -1330,7 +1336,10 @@ static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame)
         if (!dev && !err && !j->stop) {
             uint64_t lo = frame_start(j, f), hi = frame_end(j, f), host = adt_stage_host(st, slots[0]), len = hi - lo;
             adt_hdr h = {NET_MAGIC, T_DATA, j->key, lo, len, 0, 0};
-            err = adt_send_frame(fd, (const uint8_t *)&h, sizeof h, &host, &len, 0, 1);
+            const uint8_t *head = (const uint8_t *)&h;
+            size_t hlen = sizeof h;
+            if (j->wframe) { head = j->wframe[f]; hlen = j->wframe_len[f]; }   /* a one-sided WRITE */
+            err = adt_send_frame(fd, head, hlen, &host, &len, 0, 1);
             sent = !err;
             chunks++; bytes += len;
         }

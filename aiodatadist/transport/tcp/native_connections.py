@@ -186,14 +186,15 @@ class NativeConnections(WaitingMixin[TransferJob]):
             raise LLMException("cannot start a TCP transfer: out of memory", status_code=S.LLM_OUT_OF_MEMORY)
 
     def read(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None, remote: Grid,
-             lengths: npt.NDArray[Any], local: Grid) -> TransferJob:
+             lengths: npt.NDArray[Any], local: Grid, staged: bool = False) -> TransferJob:
         """One-sided pull: the owner's directory row ``(row, stamp, cache_id)`` (still answering to ``model_id``,
         if given) holds the ``remote`` grid ``(bases, offsets)`` of runs of ``lengths``: ``bases[t] + offsets[r]``,
         ``lengths[r]`` bytes for each tensor ``t`` then each run ``r`` (a plan's order; 8-byte integers, a few words
         on the wire however many spans); they land in the ``local`` grid, the same runs here (as many tensors),
         which the helper walks itself.  Fails with the owner's status if the cache was released or re-keyed, or a
-        span is outside it."""
-        job = self._one_sided("read", PULL, _ext.net_read, tid, row, stamp, cache_id, model_id, remote, lengths, local)
+        span is outside it.  ``staged``: the local grid is device memory, through the receiving ring."""
+        job = self._one_sided("read", PULL, _ext.net_read, tid, row, stamp, cache_id, model_id, remote, lengths, local,
+                              staged)
         # Concurrent reads of one iteration go out together: a sender thread is woken at the end of the
         # iteration (or every READ_BATCH reads), not once per read: each wake-up, and each READ the loop sent
         # itself (the kernel delivers a loopback segment and wakes the peer on the sending thread), took this
@@ -211,24 +212,25 @@ class NativeConnections(WaitingMixin[TransferJob]):
             self._lib.adt_net_flush(self._net)
 
     def write(self, tid: int, row: int, stamp: int, cache_id: int, model_id: int | None, remote: Grid,
-              lengths: npt.NDArray[Any], local: Grid) -> TransferJob:
+              lengths: npt.NDArray[Any], local: Grid, staged: bool = False) -> TransferJob:
         """One-sided push: the bytes of the ``local`` grid (as :meth:`read`: runs of ``lengths`` at ``bases[t] +
         offsets[r]``) land at the same runs of the ``remote`` grid in the owner's directory row ``(row, stamp,
         cache_id)`` (still answering to ``model_id``, if given), validated and written by the owner's I/O threads
         (each WRITE frame names its slice of the owner's spans); the job completes once the owner acknowledged every
         byte.  Fails with the owner's status if the cache was released or re-keyed, or a span is outside it.  A
-        stopped one must be fenced (:meth:`fence`) before its caller returns."""
+        stopped one must be fenced (:meth:`fence`) before its caller returns.  ``staged``: the local grid is device
+        memory, through the sending ring."""
         return self._one_sided("write", PUSH, _ext.net_write, tid, row, stamp, cache_id, model_id, remote, lengths,
-                               local)
+                               local, staged)
 
     def _one_sided(self, kind: str, flag: int, start: Callable[..., int], tid: int, row: int, stamp: int,
                    cache_id: int, model_id: int | None, remote: Grid, lengths: npt.NDArray[Any],
-                   local: Grid) -> TransferJob:
+                   local: Grid, staged: bool) -> TransferJob:
         """Start a one-sided job (``start``: the helper's ``net_read`` or ``net_write``) and track it."""
         self._check_open()
         return self._track(kind, flag, tid, start(
             self._net, flag << KEY_FLAG_SHIFT | tid, row, stamp, cache_id,
-            ANY_MODEL if model_id is None else model_id, remote[0], remote[1], lengths, local[0], local[1]))
+            ANY_MODEL if model_id is None else model_id, remote[0], remote[1], lengths, local[0], local[1], staged))
 
     def fence(self, flag: int, tid: int) -> TransferJob:
         """Fence transfer ``(flag, tid)`` this end sent and stopped (a cut-short push): the job settles once the

@@ -189,8 +189,8 @@ class NativeTcpPlane(TcpPlane):
 
     # -- requester side --------------------------------------------------------------------------------------
     def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool, local: LocalCache) -> Route:
-        if descriptor is None or descriptor.ipc is not None or local.on_device:
-            return Route.OWNER  # (device memory is staged by two-sided jobs: one-sided frames land in host memory)
+        if descriptor is None or descriptor.ipc is not None:
+            return Route.OWNER  # (the owner's I/O threads serve one-sided frames from and into host memory only)
         if pull:
             return Route.ONE_SIDED
         # Into caller-owned memory too: unregistering it withdraws its row (no WRITE frame lands afterwards) and
@@ -208,10 +208,13 @@ class NativeTcpPlane(TcpPlane):
         src_addrs, dst_addrs = (descriptor.addrs, local.addrs) if pull else (local.addrs, descriptor.addrs)
         src, dst = plan_grid(plan, src_addrs, True), plan_grid(plan, dst_addrs, False)
         lengths = np.ascontiguousarray(plan.runs.length)
+        staged = local.on_device  # (this side's device memory through its ring; the owner's is host memory)
+        if staged:
+            self._stage(pull)
         if pull:
-            job = conns.read(transfer.tid, *where, src, lengths, dst)
+            job = conns.read(transfer.tid, *where, src, lengths, dst, staged)
         else:
-            job = transfer.job = conns.write(transfer.tid, *where, dst, lengths, src)
+            job = transfer.job = conns.write(transfer.tid, *where, dst, lengths, src, staged)
         self._track(transfer, job)
         try:
             if transfer.pull:
