@@ -38,7 +38,8 @@ class LinkStats:
 
     remote_cluster_id: int
     direction: str
-    plane: str  # the link's data plane at the last transfer: "shm" or "tcp"
+    plane: str  # the link's data plane at the last transfer: "shm", "tcp" or "nixl"; for a device cache with its
+    # device path: "shm/device-direct" (CUDA IPC), "tcp/device-staged" (through page-locked memory)
     operations: int  # transfers started
     succeeded: int
     bytes: int  # bytes moved by transfers that succeeded

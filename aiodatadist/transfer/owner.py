@@ -173,8 +173,8 @@ class Owner:
         if lease.withdrawing:  # the requester no longer writes the cache one-sided
             self._registry.release_lease(lease.entry)
             return
-        self._stats.served(link.remote_cluster_id, lease.op, link.plane.kind, time.perf_counter() - lease.started,
-                           lease.nbytes, None if ok else failure)
+        self._stats.served(link.remote_cluster_id, lease.op, link.plane.path_of(lease.entry.on_device),
+                           time.perf_counter() - lease.started, lease.nbytes, None if ok else failure)
         if lease.release_key is not None:
             self._registry.settle_key(lease.release_key, lease.entry, ok)
         self._registry.release_lease(lease.entry)
@@ -240,7 +240,7 @@ class Owner:
             if lease.withdrawing:
                 self._registry.release_lease(lease.entry)
                 continue
-            self._stats.served(link.remote_cluster_id, lease.op, link.plane.kind,
+            self._stats.served(link.remote_cluster_id, lease.op, link.plane.path_of(lease.entry.on_device),
                                time.perf_counter() - lease.started, 0, "LINK_CLOSED")
             self._registry.release_lease(lease.entry)
             if lease.release_key is not None:

@@ -151,6 +151,12 @@ class DataPlane:
         """The link's staging rings and what moved through them (``links()``), or None without one."""
         return None
 
+    def path_of(self, on_device: bool) -> str:
+        """What the statistics call a transfer of this plane: its kind, and for a device cache the device path
+        (``"tcp/device-staged"``, ``"shm/device-direct"``; ``"nixl"`` either way)."""
+        path = self.device_path
+        return f"{self.kind}/{path}" if on_device and path not in (self.kind, "refused") else self.kind
+
     def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool, local: LocalCache) -> Route:
         """How a transfer between ``local`` and ``resolved`` (a cache the owner published before) goes."""
         return Route.OWNER

@@ -127,6 +127,8 @@ async def test_blocks_move_between_processes_staged(owner: str, mine: str) -> No
                 expect[[0, 1, 2]] = got[t][dst_b[:3]]
             assert np.array_equal(after[t], expect)
         staged = decoder.links()[0]["staging"]
+        pulls = decoder.stats().get(1, "pull")
+        assert pulls is not None and pulls.plane == ("tcp/device-staged" if mine == "DEVICE" else "tcp")
         if mine == "DEVICE":
             assert staged is not None and staged["receive"]["bytes"] > 0 and staged["send"]["bytes"] > 0
             assert staged["receive"]["device_failures"] == 0
