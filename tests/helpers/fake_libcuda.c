@@ -67,7 +67,10 @@ int fake_set_current_calls;
 enum { OP_COPY, OP_KERNEL, OP_CALLBACK, OP_HOSTFN, OP_EVENT };
 typedef struct op { int kind; uintptr_t a, b, c; unsigned n; void *fn, *user; struct op *next; } op;
 typedef struct stream { pthread_mutex_t mu; pthread_cond_t cv; op *head, *tail; int busy, stop; pthread_t th; } stream;
-typedef struct event { volatile int done; int status; double t; } event;
+/* As the driver's, an event stands for its latest record only: an earlier record still queued completes
+   nothing.  state is (records << 1 | done), changed by compare-and-swap: a record op completes the event only
+   while no later record was made (the op carries its record's number); t and status are written first. */
+typedef struct event { unsigned long state; int status, recorded, timing; double t; } event;
 static stream *streams[256];
 static int nstreams;
 static pthread_mutex_t smu = PTHREAD_MUTEX_INITIALIZER;
@@ -102,7 +105,12 @@ static void run(stream *s, op *o) {
     } else if (o->kind == OP_HOSTFN) {
         if (!sticky) ((CUhostFn)o->fn)(o->user);
     } else if (o->kind == OP_EVENT) {
-        event *e = (event *)o->user; e->t = now(); e->status = sticky; e->done = 1;
+        event *e = (event *)o->user;
+        unsigned long mine = (unsigned long)o->c << 1;
+        if (__atomic_load_n(&e->state, __ATOMIC_ACQUIRE) == mine) {
+            e->t = now(); e->status = sticky;
+            __atomic_compare_exchange_n(&e->state, &mine, mine | 1, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+        }
     }
 }
 static void *worker(void *arg) {
@@ -276,17 +284,38 @@ CUresult cuStreamAddCallback(void *st, CUstreamCallback fn, void *user, unsigned
     return enqueue(st, OP_CALLBACK, 0, 0, 0, 0, (void *)fn, user);
 }
 CUresult cuLaunchHostFunc(void *st, CUhostFn fn, void *user) { NEED_CTX; return enqueue(st, OP_HOSTFN, 0, 0, 0, 0, (void *)fn, user); }
-CUresult cuEventCreate(void **e, unsigned flags) { NEED_CTX; *e = calloc(1, sizeof(event)); return 0; }
+CUresult cuEventCreate(void **e, unsigned flags) {
+    NEED_CTX;
+    event *made = calloc(1, sizeof(event));
+    made->timing = !(flags & 2); /* CU_EVENT_DISABLE_TIMING */
+    *e = made; return 0;
+}
 CUresult cuEventDestroy_v2(void *e) { free(e); return 0; }
 CUresult cuEventRecord(void *e, void *st) {
     NEED_CTX;
     if (env_int("FAKE_CUDA_FAIL_EVENT", 0)) return 1;
-    ((event *)e)->done = 0;
-    return enqueue(st, OP_EVENT, 0, 0, 0, 0, 0, e);
+    event *ev = e;
+    unsigned long was = __atomic_load_n(&ev->state, __ATOMIC_RELAXED), next;
+    do next = ((was >> 1) + 1) << 1; while (!__atomic_compare_exchange_n(&ev->state, &was, next, 0, __ATOMIC_ACQ_REL,
+                                                                        __ATOMIC_RELAXED));
+    ev->recorded = 1;
+    return enqueue(st, OP_EVENT, 0, 0, next >> 1, 0, 0, e);
 }
-CUresult cuEventQuery(void *e) { return ((event *)e)->done ? ((event *)e)->status : 600; }
-CUresult cuEventSynchronize(void *e) { while (!((event *)e)->done) usleep(100); return ((event *)e)->status; }
-CUresult cuEventElapsedTime(float *ms, void *a, void *b) { *ms = (float)((((event *)b)->t - ((event *)a)->t) * 1e3); return 0; }
+static int event_done(event *e) { return __atomic_load_n(&e->state, __ATOMIC_ACQUIRE) & 1; }
+/* An event never recorded counts as complete, as the driver's does. */
+CUresult cuEventQuery(void *e) { return !((event *)e)->recorded || event_done(e) ? ((event *)e)->status : 600; }
+CUresult cuEventSynchronize(void *e) {
+    while (((event *)e)->recorded && !event_done(e)) usleep(100);
+    return ((event *)e)->status;
+}
+/* As the driver: both events made with timing and recorded (else CUDA_ERROR_INVALID_HANDLE), both complete
+   (else CUDA_ERROR_NOT_READY). */
+CUresult cuEventElapsedTime(float *ms, void *a, void *b) {
+    event *start = a, *end = b;
+    if (!start->timing || !end->timing || !start->recorded || !end->recorded) return 400;
+    if (!event_done(start) || !event_done(end)) return 600;
+    *ms = (float)((end->t - start->t) * 1e3); return 0;
+}
 CUresult cuModuleLoadData(void **m, const void *image) {
     NEED_CTX;
     const char *text = image;
