@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ import pytest
 from helpers.data import fill_pattern, pattern
 from helpers.internals import registry_of
 from helpers.requests import count_requests
+from helpers.world import eventually
 
 from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole, LLMStatusCode, Placement
 from aiodatadist.protocol.codec import Kind
@@ -90,6 +91,10 @@ async def _pair(tensors: int, blocks: int, block: int, env: dict[str, str] | Non
         await peer.close()
 
 
+async def _at_least(counts: Awaitable[tuple[int, int]], operations: int) -> bool:
+    return (await counts)[0] >= operations
+
+
 def _scattered(rng: np.random.Generator, blocks: int, count: int) -> list[int]:
     return [int(b) for b in rng.choice(blocks, count, replace=False)]
 
@@ -114,8 +119,14 @@ async def test_a_large_push_into_unshared_memory_is_copied_by_the_owner_byte_for
         await pair.push([1, 3], [7, 500])  # a small one goes one-sided: no BEGIN
         assert sent.get(Kind.BEGIN) == 2
         assert await pair.owner_digests() == pair.expected_digests()
-        served = await pair.peer.call("served", cluster_id=PUSHER, direction="push")
-        assert (served["operations"], served["succeeded"]) == (2, 2)
+        # The owner counts a push it served when it handles the pusher's END, a notification the pushing call
+        # does not wait for: wait for the second count, then hold it to exactly two, both succeeded.
+        async def served() -> tuple[int, int]:
+            got = await pair.peer.call("served", cluster_id=PUSHER, direction="push")
+            return got["operations"], got["succeeded"]
+
+        await eventually(lambda: _at_least(served(), 2), what="the owner counted both pushes it copied")
+        assert await served() == (2, 2)
 
 
 async def test_a_push_the_owner_copies_writes_nothing_once_it_was_cancelled() -> None:
