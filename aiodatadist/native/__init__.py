@@ -18,6 +18,7 @@ from typing import Any
 
 from .bindings import (
     ANY_MODEL,
+    DIR_DEVICE,
     DIR_WORDS,
     KEY_FLAG_SHIFT,
     NET_MAGIC,
@@ -39,6 +40,7 @@ from .syscalls import IOV_MAX, advise_hugepages, populate, process_vm_read
 
 __all__ = [
     "ANY_MODEL",
+    "DIR_DEVICE",
     "DIR_WORDS",
     "IOV_MAX",
     "KEY_FLAG_SHIFT",

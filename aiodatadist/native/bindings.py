@@ -19,6 +19,7 @@ from typing import Final
 
 __all__ = [
     "ANY_MODEL",
+    "DIR_DEVICE",
     "DIR_WORDS",
     "KEY_FLAG_SHIFT",
     "NET_MAGIC",
@@ -117,7 +118,7 @@ TID_MASK: Final = (1 << KEY_FLAG_SHIFT) - 1
 ANY_MODEL: Final = -1
 """``model_id`` of ``adt_net_read`` that accepts whatever model id the directory row holds (``serve_read``)."""
 
-DIR_WORDS: Final = 8
+DIR_WORDS: Final = 9
 """int64 words per cache directory row (``#define DIR_WORDS`` in ``src/net.c``)."""
 
 
@@ -136,6 +137,12 @@ class DirWord(IntEnum):
     BUSY = 6
     """Threads serving a frame of the row (``dir_enter``/``dir_leave``); a release waits for 0, bounded."""
     TENSORS = 7
+    FLAGS = 8
+    """:data:`DIR_DEVICE` where the row's memory is device memory (served through the link's staging rings)."""
+
+
+DIR_DEVICE: Final = 1
+"""``DirWord.FLAGS``: the row's memory is device memory (``#define DIR_DEVICE`` in ``src/net.c``)."""
 
 
 class DeviceLane(ctypes.Structure):

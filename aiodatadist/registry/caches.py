@@ -195,8 +195,8 @@ class CacheRegistry:
                  host_memory: HostMemory | None) -> None:
         """Publish a remote-accessible cache in the directory, with the memory one-sided TCP transfers may reach:
         an allocated cache's segment; inside a HostMemory, the span of its tensors; other caller memory (in place
-        too: the span of its tensors may hold anything else of the process), each tensor's own bytes and nothing
-        between them (a table of their starts); device memory none (it does not go over TCP)."""
+        too: the span of its tensors may hold anything else of the process) and device memory (served through a
+        link's staging rings), each tensor's own bytes and nothing between them (a table of their starts)."""
         directory = self.directory
         assert directory is not None
         cache_id, size, addrs = entry.cache_id, entry.desc.size, entry.addrs
@@ -205,9 +205,9 @@ class CacheRegistry:
         elif host_memory is not None and not host_memory.is_in_place:
             low = int(addrs.min())
             entry.published = directory.publish(cache_id, model, low, int(addrs.max()) + size - low)
-        elif not entry.on_device and len(addrs) and _apart(starts := np.sort(addrs), size):
-            entry.published = directory.publish(cache_id, model, 0, size, tensors=starts)
-        else:  # same-host peers only (CUDA IPC, process_vm_readv): no byte of it is served over TCP
+        elif len(addrs) and _apart(starts := np.sort(addrs), size):
+            entry.published = directory.publish(cache_id, model, 0, size, tensors=starts, device=entry.on_device)
+        else:  # same-host peers only (process_vm_readv): no byte of it is served over TCP
             entry.published = directory.publish(cache_id, model, 0, 0)
             return
         entry.tcp_readable = entry.published is not None

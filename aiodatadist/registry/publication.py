@@ -17,7 +17,7 @@ import secrets
 import numpy as np
 
 from ..memory import SharedSegment
-from ..native import DIR_WORDS, DirWord, native_pool
+from ..native import DIR_DEVICE, DIR_WORDS, DirWord, native_pool
 from ..protocol.identity import SegmentIdentity
 
 __all__ = ["DIRECTORY_ROWS", "CacheDirectory"]
@@ -29,7 +29,7 @@ frame; one held up by a peer that stalled mid-frame is given up on, logged, as a
 log = logging.getLogger("aiodatadist.cache")
 _WORDS = DIR_WORDS
 _STAMP, _CACHE, _MODEL, _BASE, _SIZE = DirWord.STAMP, DirWord.CACHE, DirWord.MODEL, DirWord.BASE, DirWord.SIZE
-_TABLE, _TENSORS = DirWord.TABLE, DirWord.TENSORS
+_TABLE, _TENSORS, _FLAGS = DirWord.TABLE, DirWord.TENSORS, DirWord.FLAGS
 
 
 class CacheDirectory:
@@ -37,7 +37,7 @@ class CacheDirectory:
 
     def __init__(self, rows: int = DIRECTORY_ROWS) -> None:
         self.segment = SharedSegment(rows * _WORDS * 8, name="aiodatadist-directory")
-        self._words = self.segment.array().view(np.int64)
+        self._words = self.segment.array().view(np.int64)[:rows * _WORDS]  # (the segment is whole pages)
         self._free = list(range(rows - 1, -1, -1))
         self._tables: dict[int, np.ndarray] = {}  # row -> its tensor table, alive until the row is withdrawn
 
@@ -51,10 +51,10 @@ class CacheDirectory:
         return len(self._words) // _WORDS
 
     def publish(self, cache_id: int, model_id: int = -1, base: int = 0, size: int = 0,
-                tensors: np.ndarray | None = None) -> tuple[int, int] | None:
+                tensors: np.ndarray | None = None, *, device: bool = False) -> tuple[int, int] | None:
         """Publish a live cache whose memory is ``[base, base + size)``, or (``tensors``: ascending,
-        non-overlapping start addresses) tensors of ``size`` bytes at those addresses, nothing between them;
-        returns ``(row, stamp)``, or ``None`` when the table is full."""
+        non-overlapping start addresses) tensors of ``size`` bytes at those addresses, nothing between them
+        (``device``: device memory); returns ``(row, stamp)``, or ``None`` when the table is full."""
         if not self._free:
             return None
         row = self._free.pop()
@@ -63,6 +63,7 @@ class CacheDirectory:
         self._words[base_word + _MODEL] = model_id
         self._words[base_word + _BASE] = base
         self._words[base_word + _SIZE] = size
+        self._words[base_word + _FLAGS] = DIR_DEVICE if device else 0
         if tensors is not None:
             table = self._tables[row] = np.array(tensors, dtype=np.uint64)  # its own copy
             self._words[base_word + _TABLE] = table.ctypes.data

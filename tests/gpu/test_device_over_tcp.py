@@ -92,6 +92,11 @@ async def peer_prompt(placement: str, env: dict[str, str] | None = None,
         await peer.close()
 
 
+def begins(decoder: LLMDataDist) -> int:
+    """BEGIN requests ``decoder`` sent cluster 1 so far (each is a control round trip)."""
+    return next((m.sent.get("begin", 0) for m in decoder.stats().messages if m.remote_cluster_id == 1), 0)
+
+
 async def peer_rows(peer: PeerProcess, cid: int, blocks: int = BLOCKS, block: int = BLOCK,
                     tensors: int = 4) -> list[np.ndarray]:
     return [np.frombuffer(bytes.fromhex(await peer.call("read", cache_id=cid, tensor=t, offset=0,
@@ -275,7 +280,11 @@ async def test_a_cancelled_staged_pull_writes_nothing_after_it_returns(gpu_mode:
         assert all(np.array_equal(got[t][::-1], theirs[t]) for t in range(2))
 
 
-async def test_a_device_fault_fails_the_call_and_the_link_stays_usable(gpu_mode: str) -> None:
+@pytest.mark.parametrize("resolved", [False, True], ids=["through-the-owner", "one-sided"])
+async def test_a_device_fault_fails_the_call_and_the_link_stays_usable(gpu_mode: str, resolved: bool) -> None:
+    """A sticky fault on the owner's device while it gathers (the pull through its control plane, or one-sided
+    from its I/O threads once the key is resolved): LLM_DEVICE_MEM_ERROR, host caches still move, and once the
+    fault is gone the same pull lands byte-exact on the same link."""
     if gpu_mode != "emulated":
         pytest.skip("a sticky fault on a real GPU ends the process's context")
     async with linked_pair(config=tcp_config()) as (prompt, decoder):
@@ -285,6 +294,9 @@ async def test_a_device_fault_fails_the_call_and_the_link_stays_usable(gpu_mode:
         host_dst = decoder.cache_manager.allocate_blocks_cache(desc("HOST"))
         theirs = filled(src, 7)
         host_rows = filled(host, 8)
+        if resolved:
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+        before = begins(decoder)
         lib = device_of(prompt.cache_manager).runtime.device.driver.lib
         lib.fake_fault(700)  # CUDA_ERROR_ILLEGAL_ADDRESS, sticky
         try:
@@ -293,6 +305,7 @@ async def test_a_device_fault_fails_the_call_and_the_link_stays_usable(gpu_mode:
                     await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1, 2], [3, 4])
             assert info.value.status_code == S.LLM_DEVICE_MEM_ERROR
             assert "device" in str(info.value)
+            assert (begins(decoder) == before) is resolved  # one-sided: the owner's I/O threads failed it
             await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 1), host_dst, [5], [6])  # host memory moves
             assert all(np.array_equal(rows(host_dst)[t][6], host_rows[t][5]) for t in range(4))
         finally:
@@ -441,10 +454,11 @@ async def test_layer_wise_pushes_of_device_caches_are_staged() -> None:
             assert np.array_equal(got[t], expect)
 
 
-async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(gpu_mode: str) -> None:
-    """The owner deallocates the device cache a pull is reading (its copies held on the emulated GPU): the pull
-    fails or completes, never hangs or crashes, nothing lands after it returned, and the link moves the next
-    cache byte-exact."""
+@pytest.mark.parametrize("resolved", [False, True], ids=["through-the-owner", "one-sided"])
+async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(gpu_mode: str, resolved: bool) -> None:
+    """The owner deallocates the device cache a pull is reading (its copies held on the emulated GPU; the pull
+    through the owner's control plane, or one-sided once the key is resolved): the pull fails or completes,
+    never hangs or crashes, nothing lands after it returned, and the link moves the next cache byte-exact."""
     if gpu_mode != "emulated":
         pytest.skip("needs the emulated GPU's gate to hold the owner's copies")
     blocks, block = 16, 1 << 20
@@ -452,6 +466,8 @@ async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(gpu_mode: 
         src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 0))
         dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2))
         filled(src, 41, blocks)
+        if resolved:
+            await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
         hold = _fake_symbol(prompt, "fake_hold")
         hold.value = 1
         everything = list(range(blocks))
@@ -476,27 +492,33 @@ async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(gpu_mode: 
         assert all(np.array_equal(got[t][[5, 6]], theirs[t][[3, 4]]) for t in range(2))
 
 
-async def test_a_device_cache_moves_one_sided_with_a_host_owner() -> None:
-    """Once the owner resolved its host cache, a device cache here pulls from it and pushes into it with no
-    control round trip (the owner's I/O threads serve the host side; this side stages its own): no BEGIN goes
-    out for the repeated calls, the owner counts them as one-sided, and every byte lands."""
+@pytest.mark.parametrize(("owner", "mine"), PLACES)
+async def test_device_caches_move_one_sided_once_resolved(owner: str, mine: str) -> None:
+    """Once the owner resolved its cache, repeated pulls and pushes go with no control round trip, whichever side
+    holds device memory: the owner's I/O threads serve its side (through its own rings for a device cache, set up
+    by the first transfer of each direction), this side stages its own.  No BEGIN goes out for the repeated
+    calls, the owner counts them as one-sided, and every byte lands."""
     async with linked_pair(config=tcp_config()) as (prompt, decoder):
-        src = prompt.cache_manager.allocate_blocks_cache(desc("HOST", 64, 65536, 2), BlocksCacheKey(1, 0))
-        dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", 64, 65536, 2))
+        src = prompt.cache_manager.allocate_blocks_cache(desc(owner, 64, 65536, 2), BlocksCacheKey(1, 0))
+        dst = decoder.cache_manager.allocate_blocks_cache(desc(mine, 64, 65536, 2))
         theirs = filled(src, 51, 64)
         cm = decoder.cache_manager
 
-        def begins() -> int:
-            return next(m.sent.get("begin", 0) for m in decoder.stats().messages if m.remote_cluster_id == 1)
+        def one_sided() -> tuple[int, int]:  # (reads, writes) the owner's I/O threads accepted
+            assert prompt._transfers is not None
+            _, counts = prompt._transfers.one_sided_served()[2]
+            return counts[0], counts[3]
 
-        await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])  # resolves the key (through the owner)
-        before = begins()
+        # The first pull and push resolve the key; the owner's rings of both directions exist after them.
+        await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+        await cm.push_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+        before, (reads, writes) = begins(decoder), one_sided()
         await cm.pull_blocks(BlocksCacheKey(1, 0), dst, list(range(0, 64, 2)), list(range(32)))
         got = rows(dst, 64)
         assert all(np.array_equal(got[t][:32], theirs[t][0:64:2]) for t in range(2))
         await cm.push_blocks(BlocksCacheKey(1, 0), dst, [0, 1, 2], [61, 62, 63])
         after = rows(src, 64)
         assert all(np.array_equal(after[t][61:], got[t][:3]) for t in range(2))
-        assert begins() == before  # neither went through the owner
-        served = prompt.stats().served_of(2, "pull")
-        assert served is not None and served.bytes >= 2 * 32 * 65536
+        assert all(np.array_equal(after[t][1:61], theirs[t][1:61]) for t in range(2))  # nothing else written
+        assert begins(decoder) == before  # neither went through the owner
+        assert one_sided() == (reads + 1, writes + 1)

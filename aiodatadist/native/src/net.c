@@ -50,7 +50,9 @@
 #define SCRATCH (1u << 20)
 #define STOP_POLL_MS 5       /* a receiver waiting mid-frame for a stalled peer looks at its job's stop this often */
 #define CTRL_BATCH 64        /* control frames a sender thread sends in one sendmsg */
-#define DIR_WORDS 8          /* directory row: stamp, cache id, model id, tensor table, base, size, busy, tensors */
+#define DIR_WORDS 9          /* directory row: stamp, cache id, model id, tensor table, base, size, busy, tensors,
+                              * flags */
+#define DIR_DEVICE 1         /* flags: the row's memory is device memory (served through the staging rings) */
 #define STATUS_DEVICE 4      /* a device copy failed (a job's status: this, plus the runtime's code << 8 locally) */
 
 /* A READ's payload: words model id (-1: any), ntensors, nruns, then the owner's tensor bases [ntensors], the runs'
@@ -414,6 +416,11 @@ static void finish_all_idle(adt_net *n)   /* under the lock: announce jobs that 
     }
 }
 
+static long recv_staged(adt_net *n, int fd, net_job *j, uint64_t off, uint64_t length, uint8_t *scratch,
+                        uint64_t *consumed, int *dev);
+static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame);
+static void staged_frames(adt_net *n, net_job *j);
+
 /* Under the lock; 0 or a status.  The serve job takes the READ's payload (*payload is then NULL): its frames are
  * walked from the grid it names.  A serve job of one frame of at most `room` bytes, on a link with nothing else to
  * send, is not queued: its frame is claimed and the job handed back in *claimed, for the caller to send inline. */
@@ -435,19 +442,21 @@ static int serve_read(adt_net *n, const adt_hdr *h, uint64_t **payload_in, uint6
     }
     if (__builtin_mul_overflow(nt, run_bytes, &total)) return 3;
     if (!dir_enter(n, row, h->offset)) return 1;   /* a table is read only under a reference on the row */
-    int inside = dir_holds_grid(w, bases, nt, furthest);
+    int inside = dir_holds_grid(w, bases, nt, furthest), device = (int)(w[8] & DIR_DEVICE);
     dir_leave(n, row);
     if (!inside) return 3;
+    if (device && !n->stage[0]) return 1;   /* no sending ring on this link yet: the requester asks the owner */
     net_job *j = calloc(1, sizeof *j);
     if (!j) return 2;
     *payload_in = NULL;
     if (grid_job(j, payload, bases, (size_t)nt, offs, lens, (size_t)nr, n->frame, n->nconns)) { free_job(j); return 2; }
     j->kind = 2; j->key = h->key; j->row = row; j->stamp = h->offset;
+    if (device) staged_frames(n, j);
     n->served[0]++;
     n->served[1] += j->total;
     j->next_all = n->all; n->all = j;
     if (!j->nframes) { j->done = 1; unlink_all(n, j); free_job(j); }
-    else if (j->nframes == 1 && j->total <= room && !n->tx_head && !n->ctrl_head) {
+    else if (j->nframes == 1 && j->total <= room && !n->tx_head && !n->ctrl_head && !j->staged) {
         j->next_frame = 1;
         j->inflight = 1;
         *claimed = j;
@@ -475,13 +484,15 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
     if ((err = read_exact(fd, spans, (size_t)(count * 16)))) { free(spans); return -err; }
     uint64_t data = rest - count * 16;
     int64_t row = (int64_t)h->a, model = (int64_t)prefix[0];
-    int status = 0, entered = 0;
+    int status = 0, entered = 0, device = 0;
     uint64_t *addr = NULL, *len = NULL, *ends = NULL;
     if (h->offset == 0 || !dir_enter(n, row, h->offset)) status = 1;
     else {
         entered = 1;
         int64_t *w = n->dir + row * DIR_WORDS;
         if ((uint64_t)w[1] != h->b || (model != -1 && w[2] != model)) status = 1;
+        device = (int)(w[8] & DIR_DEVICE);
+        if (device && !n->stage[1]) status = 1;   /* no receiving ring on this link yet: the requester asks the owner */
     }
     if (!status) {
         const int64_t *w = n->dir + row * DIR_WORDS;
@@ -497,7 +508,14 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
         if (!status && total != data) status = 3;
     }
     long got;
-    if (!status) got = adt_recv_frame(fd, addr, len, ends, (size_t)count, 0, data, &never, scratch, SCRATCH, 0, NULL);
+    if (!status && device) {   /* through the receiving ring, every scatter waited for before the row is left */
+        net_job into = {.addr = addr, .len = len, .ends = ends, .n = (size_t)count, .row = -1};
+        uint64_t consumed = 0;
+        int dev = 0;
+        got = recv_staged(n, fd, &into, 0, data, scratch, &consumed, &dev);
+        if (got >= 0 && dev) status = STATUS_DEVICE | dev << 8;
+    } else if (!status) got = adt_recv_frame(fd, addr, len, ends, (size_t)count, 0, data, &never, scratch, SCRATCH, 0,
+                                             NULL);
     else got = adt_recv_frame(fd, NULL, NULL, NULL, 0, 0, data, &always, scratch, SCRATCH, 0, NULL);
     if (entered) dir_leave(n, row);
     free(spans); free(addr); free(len); free(ends);
@@ -507,10 +525,6 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
 }
 
 typedef struct { adt_net *n; int fd, index; } conn_arg;
-
-static long recv_staged(adt_net *n, int fd, net_job *j, uint64_t off, uint64_t length, uint8_t *scratch,
-                        uint64_t *consumed, int *dev);
-static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame);
 
 static int send_small(int fd, const adt_hdr *h, const uint8_t *payload, size_t plen);
 static int serve_inline(adt_net *n, int index, int fd, net_job *j);
@@ -1263,33 +1277,44 @@ static long recv_spans(const net_job *j, uint64_t lo, uint64_t hi, span_buf *b)
     return (long)count;
 }
 
-/* Gather frame f of a staged send into a slot (launched, not waited for).  0 or the runtime's code. */
-static int gather_frame(adt_stage *st, int slot, const net_job *j, size_t f, span_buf *b)
+/* Gather frame f of a staged send into a slot (launched, not waited for).  A serve job's gather reads the owner's
+ * cache under a reference on its row (*held), which the caller leaves once the gather's event is done: a release
+ * waits for the copy, never for the frame's send.  *gone: the row was released meanwhile (nothing launched).
+ * 0 or the runtime's code. */
+static int gather_frame(adt_net *n, adt_stage *st, int slot, const net_job *j, size_t f, span_buf *b, int *held,
+                        int *gone)
 {
+    *held = *gone = 0;
+    if (j->kind == 2) {
+        if (!dir_enter(n, j->row, j->stamp)) { *gone = 1; return 0; }
+        *held = 1;
+    }
     long count = send_spans(j, frame_start(j, f), frame_end(j, f), b);
     if (count < 0) return ENOMEM;
     return adt_stage_copy(st, slot, b->addr, b->len, (size_t)count, 1);
 }
 
 /* A staged frame's end on the sending side (under the lock as send_job_frame's): `sent` whether it went out, `dev`
- * the runtime's code of a failed gather (the job fails, and the peer is told with an ERROR frame). */
-static void staged_frame_done(adt_net *n, net_job *j, size_t frame, int err, int sent, int dev)
+ * the runtime's code of a failed gather, `gone` a served row released meanwhile (either way the job fails, and
+ * the peer is told with an ERROR frame). */
+static void staged_frame_done(adt_net *n, net_job *j, size_t frame, int err, int sent, int dev, int gone)
 {
     pthread_mutex_lock(&n->lock);
     j->inflight--;
-    if (dev && !j->stop) {
+    if ((dev || gone) && !j->stop) {
         j->stop = 1;
-        j->status = STATUS_DEVICE | dev << 8;
+        if (dev) j->status = STATUS_DEVICE | dev << 8;
         j->next_frame = j->nframes;
         unqueue(n, j);
-        if (!n->closed) queue_ctrl(n, T_ERROR, j->key, STATUS_DEVICE, NULL, 0, 0, 0);
+        if (!n->closed) queue_ctrl(n, T_ERROR, j->key, dev ? STATUS_DEVICE : 1, NULL, 0, 0, 0);
     }
     if (sent) j->moved += frame_end(j, frame) - frame_start(j, frame);
     if (err) { if (!j->error) j->error = err; broken(n); }
     int ann = finish_if_idle(n, j);
+    if (j->done && j->kind == 2) { free_job(j); j = NULL; }
     if (err) finish_all_idle(n);
     pthread_mutex_unlock(&n->lock);
-    if (ann) end_job(n, j);
+    if (ann && j) end_job(n, j);
 }
 
 /* Claim the next frame of j for this thread, if it has one left (under the lock); SIZE_MAX if not. */
@@ -1317,23 +1342,25 @@ static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame)
     uint64_t chunks = 0, bytes = 0, failed = 0;
     if (!have) {   /* no ring (fails the job), or stopped while waiting for a slot */
         pthread_mutex_unlock(&n->send_lock[index]);
-        staged_frame_done(n, j, frame, 0, 0, st ? 0 : ENODEV);
+        staged_frame_done(n, j, frame, 0, 0, st ? 0 : ENODEV, 0);
         return 0;
     }
+    int held[2] = {0, 0}, gone = 0;
     int dev = adt_stage_bind(st);
-    if (!dev) dev = gather_frame(st, slots[0], j, frame, &b);
+    if (!dev) dev = gather_frame(n, st, slots[0], j, frame, &b, &held[0], &gone);
     size_t f = frame;
     while (f != SIZE_MAX) {
         int done = adt_stage_wait(st, slots[0]);   /* (also after a failed launch: what it queued is waited for) */
+        if (held[0]) { dir_leave(n, j->row); held[0] = 0; }
         if (!dev) dev = done;
         size_t next = SIZE_MAX;
-        int next_dev = 0;
-        if (have == 2 && !dev && !err) {
+        int next_dev = 0, next_gone = 0;
+        if (have == 2 && !dev && !gone && !err) {
             next = claim_next(n, j);
-            if (next != SIZE_MAX) next_dev = gather_frame(st, slots[1], j, next, &b);
+            if (next != SIZE_MAX) next_dev = gather_frame(n, st, slots[1], j, next, &b, &held[1], &next_gone);
         }
         int sent = 0;
-        if (!dev && !err && !j->stop) {
+        if (!dev && !gone && !err && !j->stop) {
             uint64_t lo = frame_start(j, f), hi = frame_end(j, f), host = adt_stage_host(st, slots[0]), len = hi - lo;
             adt_hdr h = {NET_MAGIC, T_DATA, j->key, lo, len, 0, 0};
             const uint8_t *head = (const uint8_t *)&h;
@@ -1345,10 +1372,14 @@ static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame)
         }
         if (dev) failed++;
         if (next == SIZE_MAX) pthread_mutex_unlock(&n->send_lock[index]);   /* before the job may end */
-        staged_frame_done(n, j, f, err, sent, dev);
-        if (next != SIZE_MAX) { int t = slots[0]; slots[0] = slots[1]; slots[1] = t; }
+        staged_frame_done(n, j, f, err, sent, dev, gone);
+        if (next != SIZE_MAX) {
+            int t = slots[0]; slots[0] = slots[1]; slots[1] = t;
+            held[0] = held[1]; held[1] = 0;
+        }
         f = next;
         dev = next_dev;
+        gone = next_gone;
     }
     if (have) adt_stage_give(st, slots, have, chunks, bytes, failed);
     free(b.addr); free(b.len);

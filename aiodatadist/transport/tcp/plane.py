@@ -189,8 +189,8 @@ class NativeTcpPlane(TcpPlane):
 
     # -- requester side --------------------------------------------------------------------------------------
     def route(self, resolved: Resolved, descriptor: Descriptor | None, pull: bool, local: LocalCache) -> Route:
-        if descriptor is None or descriptor.ipc is not None:
-            return Route.OWNER  # (the owner's I/O threads serve one-sided frames from and into host memory only)
+        if descriptor is None:
+            return Route.OWNER
         if pull:
             return Route.ONE_SIDED
         # Into caller-owned memory too: unregistering it withdraws its row (no WRITE frame lands afterwards) and
