@@ -85,13 +85,15 @@ class StagingRing:
     def nbytes(self) -> int:
         return self.slots * self.slot_bytes
 
-    def stats(self) -> tuple[int, int, int, int]:
-        """Chunks moved through the ring, their bytes, waits for a free slot, device copies that failed."""
+    def stats(self) -> tuple[int, int, int, int, int]:
+        """Chunks moved through the ring, their bytes, waits for a free slot, device copies that failed, copies
+        that overlapped another frame's time on the wire (a gather during the previous frame's send, a frame's
+        last scatter during the next frame's receive)."""
         if self.handle is None:
-            return (0, 0, 0, 0)
+            return (0, 0, 0, 0, 0)
         out = (ctypes.c_uint64 * STAGE_STATS)()
         self._lib.adt_stage_stats(self.handle, out)
-        return int(out[0]), int(out[1]), int(out[2]), int(out[3])
+        return int(out[0]), int(out[1]), int(out[2]), int(out[3]), int(out[4])
 
     def close(self) -> None:
         """Free the ring (no I/O thread may use it any more: its link's threads have ended)."""

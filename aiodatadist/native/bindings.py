@@ -176,7 +176,7 @@ class Lane:
     event: int
 
 
-STAGE_STATS: Final = 4
+STAGE_STATS: Final = 5
 """Words of ``adt_stage_stats``: chunks moved, their bytes, waits for a free slot, device copies that failed."""
 
 

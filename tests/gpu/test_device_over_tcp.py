@@ -197,6 +197,39 @@ async def test_chunks_are_cut_anywhere(blocks: int, block: int, picked: int) -> 
             assert np.array_equal(after[t][src_b[::-1]], got[t][dst_b])
 
 
+async def test_concurrent_staged_transfers_interleave_on_the_connections_byte_exact() -> None:
+    """Several pulls and pushes at once, device and host destinations mixed: their frames interleave on the data
+    connections, so a receiver's scatter of one job's frame overlaps the next frame of another job, or a host
+    frame; every call lands its own bytes and nothing else."""
+    blocks, block = 96, 65536 + 8
+    async with linked_pair(config=tcp_config()) as (prompt, decoder):
+        src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 0))
+        dev = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2))
+        host = decoder.cache_manager.allocate_blocks_cache(desc("HOST", blocks, block, 2))
+        theirs, ours_dev, ours_host = filled(src, 61, blocks), filled(dev, 62, blocks), filled(host, 63, blocks)
+        cm = decoder.cache_manager
+        parts = [list(range(i, blocks, 4)) for i in range(4)]  # four disjoint sets of destination blocks
+        # The push reads host blocks no pull writes, into owner blocks no pull reads.
+        pushed_from, pushed_to = parts[0][:16], parts[3][8:]
+        await asyncio.gather(
+            cm.pull_blocks(BlocksCacheKey(1, 0), dev, parts[0][::-1], parts[0]),
+            cm.pull_blocks(BlocksCacheKey(1, 0), dev, parts[1], parts[1]),
+            cm.pull_blocks(BlocksCacheKey(1, 0), host, parts[2], parts[2]),
+            cm.pull_blocks(BlocksCacheKey(1, 0), dev, parts[3][:8], parts[3][:8]),
+            cm.push_blocks(BlocksCacheKey(1, 0), host, pushed_from, pushed_to))
+        got_dev, got_host, after = rows(dev, blocks), rows(host, blocks), rows(src, blocks)
+        for t in range(2):
+            want_dev = ours_dev[t].copy()
+            want_dev[parts[0]] = theirs[t][parts[0][::-1]]
+            want_dev[parts[1]] = theirs[t][parts[1]]
+            want_dev[parts[3][:8]] = theirs[t][parts[3][:8]]
+            assert np.array_equal(got_dev[t], want_dev)
+            want_host = ours_host[t].copy()
+            want_host[parts[2]] = theirs[t][parts[2]]
+            assert np.array_equal(got_host[t], want_host)
+            assert np.array_equal(after[t][pushed_to], ours_host[t][pushed_from])
+
+
 def unsynced_rows(dd: LLMDataDist, cache: Cache, blocks: int) -> list[np.ndarray]:
     """:func:`rows` read without synchronising the device first (``cuMemcpyDtoH`` alone does not wait for the
     copy streams): what the memory holds now, even while copies are held."""

@@ -286,7 +286,8 @@ typedef struct adt_stage_slot {
 } adt_stage_slot;
 
 typedef struct adt_stage adt_stage;
-#define ADT_STAGE_STATS 4   /* chunks moved, their bytes, waits for a free slot, device copies that failed */
+#define ADT_STAGE_STATS 5   /* chunks moved, their bytes, waits for a free slot, device copies that failed,
+                             * copies that overlapped another frame's wire time */
 
 ADT_API void *adt_stage_new(const adt_device_ops *ops, void *device, uint64_t slot_bytes, const adt_stage_slot *slots,
                             int n);
@@ -298,6 +299,7 @@ ADT_INTERNAL int adt_stage_take(adt_stage *st, int want, int *out, const volatil
 ADT_INTERNAL void adt_stage_give(adt_stage *st, const int *slots, int n, uint64_t chunks, uint64_t bytes,
                                  uint64_t failed);
 ADT_INTERNAL int adt_stage_bind(adt_stage *st);
+ADT_INTERNAL void adt_stage_overlapped(adt_stage *st);
 /* Launch the copy of n spans between device memory and a slot (to_host: gather into it, else scatter from it),
  * back to back from the slot's start; adt_stage_wait waits for it (never abandoned).  0 or the runtime's code. */
 ADT_INTERNAL int adt_stage_copy(adt_stage *st, int slot, const uint64_t *addr, const uint64_t *len, size_t n,

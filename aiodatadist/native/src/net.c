@@ -416,8 +416,14 @@ static void finish_all_idle(adt_net *n)   /* under the lock: announce jobs that 
     }
 }
 
+/* A receiver thread's staged frame whose last scatter still runs (j NULL: none).  The frame counts as landed only
+ * once that scatter is done; the thread waits for it before it blocks on its socket or takes a frame of another
+ * kind, so that the next frame's receive overlaps the scatter (recv_staged, settle). */
+typedef struct { net_job *j; adt_stage *st; int slot, fresh; uint64_t length; } rx_carry;
+
 static long recv_staged(adt_net *n, int fd, net_job *j, uint64_t off, uint64_t length, uint8_t *scratch,
-                        uint64_t *consumed, int *dev);
+                        uint64_t *consumed, int *dev, rx_carry *carry);
+static void settle(adt_net *n, rx_carry *carry);
 static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame);
 static void staged_frames(adt_net *n, net_job *j);
 
@@ -512,7 +518,7 @@ static long serve_write(adt_net *n, int fd, const adt_hdr *h, uint8_t *scratch, 
         net_job into = {.addr = addr, .len = len, .ends = ends, .n = (size_t)count, .row = -1};
         uint64_t consumed = 0;
         int dev = 0;
-        got = recv_staged(n, fd, &into, 0, data, scratch, &consumed, &dev);
+        got = recv_staged(n, fd, &into, 0, data, scratch, &consumed, &dev, NULL);
         if (got >= 0 && dev) status = STATUS_DEVICE | dev << 8;
     } else if (!status) got = adt_recv_frame(fd, addr, len, ends, (size_t)count, 0, data, &never, scratch, SCRATCH, 0,
                                              NULL);
@@ -555,6 +561,38 @@ static int reply_inline(adt_net *n, int index, int fd, uint32_t type, uint64_t k
     return err;
 }
 
+/* A DATA frame of j (`length` bytes) is over on this thread: `got` bytes landed (negative: -errno, the connection
+ * failed), `dev` the runtime's code of a failed device copy.  Returns the errno that broke the connection, or 0. */
+static int frame_landed(adt_net *n, net_job *j, uint64_t length, long got, int dev)
+{
+    pthread_mutex_lock(&n->lock);
+    j->inflight--;
+    /* The frame broke off with part of it written: its job fails, and does so before another receiver can end it
+     * as complete (this frame counts as in flight until now). */
+    if (got < 0) {
+        if (!j->error) j->error = (int)-got;
+        broken(n);
+        pthread_mutex_unlock(&n->lock);
+        return (int)-got;
+    }
+    if (dev && !j->stop) { j->status = STATUS_DEVICE | dev << 8; j->stop = 1; }
+    if (!j->stop) {
+        if ((uint64_t)got != length) { j->error = EPROTO; j->stop = 1; }
+        j->moved += (uint64_t)got;
+    }
+    int ann = finish_if_idle(n, j);
+    pthread_mutex_unlock(&n->lock);
+    if (ann) end_job(n, j);
+    return 0;
+}
+
+/* Whether at least `bytes` wait in fd's receive queue (reading them will not block). */
+static int readable(int fd, size_t bytes)
+{
+    int queued = 0;
+    return ioctl(fd, FIONREAD, &queued) == 0 && queued >= 0 && (size_t)queued >= bytes;
+}
+
 static void *receiver(void *arg)
 {
     conn_arg *c = (conn_arg *)arg;
@@ -564,43 +602,33 @@ static void *receiver(void *arg)
     uint8_t *scratch = malloc(SCRATCH);
     static const volatile int32_t always = 1;
     adt_hdr h;
+    rx_carry carry = {0};
     for (;;) {
+        if (carry.j && !readable(fd, sizeof h)) settle(n, &carry);   /* before this thread may block */
         int err = scratch ? read_exact(fd, &h, sizeof h) : ENOMEM;
         if (!err && h.magic != NET_MAGIC) err = EPROTO;
         if (err) break;
+        if (h.type != T_DATA) settle(n, &carry);
         if (h.type == T_DATA) {
             pthread_mutex_lock(&n->lock);
             net_job *j = find(n, h.key, 0);
             if (j) j->inflight++;
+            int overlaps = j && j->staged && j->ready;
+            pthread_mutex_unlock(&n->lock);
+            if (!overlaps) settle(n, &carry);
+            pthread_mutex_lock(&n->lock);
             while (j && !j->ready) pthread_cond_wait(&n->ready, &n->lock);
             pthread_mutex_unlock(&n->lock);
             uint64_t consumed = h.length;
             int dev = 0;
-            long got = j && j->staged ? recv_staged(n, fd, j, h.offset, h.length, scratch, &consumed, &dev)
+            long got = j && j->staged ? recv_staged(n, fd, j, h.offset, h.length, scratch, &consumed, &dev, &carry)
                      : j ? adt_recv_frame(fd, j->addr, j->len, j->ends, j->n, h.offset, h.length, &j->stop, scratch,
                                           SCRATCH, STOP_POLL_MS, &consumed)
                          : adt_recv_frame(fd, NULL, NULL, NULL, 0, h.offset, h.length, &always, scratch, SCRATCH, 0,
                                           NULL);
             if (!j) { if (got < 0) break; continue; }
-            pthread_mutex_lock(&n->lock);
-            j->inflight--;
-            /* The frame broke off with part of it written: its job fails, and does so before another receiver can
-             * end it as complete (this frame counts as in flight until now). */
-            if (got < 0) {
-                err = (int)-got;
-                if (!j->error) j->error = err;
-                broken(n);
-                pthread_mutex_unlock(&n->lock);
-                break;
-            }
-            if (dev && !j->stop) { j->status = STATUS_DEVICE | dev << 8; j->stop = 1; }
-            if (!j->stop) {
-                if ((uint64_t)got != h.length) { j->error = EPROTO; j->stop = 1; }
-                j->moved += (uint64_t)got;
-            }
-            int ann = finish_if_idle(n, j);
-            pthread_mutex_unlock(&n->lock);
-            if (ann) end_job(n, j);
+            if (carry.fresh) { carry.fresh = 0; continue; }   /* its last scatter runs: settle accounts for it */
+            if ((err = frame_landed(n, j, h.length, got, dev))) break;
             if (consumed < h.length) {   /* stopped mid-frame: the rest is dropped without the job (it may be gone) */
                 long rest = adt_recv_frame(fd, NULL, NULL, NULL, 0, 0, h.length - consumed, &always, scratch, SCRATCH,
                                            0, NULL);
@@ -691,6 +719,7 @@ static void *receiver(void *arg)
             break;
         }
     }
+    settle(n, &carry);   /* (a launched scatter is waited for, whatever ended the connection) */
     pthread_mutex_lock(&n->lock);
     broken(n);
     finish_all_idle(n);
@@ -1357,7 +1386,10 @@ static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame)
         int next_dev = 0, next_gone = 0;
         if (have == 2 && !dev && !gone && !err) {
             next = claim_next(n, j);
-            if (next != SIZE_MAX) next_dev = gather_frame(n, st, slots[1], j, next, &b, &held[1], &next_gone);
+            if (next != SIZE_MAX) {
+                next_dev = gather_frame(n, st, slots[1], j, next, &b, &held[1], &next_gone);
+                adt_stage_overlapped(st);
+            }
         }
         int sent = 0;
         if (!dev && !gone && !err && !j->stop) {
@@ -1386,24 +1418,61 @@ static int send_staged(adt_net *n, int index, int fd, net_job *j, size_t frame)
     return err;
 }
 
+/* The carried frame's scatter on `carry->slot` is done (`dev`: the runtime's code of a failure): the frame is
+ * accounted for; the slot stays the caller's. */
+static void carried_done(adt_net *n, rx_carry *carry, int dev)
+{
+    net_job *j = carry->j;
+    carry->j = NULL;
+    carry->fresh = 0;
+    frame_landed(n, j, carry->length, dev ? 0 : (long)carry->length, dev);
+}
+
+/* Wait for the carried frame's scatter, account for the frame and give its slot back (nothing carried: no-op). */
+static void settle(adt_net *n, rx_carry *carry)
+{
+    if (!carry || !carry->j) return;
+    adt_stage *st = carry->st;
+    int slot = carry->slot, dev = adt_stage_wait(st, slot);
+    carried_done(n, carry, dev);
+    adt_stage_give(st, &slot, 1, 0, 0, dev ? 1 : 0);
+}
+
 /* Receive a staged DATA frame (bytes [off, off + length) of j's stream): piece by piece into slots, each scattered
- * into the destination while the next is received, every scatter waited for before this returns.  Returns the
- * bytes landed, or a negative errno when the connection failed; *consumed: the frame's bytes taken from the socket
- * (fewer when j was stopped mid-frame); *dev: the runtime's code of a failed copy (the rest of the frame is then
- * dropped). */
+ * into the destination while the next is received.  Returns the bytes landed, or a negative errno when the
+ * connection failed; *consumed: the frame's bytes taken from the socket (fewer when j was stopped mid-frame); *dev:
+ * the runtime's code of a failed copy (the rest of the frame is then dropped).  Every scatter is waited for before
+ * this returns, except, with `carry`, the last one of a whole frame when the next frame's header is already here:
+ * that frame is then carried (carry->fresh), and counts as landed once settle (or the next call, reusing its slot)
+ * saw its scatter done.  A frame carried from before on the same ring lends its slot: its scatter is waited for
+ * before the slot takes a piece of this frame. */
 static long recv_staged(adt_net *n, int fd, net_job *j, uint64_t off, uint64_t length, uint8_t *scratch,
-                        uint64_t *consumed, int *dev)
+                        uint64_t *consumed, int *dev, rx_carry *carry)
 {
     static const volatile int32_t always = 1;
     adt_stage *st = n->stage[1];
-    int slots[2], pending[2] = {0, 0}, have = st ? adt_stage_take(st, 2, slots, &j->stop) : 0, k = 0;
+    if (carry && carry->j && carry->st != st) settle(n, carry);
+    int slots[2], pending[2] = {0, 0}, have = 0, k = 0, lent = -1;
+    /* The carried slot is the second, with one more if one is free now (never waited for while holding a slot:
+     * threads holding one each and waiting for another would wait for each other). */
+    if (st && carry && carry->j) {
+        have = adt_stage_take(st, 1, slots, &always);
+        if (have) { slots[1] = carry->slot; pending[1] = 1; lent = 1; have = 2; }
+        else settle(n, carry);
+    }
+    if (st && !have) have = adt_stage_take(st, 2, slots, &j->stop);
     span_buf b = {0};
-    uint64_t done = 0, landed = 0, chunks = 0;
+    uint64_t done = 0, landed = 0, chunks = 0, failed = 0;
     long failure = 0;
     *dev = !st ? ENODEV : have ? adt_stage_bind(st) : 0;
     while (done < length && have && !*dev && !j->stop) {
         uint64_t piece = length - done < adt_stage_slot_bytes(st) ? length - done : adt_stage_slot_bytes(st);
-        if (pending[k]) { pending[k] = 0; *dev = adt_stage_wait(st, slots[k]); if (*dev) break; }
+        if (pending[k]) {
+            pending[k] = 0;
+            int r = adt_stage_wait(st, slots[k]);
+            if (k == lent) { lent = -1; carried_done(n, carry, r); failed += r != 0; r = 0; }   /* (its frame's) */
+            if ((*dev = r)) break;
+        }
         uint64_t host = adt_stage_host(st, slots[k]), taken = 0;
         long got = adt_recv_frame(fd, &host, &piece, &piece, 1, 0, piece, &j->stop, scratch, SCRATCH, STOP_POLL_MS,
                                   &taken);
@@ -1418,12 +1487,22 @@ static long recv_staged(adt_net *n, int fd, net_job *j, uint64_t off, uint64_t l
         chunks++;
         if (have == 2) k ^= 1;
     }
+    /* The last scatter of a whole frame is carried when the next frame's header is already here. */
+    int last = have == 2 ? k ^ 1 : 0, keep = -1;
+    if (carry && have == 2 && !failure && !*dev && !j->stop && done == length && length && pending[last]
+        && lent != last && readable(fd, sizeof(adt_hdr)))
+        keep = last;
     for (int i = 0; i < have; i++) {
-        if (!pending[i]) continue;
+        if (!pending[i] || i == keep) continue;
         int r = adt_stage_wait(st, slots[i]);
+        if (i == lent) { lent = -1; carried_done(n, carry, r); failed += r != 0; continue; }
         if (r && !*dev) *dev = r;
     }
-    if (have) adt_stage_give(st, slots, have, chunks, landed, *dev ? 1 : 0);
+    if (have) {
+        int back[2], nback = 0;
+        for (int i = 0; i < have; i++) if (i != keep) back[nback++] = slots[i];
+        adt_stage_give(st, back, nback, chunks, landed, failed + (*dev ? 1 : 0));
+    }
     free(b.addr); free(b.len);
     if (failure) return failure;
     if (*dev || (!have && !j->stop)) {   /* the rest of the frame is dropped; nothing of it counts */
@@ -1432,6 +1511,10 @@ static long recv_staged(adt_net *n, int fd, net_job *j, uint64_t off, uint64_t l
         if (rest < 0) return rest;
         *consumed = length;
         return 0;
+    }
+    if (keep >= 0) {
+        carry->j = j; carry->st = st; carry->slot = slots[keep]; carry->length = length; carry->fresh = 1;
+        adt_stage_overlapped(st);
     }
     *consumed = done;
     return (long)landed;

@@ -57,7 +57,8 @@ void adt_stage_free(void *stage)
     free(st->slots); free(st->busy); free(st);
 }
 
-/* chunks moved, their bytes, waits for a free slot, device copies that failed (ADT_STAGE_STATS words). */
+/* chunks moved, their bytes, waits for a free slot, device copies that failed, copies that overlapped another
+ * frame's wire time (ADT_STAGE_STATS words). */
 void adt_stage_stats(void *stage, uint64_t *out)
 {
     adt_stage *st = stage;
@@ -102,6 +103,14 @@ void adt_stage_give(adt_stage *st, const int *slots, int n, uint64_t chunks, uin
 }
 
 int adt_stage_bind(adt_stage *st) { return st->ops->bind(st->ops->ctx, st->device); }
+
+/* A gather launched while the frame before it is sent, or a frame's last scatter carried into the next frame. */
+void adt_stage_overlapped(adt_stage *st)
+{
+    pthread_mutex_lock(&st->lock);
+    st->stats[4]++;
+    pthread_mutex_unlock(&st->lock);
+}
 
 /* Wait for what was queued on a slot's lane: its event recorded and polled until ready.  Never gives up early: a
  * launched copy is waited for, whatever stopped its job.  0, or the runtime's code. */

@@ -146,10 +146,10 @@ class NativeConnections(WaitingMixin[TransferJob]):
             return None
         out: dict[str, Any] = {}
         for receiving, (ring, _) in sorted(self._rings.items()):
-            chunks, nbytes, waits, failed = ring.stats()
+            chunks, nbytes, waits, failed, overlapped = ring.stats()
             out["receive" if receiving else "send"] = {
                 "slots": ring.slots, "slot_bytes": ring.slot_bytes, "shared": ring.shared, "chunks": chunks,
-                "bytes": nbytes, "slot_waits": waits, "device_failures": failed}
+                "bytes": nbytes, "slot_waits": waits, "device_failures": failed, "overlapped": overlapped}
         return out
 
     # -- jobs ------------------------------------------------------------------------------------------------

@@ -35,18 +35,14 @@ from typing import Any, Final
 
 import numpy as np
 
-from aiodatadist import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
-from aiodatadist.testing import PeerProcess, cluster_info, free_port, probes, tensor_bytes
+from aiodatadist import BlocksCacheKey, LLMDataDist
+from aiodatadist.testing import PeerProcess, probes, tensor_bytes
 
+from .device_pair import BLOCK_BYTES, BLOCKS, MOVED, MOVED_BYTES, TENSORS, device_pair
 from .timing import times as _times
 
 __all__ = ["run_device_bench"]
 
-TENSORS = 64
-BLOCKS = 256  # per tensor; 128 of them move
-MOVED = 128
-BLOCK_BYTES = 32 << 10
-MOVED_BYTES = TENSORS * MOVED * BLOCK_BYTES  # 256 MiB
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -91,10 +87,6 @@ def baselines(ordinal: int, repeat: int) -> dict[str, float]:
         device.free_pinned(host)
 
 
-def _desc(placement: Placement) -> CacheDesc:
-    return CacheDesc(TENSORS, (BLOCKS, BLOCK_BYTES), DataType.DT_UINT8, placement)
-
-
 async def run_device_bench(repeat: int, ordinal: int = 0,
                            progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
     """Run the device workloads; returns one row per figure (``name``, ``gbps``, ``baseline``, ``ratio``)."""
@@ -107,91 +99,67 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
                      "ratio": gbps / base[baseline]})
         progress(f"{name}: {gbps:.1f} GB/s ({gbps / base[baseline]:.2f}x {baseline})")
 
-    rng = np.random.default_rng(1)
-    src_blocks = [int(b) for b in rng.permutation(BLOCKS)[:MOVED]]
-    dst_blocks = [int(b) for b in rng.permutation(BLOCKS)[:MOVED]]
-    port = free_port()
-    cfg = LLMConfig()
-    cfg.listen_ip_info = f"127.0.0.1:{port}"
-    cfg.device_id = ordinal
-    prompt = await PeerProcess.start()
-    try:
-        await prompt.call("init", role="PROMPT", cluster_id=1, options=dict(cfg.generate_options()))
-        shape = {"num_tensors": TENSORS, "shape": [BLOCKS, BLOCK_BYTES], "blocks": True}
-        dev_src = (await prompt.call("allocate", **shape, placement="DEVICE", blocks_key=[1, 0]))["cache_id"]
-        host_src = (await prompt.call("allocate", **shape, placement="HOST", blocks_key=[1, 1]))["cache_id"]
-        await prompt.call("fill", cache_id=dev_src, seed=3)
-        await prompt.call("fill", cache_id=host_src, seed=4)
-        mine = LLMConfig()
-        mine.device_id = ordinal
-        async with LLMDataDist(LLMRole.DECODER, 2) as decoder:
-            await decoder.init(dict(mine.generate_options()))
-            code, _ = await decoder.link_clusters([cluster_info(1, port)], timeout=10_000)
-            if int(code) != 0:
-                raise RuntimeError(f"link failed: {code!r}")
-            cm = decoder.cache_manager
-            dst = cm.allocate_blocks_cache(_desc(Placement.DEVICE))
-            host = cm.allocate_blocks_cache(_desc(Placement.HOST))
+    async with device_pair(ordinal) as pair:
+        prompt, decoder, dev_src, host_src = pair.prompt, pair.decoder, pair.dev_src, pair.host_src
+        dst, host, src_blocks, dst_blocks, rng = pair.dev, pair.host, pair.src_blocks, pair.dst_blocks, pair.rng
+        cm = decoder.cache_manager
 
-            async def pull(model: int) -> None:
-                await cm.pull_blocks(BlocksCacheKey(1, model), dst, src_blocks, dst_blocks)
+        async def pull(model: int) -> None:
+            await cm.pull_blocks(BlocksCacheKey(1, model), dst, src_blocks, dst_blocks)
 
-            progress("d2d pull: 64 x 128 scattered 32 KiB blocks from another process's device cache")
-            row("d2d pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(0), repeat)), "d2d")
-            await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
-            taken = set(dst_blocks)
-            other_dst = [b for b in reversed(range(BLOCKS)) if b not in taken]  # the other 128 blocks
+        progress("d2d pull: 64 x 128 scattered 32 KiB blocks from another process's device cache")
+        row("d2d pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(0), repeat)), "d2d")
+        await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
+        taken = set(dst_blocks)
+        other_dst = [b for b in reversed(range(BLOCKS)) if b not in taken]  # the other 128 blocks
 
-            async def two_in_flight() -> None:
-                await asyncio.gather(pull(0), cm.pull_blocks(BlocksCacheKey(1, 0), dst, src_blocks, other_dst))
+        async def two_in_flight() -> None:
+            await asyncio.gather(pull(0), cm.pull_blocks(BlocksCacheKey(1, 0), dst, src_blocks, other_dst))
 
-            progress("d2d pull, 2 calls in flight: the same 256 MiB into both halves of the destination at once")
-            row("d2d pull, 2 calls in flight", _gbps(2 * MOVED_BYTES, await _median_async(two_in_flight, repeat)),
-                "d2d")
-            await _check(prompt, dev_src, dst, src_blocks, other_dst)
-            runs = max(200, 20 * repeat)
-            progress(f"d2d pull 2 MiB x {runs}: one block of each tensor")
-            one = ([src_blocks[0]], [dst_blocks[0]])
-            call = functools.partial(cm.pull_blocks, BlocksCacheKey(1, 0), dst, *one)
-            lat = sorted(t * 1e6 for t in await _times(call, runs, warmup=10))
-            rows.append({"name": "d2d pull 2 MiB", "p50_us": statistics.median(lat),
-                         "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
-            rows.extend(await _phases(decoder, call, runs, "2 MiB"))
-            progress(f"d2d pull 2 MiB x {runs}, other blocks each call")
-            picks = iter(rng.integers(0, BLOCKS, (runs * 2 + 20, 2)).tolist())
+        progress("d2d pull, 2 calls in flight: the same 256 MiB into both halves of the destination at once")
+        row("d2d pull, 2 calls in flight", _gbps(2 * MOVED_BYTES, await _median_async(two_in_flight, repeat)),
+            "d2d")
+        await _check(prompt, dev_src, dst, src_blocks, other_dst)
+        runs = max(200, 20 * repeat)
+        progress(f"d2d pull 2 MiB x {runs}: one block of each tensor")
+        one = ([src_blocks[0]], [dst_blocks[0]])
+        call = functools.partial(cm.pull_blocks, BlocksCacheKey(1, 0), dst, *one)
+        lat = sorted(t * 1e6 for t in await _times(call, runs, warmup=10))
+        rows.append({"name": "d2d pull 2 MiB", "p50_us": statistics.median(lat),
+                     "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
+        rows.extend(await _phases(decoder, call, runs, "2 MiB"))
+        progress(f"d2d pull 2 MiB x {runs}, other blocks each call")
+        picks = iter(rng.integers(0, BLOCKS, (runs * 2 + 20, 2)).tolist())
 
-            def other_blocks() -> Awaitable[None]:
-                s, d = next(picks)
-                return cm.pull_blocks(BlocksCacheKey(1, 0), dst, [s], [d])
+        def other_blocks() -> Awaitable[None]:
+            s, d = next(picks)
+            return cm.pull_blocks(BlocksCacheKey(1, 0), dst, [s], [d])
 
-            lat = sorted(t * 1e6 for t in await _times(other_blocks, runs, warmup=10))
-            rows.append({"name": "d2d pull 2 MiB, new blocks", "p50_us": statistics.median(lat),
-                         "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
-            rows.extend(await _phases(decoder, other_blocks, runs, "new blocks"))
+        lat = sorted(t * 1e6 for t in await _times(other_blocks, runs, warmup=10))
+        rows.append({"name": "d2d pull 2 MiB, new blocks", "p50_us": statistics.median(lat),
+                     "p99_us": lat[max(0, int(len(lat) * 0.99) - 1)], "runs": runs})
+        rows.extend(await _phases(decoder, other_blocks, runs, "new blocks"))
 
-            async def push() -> None:
-                await cm.push_blocks(BlocksCacheKey(1, 0), dst, dst_blocks, src_blocks)
+        async def push() -> None:
+            await cm.push_blocks(BlocksCacheKey(1, 0), dst, dst_blocks, src_blocks)
 
-            row("d2d push", _gbps(MOVED_BYTES, await _median_async(push, repeat)), "d2d")
-            await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
+        row("d2d push", _gbps(MOVED_BYTES, await _median_async(push, repeat)), "d2d")
+        await _check(prompt, dev_src, dst, src_blocks, dst_blocks)
 
-            rows.extend(await _big_phases(decoder, lambda: pull(0), "d2d pull", repeat, base["d2d"]))
-            rows.extend(await _big_phases(decoder, push, "d2d push", repeat, base["d2d"]))
+        rows.extend(await _big_phases(decoder, lambda: pull(0), "d2d pull", repeat, base["d2d"]))
+        rows.extend(await _big_phases(decoder, push, "d2d push", repeat, base["d2d"]))
 
-            mapping = dict(zip(src_blocks, dst_blocks))
-            reverse = dict(zip(dst_blocks, src_blocks))
-            progress("swap_blocks between a host blocks cache and a device blocks cache")
-            row("swap h2d", _gbps(MOVED_BYTES, await _median_async(lambda: cm.swap_blocks(host, dst, mapping),
-                                                                   repeat)), "h2d")
-            row("swap d2h", _gbps(MOVED_BYTES, await _median_async(lambda: cm.swap_blocks(dst, host, reverse),
-                                                                   repeat)), "d2h")
-            row("host->dev pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(1), repeat)), "h2d")
-            await _check(prompt, host_src, dst, src_blocks, dst_blocks)
-            progress("the copy kernel alone, 8192 scattered 32 KiB spans, by launch geometry")
-            rows.extend(await asyncio.to_thread(kernel_sweep, decoder, ordinal, repeat, base["d2d"]))
-        await prompt.call("finalize")
-    finally:
-        await prompt.close()
+        mapping = dict(zip(src_blocks, dst_blocks))
+        reverse = dict(zip(dst_blocks, src_blocks))
+        progress("swap_blocks between a host blocks cache and a device blocks cache")
+        row("swap h2d", _gbps(MOVED_BYTES, await _median_async(lambda: cm.swap_blocks(host, dst, mapping),
+                                                               repeat)), "h2d")
+        row("swap d2h", _gbps(MOVED_BYTES, await _median_async(lambda: cm.swap_blocks(dst, host, reverse),
+                                                               repeat)), "d2h")
+        row("host->dev pull", _gbps(MOVED_BYTES, await _median_async(lambda: pull(1), repeat)), "h2d")
+        await _check(prompt, host_src, dst, src_blocks, dst_blocks)
+        progress("the copy kernel alone, 8192 scattered 32 KiB spans, by launch geometry")
+        rows.extend(await asyncio.to_thread(kernel_sweep, decoder, ordinal, repeat, base["d2d"]))
     return rows
 
 

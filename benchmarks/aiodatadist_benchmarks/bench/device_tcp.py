@@ -25,12 +25,10 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+from aiodatadist import BlocksCacheKey
 
-from aiodatadist import BlocksCacheKey, LLMConfig, LLMDataDist, LLMRole, Placement
-from aiodatadist.testing import PeerProcess, cluster_info, free_port
-
-from .device import BLOCKS, MOVED, MOVED_BYTES, _check, _desc, _gbps, baselines
+from .device import _check, _gbps, baselines
+from .device_pair import MOVED_BYTES, device_pair
 from .timing import interleaved_times
 
 __all__ = ["run_device_tcp_bench"]
@@ -48,80 +46,55 @@ async def run_device_tcp_bench(repeat: int, ordinal: int = 0,
                      "ratio": gbps / base[baseline]})
         progress(f"{name}: {gbps:.2f} GB/s ({gbps / base[baseline]:.2f}x {baseline})")
 
-    rng = np.random.default_rng(1)
-    src_blocks = [int(b) for b in rng.permutation(BLOCKS)[:MOVED]]
-    dst_blocks = [int(b) for b in rng.permutation(BLOCKS)[:MOVED]]
-    port = free_port()
-    cfg = LLMConfig()
-    cfg.listen_ip_info = f"127.0.0.1:{port}"
-    cfg.device_id = ordinal
-    cfg.transport = "tcp"
-    prompt = await PeerProcess.start()
-    try:
-        await prompt.call("init", role="PROMPT", cluster_id=1, options=dict(cfg.generate_options()))
-        shape = {"num_tensors": 64, "shape": [BLOCKS, 32 << 10], "blocks": True}
-        dev_src = (await prompt.call("allocate", **shape, placement="DEVICE", blocks_key=[1, 0]))["cache_id"]
-        host_src = (await prompt.call("allocate", **shape, placement="HOST", blocks_key=[1, 1]))["cache_id"]
-        await prompt.call("fill", cache_id=dev_src, seed=3)
-        await prompt.call("fill", cache_id=host_src, seed=4)
-        mine = LLMConfig()
-        mine.device_id = ordinal
-        mine.transport = "tcp"
-        async with LLMDataDist(LLMRole.DECODER, 2) as decoder:
-            await decoder.init(dict(mine.generate_options()))
-            code, _ = await decoder.link_clusters([cluster_info(1, port)], timeout=10_000)
-            if int(code) != 0:
-                raise RuntimeError(f"link failed: {code!r}")
-            cm = decoder.cache_manager
-            dev = cm.allocate_blocks_cache(_desc(Placement.DEVICE))
-            host = cm.allocate_blocks_cache(_desc(Placement.HOST))
-            async def measured(name: str, call: Callable[[], Any], against: str,
-                               baseline: Callable[[], Any]) -> float:
-                """``call`` and its host-memory ``baseline`` in turn, ``repeat`` times each (a loaded machine's
-                noise falls on both alike): both medians, and the row of their ratio."""
-                progress(f"{name}: 64 x 128 scattered 32 KiB blocks over TCP, in turn with {against}")
-                ours, theirs = await interleaved_times([call, baseline], repeat)
-                await call()  # last: the destination holds what it moved, for the check that follows
-                gbps, base_gbps = (_gbps(MOVED_BYTES, statistics.median(t)) for t in (ours, theirs))
-                rows.append({"name": name, "gbps": gbps, "baseline": against, "baseline_gbps": base_gbps,
-                             "ratio": gbps / base_gbps})
-                progress(f"{name}: {gbps:.2f} GB/s ({gbps / base_gbps:.2f}x {against} at {base_gbps:.2f})")
-                return gbps
+    async with device_pair(ordinal, "tcp") as pair:
+        prompt, decoder, dev_src, host_src = pair.prompt, pair.decoder, pair.dev_src, pair.host_src
+        dev, host, src_blocks, dst_blocks = pair.dev, pair.host, pair.src_blocks, pair.dst_blocks
+        cm = decoder.cache_manager
 
-            def pull(model: int, dst: Any) -> Callable[[], Any]:
-                return functools.partial(cm.pull_blocks, BlocksCacheKey(1, model), dst, src_blocks, dst_blocks)
+        async def measured(name: str, call: Callable[[], Any], against: str,
+                           baseline: Callable[[], Any]) -> float:
+            """``call`` and its host-memory ``baseline`` in turn, ``repeat`` times each (a loaded machine's
+            noise falls on both alike): both medians, and the row of their ratio."""
+            progress(f"{name}: 64 x 128 scattered 32 KiB blocks over TCP, in turn with {against}")
+            ours, theirs = await interleaved_times([call, baseline], repeat)
+            await call()  # last: the destination holds what it moved, for the check that follows
+            gbps, base_gbps = (_gbps(MOVED_BYTES, statistics.median(t)) for t in (ours, theirs))
+            rows.append({"name": name, "gbps": gbps, "baseline": against, "baseline_gbps": base_gbps,
+                         "ratio": gbps / base_gbps})
+            progress(f"{name}: {gbps:.2f} GB/s ({gbps / base_gbps:.2f}x {against} at {base_gbps:.2f})")
+            return gbps
 
-            def push(model: int, src: Any) -> Callable[[], Any]:
-                return functools.partial(cm.push_blocks, BlocksCacheKey(1, model), src, dst_blocks, src_blocks)
+        def pull(model: int, dst: Any) -> Callable[[], Any]:
+            return functools.partial(cm.pull_blocks, BlocksCacheKey(1, model), dst, src_blocks, dst_blocks)
 
-            host_pull, host_push = pull(1, host), push(1, host)
-            await host_pull()
-            await _check(prompt, host_src, host, src_blocks, dst_blocks)
-            d2d = await measured("tcp d2d pull", pull(0, dev), "tcp host pull", host_pull)
-            await _check(prompt, dev_src, dev, src_blocks, dst_blocks)
-            await measured("tcp host->dev pull", pull(1, dev), "tcp host pull", host_pull)
-            await _check(prompt, host_src, dev, src_blocks, dst_blocks)
-            await measured("tcp dev->host pull", pull(0, host), "tcp host pull", host_pull)
-            await _check(prompt, dev_src, host, src_blocks, dst_blocks)
-            # (the pushes write back what was pulled: the check holds after them too)
-            await measured("tcp d2d push", push(0, dev), "tcp host push", host_push)
-            await _check(prompt, dev_src, dev, src_blocks, dst_blocks)
-            row("tcp d2d pull, vs page-locked d2h", d2d, "d2h")
-            row("tcp d2d pull, vs page-locked h2d", d2d, "h2d")
-            runs = max(200, 20 * repeat)
-            progress(f"2 MiB pulls x {runs}, host and device in turn: one block of each tensor")
-            small = {name: functools.partial(cm.pull_blocks, BlocksCacheKey(1, model), dst, [src_blocks[0]],
-                                             [dst_blocks[0]])
-                     for name, model, dst in (("tcp host pull 2 MiB", 1, host), ("tcp d2d pull 2 MiB", 0, dev))}
-            samples = await interleaved_times(list(small.values()), runs, warmup=10)
-            for name, seconds in zip(small, samples):
-                got = sorted(t * 1e6 for t in seconds)
-                rows.append({"name": name, "p50_us": statistics.median(got),
-                             "p99_us": got[max(0, int(len(got) * 0.99) - 1)], "runs": len(got)})
-            rows.append({"name": "tcp d2d pull 2 MiB p50, vs the host's", "info":
-                         f"{rows[-1]['p50_us'] / rows[-2]['p50_us']:.2f}x"})
-            rows.append({"name": "staging", "info": decoder.links()[0]["staging"]})
-        await prompt.call("finalize")
-    finally:
-        await prompt.close()
+        def push(model: int, src: Any) -> Callable[[], Any]:
+            return functools.partial(cm.push_blocks, BlocksCacheKey(1, model), src, dst_blocks, src_blocks)
+
+        host_pull, host_push = pull(1, host), push(1, host)
+        await host_pull()
+        await _check(prompt, host_src, host, src_blocks, dst_blocks)
+        d2d = await measured("tcp d2d pull", pull(0, dev), "tcp host pull", host_pull)
+        await _check(prompt, dev_src, dev, src_blocks, dst_blocks)
+        await measured("tcp host->dev pull", pull(1, dev), "tcp host pull", host_pull)
+        await _check(prompt, host_src, dev, src_blocks, dst_blocks)
+        await measured("tcp dev->host pull", pull(0, host), "tcp host pull", host_pull)
+        await _check(prompt, dev_src, host, src_blocks, dst_blocks)
+        # (the pushes write back what was pulled: the check holds after them too)
+        await measured("tcp d2d push", push(0, dev), "tcp host push", host_push)
+        await _check(prompt, dev_src, dev, src_blocks, dst_blocks)
+        row("tcp d2d pull, vs page-locked d2h", d2d, "d2h")
+        row("tcp d2d pull, vs page-locked h2d", d2d, "h2d")
+        runs = max(200, 20 * repeat)
+        progress(f"2 MiB pulls x {runs}, host and device in turn: one block of each tensor")
+        small = {name: functools.partial(cm.pull_blocks, BlocksCacheKey(1, model), dst, [src_blocks[0]],
+                                         [dst_blocks[0]])
+                 for name, model, dst in (("tcp host pull 2 MiB", 1, host), ("tcp d2d pull 2 MiB", 0, dev))}
+        samples = await interleaved_times(list(small.values()), runs, warmup=10)
+        for name, seconds in zip(small, samples):
+            got = sorted(t * 1e6 for t in seconds)
+            rows.append({"name": name, "p50_us": statistics.median(got),
+                         "p99_us": got[max(0, int(len(got) * 0.99) - 1)], "runs": len(got)})
+        rows.append({"name": "tcp d2d pull 2 MiB p50, vs the host's", "info":
+                     f"{rows[-1]['p50_us'] / rows[-2]['p50_us']:.2f}x"})
+        rows.append({"name": "staging", "info": decoder.links()[0]["staging"]})
     return rows
