@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .layer_transfer import CacheTask
     from .memory import HostMemory
     from .notifications import Notification
-    from .stats import LinkStats, MessageStats, NotificationStats, StatsSnapshot
+    from .stats import LinkStats, MessageStats, NotificationStats, StagingStats, StatsSnapshot
     from .transfer_configs import (
         LayerSynchronizer,
         MemInfo,
@@ -80,6 +80,7 @@ _WHERE = {
     "NotificationStats": "stats",
     "Placement": "types",
     "RegisterMemStatus": "transfer_configs",
+    "StagingStats": "stats",
     "StatsSnapshot": "stats",
     "TransferConfig": "transfer_configs",
     "TransferWithCacheKeyConfig": "transfer_configs",
@@ -121,6 +122,7 @@ __all__ = [
     "NotificationStats",
     "Placement",
     "RegisterMemStatus",
+    "StagingStats",
     "StatsSnapshot",
     "TransferConfig",
     "TransferWithCacheKeyConfig",

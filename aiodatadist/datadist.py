@@ -11,7 +11,7 @@ from typing import Self
 from ._checks import check_bool, check_event_loop, check_int, check_isinstance, require
 from .cache_manager import CacheManager
 from .config import OptionKey
-from .copy import release_shared_executor, shared_executor
+from .copy import release_shared_executor, shared_executor, staging
 from .copy.engine import CopyEngine
 from .errors import LLMException, LLMNotInitializedError, LLMStatusCode
 from .link.comm_domains import ATTEMPT_MS, CommDomains
@@ -106,7 +106,8 @@ class LLMDataDist:
                 nixl.start()  # LLM_FEATURE_NOT_ENABLED here, not at the first link, when NIXL is missing
             # TCP links use the native helper's I/O threads unless llm.Net / AIODATADIST_NET says python
             planes = PlaneFactory(self._cluster_id, engine, nixl, settings.native_net and native_pool() is not None,
-                                  (directory.address, directory.rows), settings.device_staging)
+                                  (directory.address, directory.rows), settings.device_staging,
+                                  self._stats.mark_staged)
             links = LinkManager(self._cluster_id, self._role, settings, registry, planes, nixl.start,
                                 self._stats.messages)
             inbox = NotificationInbox(self._stats)
@@ -360,7 +361,8 @@ class LLMDataDist:
         """Transfer statistics per remote cluster and direction, as an immutable snapshot (see
         :class:`~aiodatadist.stats.StatsSnapshot`); they survive unlinking and ``finalize``."""
         transfers = self._transfers
-        return self._stats.snapshot(transfers.one_sided_served() if transfers is not None else None)
+        return self._stats.snapshot(transfers.one_sided_served() if transfers is not None else None,
+                                    staging.budget_stats() if self._stats.staged else None)
 
     async def __aenter__(self) -> Self:
         return self

@@ -23,8 +23,8 @@ from types import MappingProxyType
 
 import numpy as np
 
-__all__ = ["LATENCY_WINDOW", "LinkStats", "MessageCounter", "MessageStats", "NotificationStats", "StatsRecorder",
-           "StatsSnapshot"]
+__all__ = ["LATENCY_WINDOW", "LinkStats", "MessageCounter", "MessageStats", "NotificationStats", "StagingStats",
+           "StatsRecorder", "StatsSnapshot"]
 
 LATENCY_WINDOW = 4096
 OneSided = tuple[int, int, int, int, int, int]
@@ -48,6 +48,20 @@ class LinkStats:
     latency_p90_ms: float
     latency_p99_ms: float
     latency_max_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class StagingStats:
+    """This process's budget of page-locked memory for staging device caches over TCP
+    (``AIODATADIST_STAGING_BYTES``), shared by its instances: what the staging rings hold of it, how many rings
+    there are, and, once it is spent, how many shared rings and how many links use them (see ``links()`` for
+    each link's rings)."""
+
+    budget_bytes: int
+    used_bytes: int = 0
+    rings: int = 0
+    shared_rings: int = 0
+    shared_ring_users: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +121,7 @@ class StatsSnapshot:
     notifications: tuple[NotificationStats, ...] = ()
     served: tuple[LinkStats, ...] = ()  # what peers requested of this instance's caches (see the module doc)
     messages: tuple[MessageStats, ...] = ()  # control-plane messages, per remote cluster
+    staging: StagingStats | None = None  # the process's staging budget, once this instance staged over TCP
 
     def get(self, remote_cluster_id: int, direction: str) -> LinkStats | None:
         """The entry of one remote cluster and direction, if it moved anything yet."""
@@ -181,6 +196,11 @@ class StatsRecorder:
         self._one_sided: dict[int, tuple[str, OneSided]] = {}  # closed links' one-sided reads and writes, summed
         self._notes: dict[int, list[int]] = {}  # remote cluster -> [sent, received, dropped]
         self._messages: dict[int, MessageCounter] = {}  # remote cluster -> its control messages, by kind
+        self.staged = False  # a link of this instance staged a device cache over TCP (see StatsSnapshot.staging)
+
+    def mark_staged(self) -> None:
+        """A link of this instance set up a staging ring: its stats report the process's staging budget."""
+        self.staged = True
 
     def _note(self, remote_cluster_id: int, which: int) -> None:
         counts = self._notes.get(remote_cluster_id)
@@ -219,9 +239,10 @@ class StatsRecorder:
         _, before = self._one_sided.get(remote_cluster_id, (plane, NO_ONE_SIDED))
         self._one_sided[remote_cluster_id] = (plane, _sum(before, counts))
 
-    def snapshot(self, one_sided: dict[int, tuple[str, OneSided]] | None = None) -> StatsSnapshot:
+    def snapshot(self, one_sided: dict[int, tuple[str, OneSided]] | None = None,
+                 staging: StagingStats | None = None) -> StatsSnapshot:
         """The statistics now; ``one_sided``: the live links' one-sided reads and writes served (remote ->
-        plane, counts)."""
+        plane, counts); ``staging``: the process's staging budget."""
         out = tuple(entry.frozen(cluster, direction) for (cluster, direction), entry in sorted(self._entries.items()))
         served = {key: _copy(entry) for key, entry in self._served.items()}
         totals = dict(self._one_sided)
@@ -239,7 +260,7 @@ class StatsRecorder:
         notes = tuple(NotificationStats(cluster, *counts) for cluster, counts in sorted(self._notes.items()))
         messages = tuple(counter.frozen(cluster) for cluster, counter in sorted(self._messages.items()))
         return StatsSnapshot(out, notes, tuple(entry.frozen(c, d) for (c, d), entry in sorted(served.items())),
-                             messages)
+                             messages, staging)
 
 
 def _entry(table: dict[tuple[int, str], _Entry], cluster: int, direction: str) -> _Entry:

@@ -44,12 +44,13 @@ echo "bench tcp rc=$?" >> "$OUTDIR/bench-device-tcp.txt"
 # An engine's CUDA KV (torch tensors, aiodatadist.torch) between two processes over TCP, blocking API: its figure.
 timeout 40 $PY -m pytest -q -s -p no:cacheprovider tests/gpu/test_torch_over_tcp.py > "$OUTDIR/torch-over-tcp.txt" 2>&1
 echo "torch over tcp rc=$?" >> "$OUTDIR/torch-over-tcp.txt"
-if $PY -c "import nixl._api" 2>/dev/null || $PY -c "import nixl" 2>/dev/null; then
+NIXL_LOADS='from aiodatadist.transport.nixl import load_nixl; load_nixl()'  # nixl, nixl-cu12 or nixl-cu13
+if $PY -c "$NIXL_LOADS" 2>/dev/null; then
   timeout 60 $PY -m aiodatadist_benchmarks.bench.nixl_vram --repeat 5 > "$OUTDIR/nixl-vram.txt" 2> "$OUTDIR/nixl-vram-ucx.txt"
   echo "nixl rc=$?" >> "$OUTDIR/nixl-vram.txt"
   grep -i "proto\|rndv\|zcopy" "$OUTDIR/nixl-vram-ucx.txt" | sort | uniq -c | head -20 >> "$OUTDIR/nixl-vram.txt"
 else
-  echo "raw NIXL skipped: $($PY -c 'import nixl' 2>&1 | tail -1)" > "$OUTDIR/nixl-vram.txt"
+  echo "raw NIXL skipped: $($PY -c "$NIXL_LOADS" 2>&1 | tail -1)" > "$OUTDIR/nixl-vram.txt"
 fi
 tail -n 30 "$OUTDIR/gpu-tests.txt"
 cat "$OUTDIR/bench-device.txt" "$OUTDIR/bench-device-tcp.txt" "$OUTDIR/nixl-vram.txt"

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Final
+from typing import Final
 
 from ..errors import LLMException, LLMStatusCode
 from ..native import STAGE_STATS, Lane, StageSlot, native_pool
 from ..settings.environment import env_knobs
+from ..stats import StagingStats
 from .device_runtime import DeviceRuntime
 
-__all__ = ["CHUNK_BYTES", "DEFAULT_BUDGET", "SLOTS_PER_CONNECTION", "StagingBudget", "StagingRing", "budget"]
+__all__ = ["CHUNK_BYTES", "DEFAULT_BUDGET", "SLOTS_PER_CONNECTION", "StagingBudget", "StagingRing", "budget", "budget_stats"]
 
 CHUNK_BYTES: Final = 2 << 20
 """A slot's size: the most a gather or a scatter moves in one launch, and the frame a staged sender cuts."""
@@ -168,15 +169,22 @@ class StagingBudget:
             self._used -= ring.nbytes
         ring.close()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StagingStats:
         """The budget, what rings hold of it, how many there are, and how many links use a shared ring."""
         with self._lock:
-            return {"budget_bytes": self.total, "used_bytes": self._used, "rings": self._rings,
-                    "shared_rings": len(self._shared), "shared_ring_users": sum(n for _, n in self._shared.values())}
+            return StagingStats(self.total, self._used, self._rings, len(self._shared),
+                                sum(n for _, n in self._shared.values()))
 
 
 _budget: StagingBudget | None = None
 _budget_lock = threading.Lock()
+
+
+def budget_stats() -> StagingStats | None:
+    """This process's staging budget now, or None while nothing was staged (no budget made yet)."""
+    with _budget_lock:
+        found = _budget
+    return found.stats() if found is not None else None
 
 
 def budget() -> StagingBudget:

@@ -28,13 +28,15 @@ class PlaneFactory:
     ``copies``: the instance's copy engine (same-host copies); ``nixl``: its NIXL agent's caches; ``native_net``:
     TCP links use the native helper's I/O threads; ``directory``: ``(address, rows)`` of this instance's cache
     directory, which those threads check one-sided reads and writes against; ``device_staging``: TCP links move
-    device caches staged through page-locked memory (``llm.DeviceStaging``), else refuse them."""
+    device caches staged through page-locked memory (``llm.DeviceStaging``), else refuse them; ``on_staged``:
+    called when a link sets up a staging ring."""
 
     def __init__(self, cluster_id: int, copies: Copies, nixl: NixlAgentCaches, native_net: bool,
-                 directory: tuple[int, int] | None, device_staging: bool = True) -> None:
+                 directory: tuple[int, int] | None, device_staging: bool = True,
+                 on_staged: Callable[[], None] = lambda: None) -> None:
         self._cluster_id = cluster_id
         self._copies = copies
-        self._staging = DeviceStaging(device_staging, lambda: copies.device().runtime)
+        self._staging = DeviceStaging(device_staging, lambda: copies.device().runtime, on_staged)
         self._nixl = nixl
         self.native_net = native_net
         self._directory = directory

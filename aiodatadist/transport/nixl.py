@@ -55,14 +55,16 @@ STOP_BOUND = 5.0  # seconds a cancelled transfer NIXL could not cancel is waited
 POLL_S = 1e-4  # the NIXL thread checks its running transfers this often
 IDLE_PROGRESS_S = 1e-3  # and, with none running, gives UCX progress this often for peers reading from us
 DEFAULT_PARAMS: Mapping[str, str] = {"num_threads": "2", "split_batch_size": "16"}  # UCX: see docs/performance.md
+NIXL_MODULES: tuple[str, ...] = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+"""NIXL's Python API, as the ``nixl`` package installs it, or as the ``nixl-cu12`` / ``nixl-cu13`` builds do alone."""
 
 
 def load_nixl() -> ModuleType:
-    """NIXL's Python API (``nixl._api``, or the CUDA 12 build's own ``nixl_cu12._api``); raises
-    ``LLM_FEATURE_NOT_ENABLED`` saying what to install."""
+    """NIXL's Python API (the first of :data:`NIXL_MODULES` that imports); raises ``LLM_FEATURE_NOT_ENABLED``
+    saying what to install."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout otherwise
     errors = []
-    for name in ("nixl._api", "nixl_cu12._api"):
+    for name in NIXL_MODULES:
         try:
             return importlib.import_module(name)
         except ImportError as exc:
@@ -73,7 +75,7 @@ def load_nixl() -> ModuleType:
 
 def nixl_available() -> bool:
     """Whether NIXL is installed here (found, not imported)."""
-    return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu12"))
+    return any(importlib.util.find_spec(name.split(".")[0]) is not None for name in NIXL_MODULES)
 
 
 @dataclass(eq=False)

@@ -36,6 +36,7 @@ from aiodatadist import (
     LLMRole,
     LLMStatusCode,
     Placement,
+    StagingStats,
     TransferWithCacheKeyConfig,
 )
 from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
@@ -456,8 +457,9 @@ async def test_a_spent_budget_makes_links_share_a_ring_and_wait_for_it(monkeypat
             send = sorted((link["remote_cluster_id"], link["staging"]["send"]) for link in prompt.links())
             assert [(r["shared"], r["slots"]) for r in receive] == [(False, 1), (True, 1), (True, 1)]
             assert [(r["shared"], r["slots"]) for _, r in send] == [(False, 4), (True, 1), (True, 1)]
-            assert small.stats() == {"budget_bytes": small.total, "used_bytes": small.total + 3 * staging.CHUNK_BYTES,
-                                     "rings": 2, "shared_rings": 3, "shared_ring_users": 4}
+            spent = StagingStats(small.total, small.total + 3 * staging.CHUNK_BYTES, rings=2, shared_rings=3,
+                                 shared_ring_users=4)
+            assert all(dd.stats().staging == spent for dd in (*everyone, prompt))  # the process's, in every stats
         finally:
             for dd in others:
                 await dd.finalize()
@@ -542,9 +544,14 @@ async def test_device_caches_move_one_sided_once_resolved(owner: str, mine: str)
             _, counts = prompt._transfers.one_sided_served()[2]
             return counts[0], counts[3]
 
+        assert decoder.stats().staging is None and prompt.stats().staging is None  # nothing staged yet
         # The first pull and push resolve the key; the owner's rings of both directions exist after them.
         await cm.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
         await cm.push_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+        for dd, placement in ((decoder, mine), (prompt, owner)):  # the budget, in the stats of those that staged
+            budget = dd.stats().staging
+            assert (budget is not None) is (placement == "DEVICE")
+            assert budget is None or (budget.used_bytes > 0 and budget.budget_bytes > 0)
         before, (reads, writes) = begins(decoder), one_sided()
         await cm.pull_blocks(BlocksCacheKey(1, 0), dst, list(range(0, 64, 2)), list(range(32)))
         got = rows(dst, 64)

@@ -161,7 +161,8 @@ async def test_without_nixl_the_option_says_what_to_install() -> None:
     LLM_FEATURE_NOT_ENABLED naming the extra, and the core imports without it."""
     script = """
 import asyncio, sys
-sys.modules["nixl"] = sys.modules["nixl._api"] = sys.modules["nixl_cu12"] = sys.modules["nixl_cu12._api"] = None
+for name in ("nixl", "nixl_cu12", "nixl_cu13"):
+    sys.modules[name] = sys.modules[name + "._api"] = None
 from aiodatadist import LLMDataDist, LLMException, LLMRole
 async def main():
     dd = LLMDataDist(LLMRole.DECODER, 5)

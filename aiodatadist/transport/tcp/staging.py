@@ -20,9 +20,11 @@ S = LLMStatusCode
 class DeviceStaging:
     """An instance's policy for device caches on TCP links, and its device (``runtime``: opened on first use)."""
 
-    def __init__(self, allowed: bool, runtime: Callable[[], DeviceRuntime]) -> None:
+    def __init__(self, allowed: bool, runtime: Callable[[], DeviceRuntime],
+                 on_ring: Callable[[], None] = lambda: None) -> None:
         self.allowed = allowed
         self._runtime = runtime
+        self._on_ring = on_ring  # a link got a ring (the instance's stats report the budget from then on)
 
     def path(self, conns: NativeConnections | PythonConnections) -> str:
         """How a link on ``conns`` moves device caches: ``"device-staged"``, or ``"refused"``."""
@@ -52,3 +54,4 @@ class DeviceStaging:
         except BaseException:  # the link closed meanwhile
             rings.give_back(ring)
             raise
+        self._on_ring()

@@ -54,8 +54,6 @@ No other UCX setting helped here (tried: ``UCX_TLS=cma,tcp``, ``NIXL_UCX_SGL_ENA
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import statistics
 import sys
@@ -68,6 +66,10 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import numpy as np
+
+from aiodatadist import LLMException
+from aiodatadist.transport import nixl
+from aiodatadist.transport.nixl import nixl_available
 
 __all__ = ["VARIANTS", "WORKLOADS", "nixl_available", "run_nixl"]
 
@@ -95,26 +97,15 @@ _DECODER_UCX = {"num_threads": "2", "split_batch_size": "16"}  # UCX backend par
 _DECODER_POLL_S = 1e-4  # decoder: check_xfer_state this often while its UCX threads copy
 
 _Report = Callable[[str], None]
-_NIXL_MODULES = ("nixl._api", "nixl_cu12._api")  # NIXL's Python API, or the CUDA 12 build's own
 U64_MAX = int(np.iinfo(np.uint64).max)
-
-
-def nixl_available() -> bool:
-    """Whether NIXL is installed here (found, not imported)."""
-    return any(importlib.util.find_spec(name.split(".")[0]) is not None for name in _NIXL_MODULES)
 
 
 def load_nixl() -> Any:
     """NIXL's Python API; RuntimeError saying what to install without it."""
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout otherwise
-    errors = []
-    for name in _NIXL_MODULES:
-        try:
-            return importlib.import_module(name)
-        except ImportError as exc:
-            errors.append(f"{name}: {exc}")
-    raise RuntimeError(f"the NIXL harness needs NIXL: pip install 'aiodatadist-benchmarks[peers]' "
-                       f"({'; '.join(errors)})")
+    try:
+        return nixl.load_nixl()
+    except LLMException as exc:
+        raise RuntimeError(f"the NIXL harness needs NIXL: pip install 'aiodatadist-benchmarks[peers]' ({exc})") from None
 
 
 def run_nixl(workloads: set[str], repeat: int, variant: str,
