@@ -10,8 +10,9 @@ Every ring comes out of one budget of page-locked memory per process (``AIODATAD
 default), reported by ``LLMDataDist.stats()``.  A ring gets the slots it asks for while the budget has them, fewer
 when it is short; once the budget is spent, an instance's further links share one ring per direction (so that a
 process's sending never waits for its own receiving), whose transfers wait for its slots instead of failing.  A
-shared ring takes what the budget has left, at least one slot: the one allowance beyond the budget.  Everything here goes through the
-device-runtime interface (:class:`~aiodatadist.copy.device_runtime.DeviceRuntime`): no runtime's own calls.
+shared ring takes what the budget has left, at least one slot: the one allowance beyond the budget.  Everything
+here goes through the device-runtime interface (:class:`~aiodatadist.copy.device_runtime.DeviceRuntime`): no
+runtime's own calls.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from ..settings.environment import env_knobs
 from ..stats import StagingStats
 from .device_runtime import DeviceRuntime
 
-__all__ = ["CHUNK_BYTES", "DEFAULT_BUDGET", "SLOTS_PER_CONNECTION", "StagingBudget", "StagingRing", "budget", "budget_stats"]
+__all__ = ["CHUNK_BYTES", "DEFAULT_BUDGET", "SLOTS_PER_CONNECTION", "StagingBudget", "StagingRing", "budget",
+           "budget_stats"]
 
 CHUNK_BYTES: Final = 2 << 20
 """A slot's size: the most a gather or a scatter moves in one launch, and the frame a staged sender cuts."""

@@ -110,8 +110,8 @@ class Requester:
             raise
         finally:
             link = self._links.links.get(key.cluster_id)
-            self.stats.record(key.cluster_id, params.op, link.plane.path_of(local.on_device) if link is not None else "",
-                              time.perf_counter() - started, nbytes, failure)
+            plane = link.plane.path_of(local.on_device) if link is not None else ""
+            self.stats.record(key.cluster_id, params.op, plane, time.perf_counter() - started, nbytes, failure)
 
     def _noted(self, link: Link, note: bytes | None) -> bytes | None:
         """``note``, counted as sent to the link's peer (called when it goes out with a successful transfer)."""

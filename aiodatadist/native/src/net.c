@@ -912,8 +912,6 @@ static void *start_send(adt_net *n, net_job *j)
     return j;
 }
 
-/* Two-sided send: the bytes of a grid (run r of tensor t at bases[t] + offs[r], lens[r] bytes, tensor-major: a
- * plan's order; a list of spans is a grid of one tensor at 0) as transfer `key` (copied arrays). */
 /* A send job of device memory: staged, its frames at most a slot long (frame_for may make them longer). */
 static void staged_frames(adt_net *n, net_job *j)
 {
@@ -925,6 +923,8 @@ static void staged_frames(adt_net *n, net_job *j)
     j->staged = 1;
 }
 
+/* Two-sided send: the bytes of a grid (run r of tensor t at bases[t] + offs[r], lens[r] bytes, tensor-major: a
+ * plan's order; a list of spans is a grid of one tensor at 0) as transfer `key` (copied arrays). */
 void *adt_net_send(void *net, uint64_t key, const uint64_t *bases, size_t nt, const uint64_t *offs,
                    const uint64_t *lens, size_t nr, int staged)
 {

@@ -49,6 +49,12 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def rate_row(name: str, gbps: float, baseline: str, baseline_gbps: float) -> dict[str, Any]:
+    """A rate's row: the figure, its baseline of the same run and their ratio."""
+    return {"name": name, "gbps": gbps, "baseline": baseline, "baseline_gbps": baseline_gbps,
+            "ratio": gbps / baseline_gbps}
+
+
 def _median_time(fn: Callable[[], None], repeat: int) -> float:
     fn()  # warm-up
     times = []
@@ -95,8 +101,7 @@ async def run_device_bench(repeat: int, ordinal: int = 0,
     rows: list[dict[str, Any]] = []
 
     def row(name: str, gbps: float, baseline: str) -> None:
-        rows.append({"name": name, "gbps": gbps, "baseline": baseline, "baseline_gbps": base[baseline],
-                     "ratio": gbps / base[baseline]})
+        rows.append(rate_row(name, gbps, baseline, base[baseline]))
         progress(f"{name}: {gbps:.1f} GB/s ({gbps / base[baseline]:.2f}x {baseline})")
 
     async with device_pair(ordinal) as pair:
@@ -208,8 +213,7 @@ async def _big_phases(dd: LLMDataDist, call: Callable[[], Awaitable[Any]], label
     rows: list[dict[str, Any]] = []
     if kernel:
         gbps = _gbps(MOVED_BYTES, statistics.median(kernel))
-        rows.append({"name": f"{label}: kernel alone", "gbps": gbps, "baseline": "d2d", "baseline_gbps": d2d_gbps,
-                     "ratio": gbps / d2d_gbps})
+        rows.append(rate_row(f"{label}: kernel alone", gbps, "d2d", d2d_gbps))
     return rows + await _phases(dd, call, max(repeat, 5), label)
 
 
@@ -239,8 +243,7 @@ def kernel_sweep(dd: LLMDataDist, ordinal: int, repeat: int, d2d_gbps: float) ->
             times = probes.time_copy_kernel(dd, table, spans, BLOCK_BYTES, MOVED_BYTES, block=threads,
                                             grid=min(spans, per_sm * device.sm_count), runs=max(repeat, 5) + 1)
             gbps = _gbps(MOVED_BYTES, statistics.median(times[1:]))  # the first stages the table
-            rows.append({"name": f"kernel {threads} x {per_sm}/SM", "gbps": gbps, "baseline": "d2d",
-                         "baseline_gbps": d2d_gbps, "ratio": gbps / d2d_gbps})
+            rows.append(rate_row(f"kernel {threads} x {per_sm}/SM", gbps, "d2d", d2d_gbps))
     finally:
         device.synchronize()
         device.free(src)

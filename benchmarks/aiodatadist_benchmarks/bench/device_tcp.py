@@ -27,7 +27,7 @@ from typing import Any
 
 from aiodatadist import BlocksCacheKey
 
-from .device import _check, _gbps, baselines
+from .device import _check, _gbps, baselines, rate_row
 from .device_pair import MOVED_BYTES, device_pair
 from .timing import interleaved_times
 
@@ -42,8 +42,7 @@ async def run_device_tcp_bench(repeat: int, ordinal: int = 0,
     rows: list[dict[str, Any]] = []
 
     def row(name: str, gbps: float, baseline: str) -> None:
-        rows.append({"name": name, "gbps": gbps, "baseline": baseline, "baseline_gbps": base[baseline],
-                     "ratio": gbps / base[baseline]})
+        rows.append(rate_row(name, gbps, baseline, base[baseline]))
         progress(f"{name}: {gbps:.2f} GB/s ({gbps / base[baseline]:.2f}x {baseline})")
 
     async with device_pair(ordinal, "tcp") as pair:
@@ -59,8 +58,7 @@ async def run_device_tcp_bench(repeat: int, ordinal: int = 0,
             ours, theirs = await interleaved_times([call, baseline], repeat)
             await call()  # last: the destination holds what it moved, for the check that follows
             gbps, base_gbps = (_gbps(MOVED_BYTES, statistics.median(t)) for t in (ours, theirs))
-            rows.append({"name": name, "gbps": gbps, "baseline": against, "baseline_gbps": base_gbps,
-                         "ratio": gbps / base_gbps})
+            rows.append(rate_row(name, gbps, against, base_gbps))
             progress(f"{name}: {gbps:.2f} GB/s ({gbps / base_gbps:.2f}x {against} at {base_gbps:.2f})")
             return gbps
 
