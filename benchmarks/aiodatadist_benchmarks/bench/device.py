@@ -93,16 +93,31 @@ def baselines(ordinal: int, repeat: int) -> dict[str, float]:
         device.free_pinned(host)
 
 
+class Figures:
+    """A device bench's rows, with the copy baselines of its run (:meth:`start` measures them first)."""
+
+    def __init__(self, base: dict[str, float], progress: Callable[[str], None], digits: int) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.base = base
+        self._progress = progress
+        self._digits = digits
+
+    @classmethod
+    async def start(cls, ordinal: int, repeat: int, progress: Callable[[str], None], digits: int) -> Figures:
+        progress("baselines: cuMemcpy device-to-device and page-locked host<->device, 256 MiB")
+        return cls(await asyncio.to_thread(baselines, ordinal, repeat), progress, digits)
+
+    def rate(self, name: str, gbps: float, baseline: str) -> None:
+        """A rate's row against one of the run's baselines, and its progress line."""
+        self.rows.append(rate_row(name, gbps, baseline, self.base[baseline]))
+        self._progress(f"{name}: {gbps:.{self._digits}f} GB/s ({gbps / self.base[baseline]:.2f}x {baseline})")
+
+
 async def run_device_bench(repeat: int, ordinal: int = 0,
                            progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
     """Run the device workloads; returns one row per figure (``name``, ``gbps``, ``baseline``, ``ratio``)."""
-    progress("baselines: cuMemcpy device-to-device and page-locked host<->device, 256 MiB")
-    base = await asyncio.to_thread(baselines, ordinal, repeat)
-    rows: list[dict[str, Any]] = []
-
-    def row(name: str, gbps: float, baseline: str) -> None:
-        rows.append(rate_row(name, gbps, baseline, base[baseline]))
-        progress(f"{name}: {gbps:.1f} GB/s ({gbps / base[baseline]:.2f}x {baseline})")
+    figures = await Figures.start(ordinal, repeat, progress, 1)
+    rows, row, base = figures.rows, figures.rate, figures.base
 
     async with device_pair(ordinal) as pair:
         prompt, decoder, dev_src, host_src = pair.prompt, pair.decoder, pair.dev_src, pair.host_src

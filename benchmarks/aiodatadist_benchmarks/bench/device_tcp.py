@@ -19,7 +19,6 @@ emulated GPU (no NVIDIA GPU) the device copies are CPU copies, so the ratios bou
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import statistics
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import Any
 
 from aiodatadist import BlocksCacheKey
 
-from .device import _check, _gbps, baselines, rate_row
+from .device import Figures, _check, _gbps, rate_row
 from .device_pair import MOVED_BYTES, device_pair
 from .timing import interleaved_times
 
@@ -37,13 +36,8 @@ __all__ = ["run_device_tcp_bench"]
 async def run_device_tcp_bench(repeat: int, ordinal: int = 0,
                                progress: Callable[[str], None] = lambda line: None) -> list[dict[str, Any]]:
     """Run the device-over-TCP workloads; one row per figure (``name``, ``gbps``, ``baseline``, ``ratio``)."""
-    progress("baselines: cuMemcpy device-to-device and page-locked host<->device, 256 MiB")
-    base = await asyncio.to_thread(baselines, ordinal, repeat)
-    rows: list[dict[str, Any]] = []
-
-    def row(name: str, gbps: float, baseline: str) -> None:
-        rows.append(rate_row(name, gbps, baseline, base[baseline]))
-        progress(f"{name}: {gbps:.2f} GB/s ({gbps / base[baseline]:.2f}x {baseline})")
+    figures = await Figures.start(ordinal, repeat, progress, 2)
+    rows, row = figures.rows, figures.rate
 
     async with device_pair(ordinal, "tcp") as pair:
         prompt, decoder, dev_src, host_src = pair.prompt, pair.decoder, pair.dev_src, pair.host_src
