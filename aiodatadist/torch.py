@@ -33,6 +33,7 @@ from .memory import HostMemory
 from .types import BlocksCacheKey, CacheDesc, CacheKey, DataType, Placement
 
 __all__ = [
+    "DEVICE_TYPES",
     "Registrar",
     "cache_desc_from_tensors",
     "from_torch_dtype",
@@ -99,21 +100,29 @@ def from_torch_dtype(dtype: torch.dtype) -> DataType:
     return data_type
 
 
+DEVICE_TYPES = ("cuda", "npu")
+"""Torch device types whose tensors are ``Placement.DEVICE`` memory: CUDA, and Ascend NPUs (torch_npu's ``npu``,
+recognised by name: this module never imports torch_npu)."""
+
+
 def placement_of(device: torch.device | str) -> Placement:
-    """``Placement.HOST`` for a CPU device, ``Placement.DEVICE`` for a CUDA device; others ``LLM_PARAM_INVALID``."""
+    """``Placement.HOST`` for a CPU device, ``Placement.DEVICE`` for a CUDA or NPU device; others
+    ``LLM_PARAM_INVALID``."""
     check_isinstance("device", device, (torch.device, str))
-    dev = torch.device(device)
-    if dev.type == "cpu":
+    kind = device.type if isinstance(device, torch.device) else device.partition(":")[0]
+    if kind not in DEVICE_TYPES:
+        kind = torch.device(device).type  # (also validates a string torch knows)
+    if kind == "cpu":
         return Placement.HOST
-    if dev.type == "cuda":
+    if kind in DEVICE_TYPES:
         return Placement.DEVICE
-    param_invalid(f"tensors on {dev} are not supported (only cpu and cuda).")
+    param_invalid(f"tensors on {device} are not supported (only cpu, cuda and npu).")
 
 
 # -- descriptions and registration -------------------------------------------------------------------------------
 def _check_tensors(tensors: Any) -> tuple[list[torch.Tensor], DataType, torch.device]:
     """The tensors of one cache: a non-empty list or tuple of contiguous, dense tensors of one shape, dtype and
-    device (cpu or cuda), each holding at least one element."""
+    device (cpu, cuda or npu), each holding at least one element."""
     check_isinstance("tensors", tensors, (list, tuple))
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
@@ -140,7 +149,7 @@ def _check_tensors(tensors: Any) -> tuple[list[torch.Tensor], DataType, torch.de
 def cache_desc_from_tensors(tensors: Sequence[torch.Tensor], *, batch_dim_index: int = 0,
                             seq_len_dim_index: int = -1, kv_tensor_format: str | None = None) -> CacheDesc:
     """The ``CacheDesc`` of a list of tensors: ``num_tensors=len(tensors)``, their shape and data type, and
-    ``Placement.HOST`` (cpu) or ``Placement.DEVICE`` (cuda).
+    ``Placement.HOST`` (cpu) or ``Placement.DEVICE`` (cuda, npu).
 
     The tensors must be a non-empty list or tuple (``TypeError`` for another container or a non-tensor) of
     contiguous dense tensors with one shape, one dtype that has a ``DataType`` and one device, each with at least

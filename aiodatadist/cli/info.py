@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"tcp data plane: {'native I/O threads, one-sided reads' if native_net else 'Python I/O threads'}"
          f", {knobs.tcp_connections} connections per link (defaults of llm.Net and llm.TcpConnections: "
          "AIODATADIST_NET, AIODATADIST_TCP_CONNECTIONS)"),
-        f"GPU (Placement.DEVICE, CUDA driver API through ctypes): {runtime_status()}",
+        f"Device runtime (Placement.DEVICE: CUDA driver API or Ascend ACL, through ctypes): {runtime_status()}",
         f"cpus: {usable_cpus()} usable (affinity) of {os.cpu_count()}",
         "settings (AIODATADIST_* environment variables; an option named here overrides it per instance):",
         *_settings_lines(knobs),

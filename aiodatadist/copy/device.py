@@ -28,10 +28,19 @@ from ..errors import LLMException, LLMStatusCode
 from ..memory.segment import PAGE
 from .device_runtime import DeviceExecutor, DeviceRuntime, open_runtime
 
-__all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "PinnedHostMemory", "merged_ranges"]
+__all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "PinnedHostMemory", "device_identity",
+           "merged_ranges"]
 
 log = logging.getLogger("aiodatadist.copy.device")
 ALIGN = 256  # tensors of an allocated device cache start on 256-byte boundaries (16-byte vector copies)
+IPC_HANDLE_BYTES = {"cuda": 64, "acl": 65}  # each runtime's IPC handle: its length tells a peer's runtime
+_identity: tuple[str, int] | None = None  # this process's device runtime, once an instance opened it
+
+
+def device_identity() -> tuple[str, int] | None:
+    """This process's device runtime and the PID its IPC imports present (:attr:`DeviceRuntime.ipc_pid`), as
+    links announce them; None until an instance of this process opened its device."""
+    return _identity
 
 
 class DeviceMemory:
@@ -58,8 +67,10 @@ class DeviceSupport:
     ``LLM_FEATURE_NOT_ENABLED`` (saying why) without a usable device."""
 
     def __init__(self, ordinal: int) -> None:
+        global _identity
         self.runtime: DeviceRuntime = open_runtime(ordinal)
         self.executor: DeviceExecutor = self.runtime.executor
+        _identity = (self.runtime.name, self.runtime.ipc_pid)
         self._mine: dict[tuple[int, int], int] = {}  # ranges this instance pinned (see PINNED), with counts
         self._lock = threading.Lock()
 
@@ -78,19 +89,19 @@ class DeviceSupport:
         for addr in addrs:
             require(runtime.is_device_pointer(addr),
                     f"address {addr:#x} is not device memory of {runtime.name.upper()} device {runtime.ordinal}.")
-            base, size = runtime.address_range(addr)
+            base, size = runtime.address_range(addr, tensor_size)
             require(addr + tensor_size <= base + size,
                     f"tensor at {addr:#x} ({tensor_size} bytes) runs past the end of its allocation "
                     f"({base:#x}, {size} bytes).")
 
-    def ipc_export(self, addrs: UInt64Array, tensor_size: int) -> list[list[Any]]:
+    def ipc_export(self, addrs: UInt64Array, tensor_size: int, importer: int | None = None) -> list[list[Any]]:
         """The IPC handles a same-host peer opens to reach these device tensors: ``[handle, base, size]`` per
-        distinct allocation."""
+        distinct allocation (``importer``: the peer's :attr:`DeviceRuntime.ipc_pid`, if it said)."""
         seen: dict[int, list[Any]] = {}
         for addr in addrs.tolist():
-            base, size = self.runtime.address_range(int(addr))
+            base, size = self.runtime.address_range(int(addr), tensor_size)
             if base not in seen:
-                seen[base] = [self.runtime.ipc_handle(base), base, size]
+                seen[base] = [self.runtime.ipc_handle(base, importer), base, size]
         return list(seen.values())
 
     # -- host memory the GPU reaches -------------------------------------------------------------------------
@@ -239,6 +250,14 @@ class LinkDeviceState:
         known = self._views.get(id(remote_addrs))
         if known is not None and known[0] is remote_addrs:
             return known[1]
+        runtime = self.support.runtime
+        expected = IPC_HANDLE_BYTES.get(runtime.name)
+        if any(len(handle) != expected for handle, _, _ in ipc):
+            theirs = next((n for n, size in IPC_HANDLE_BYTES.items() if size != expected), "another runtime")
+            raise LLMException(f"the peer's device caches are {theirs.upper()} memory and this process uses "
+                               f"{runtime.name.upper()}: IPC cannot join two device runtimes; link over TCP "
+                               "(transport tcp) to stage them through host memory",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
         bases = np.array([base for _, base, _ in ipc], dtype=np.uint64)
         ends = np.array([base + size for _, base, size in ipc], dtype=np.uint64)
         local = np.empty(len(ipc), dtype=np.uint64)

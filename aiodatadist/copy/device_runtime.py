@@ -1,24 +1,31 @@
 """The device-runtime interface: what the copy layer needs of a device runtime, and the one this process uses.
 
 A runtime is one device of this process (an ordinal) and the executor that copies spans on it.  Everything above
-the copy layer (the planes, the registry, the facade) reaches a device only through :class:`DeviceRuntime`, so a
-second runtime (ACL on Ascend) plugs in by implementing it; CUDA implements it in
-:class:`aiodatadist.cuda.runtime.CudaRuntime`.  Addresses are plain ints in the process's unified address space:
+the copy layer (the planes, the registry, the facade) reaches a device only through :class:`DeviceRuntime`:
+CUDA implements it in :class:`aiodatadist.cuda.runtime.CudaRuntime`, Ascend's ACL in
+:class:`aiodatadist.acl.runtime.AclRuntime`.  Which one a process uses is decided once
+(:func:`chosen_runtime`, from ``AIODATADIST_DEVICE_RUNTIME``).  Addresses are plain ints in the process's unified address space:
 device memory, a peer's memory opened through IPC and page-locked host memory are all valid span ends.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import LLMException, LLMStatusCode
 from ..jobs.base import ExecutorJob
 from ..layout.plans import CopyPlan
 from ..native import Lane
+from ..settings.environment import ENV_DEVICE_RUNTIME, env_knobs
 
-__all__ = ["DeviceExecutor", "DeviceRuntime", "Lane", "open_runtime", "runtime_status"]
+__all__ = ["RUNTIMES", "DeviceExecutor", "DeviceRuntime", "Lane", "chosen_runtime", "open_runtime", "runtime_status"]
+
+log = logging.getLogger("aiodatadist.copy.device")
 
 UInt64Array = npt.NDArray[np.uint64]
 
@@ -43,9 +50,15 @@ class DeviceRuntime(Protocol):
     binds the calling thread to the device first."""
 
     name: str
-    """The runtime's name (``"cuda"``), as ``links()`` and ``aiodatadist info`` report it."""
+    """The runtime's name (``"cuda"``, ``"acl"``), as ``links()`` and ``aiodatadist info`` report it."""
     ordinal: int
     """The device's ordinal among the visible devices (``LLMConfig.device_id``)."""
+
+    @property
+    def ipc_pid(self) -> int:
+        """The PID a same-host owner names when it lets this process import its memory (ACL's bare TGID: the
+        host's PID, also inside a container; CUDA names no importer)."""
+        ...
 
     @property
     def executor(self) -> DeviceExecutor:
@@ -76,12 +89,14 @@ class DeviceRuntime(Protocol):
         """Whether ``ptr`` is memory of this device."""
         ...
 
-    def address_range(self, ptr: int) -> tuple[int, int]:
-        """``(base, size)`` of the allocation holding device address ``ptr``."""
+    def address_range(self, ptr: int, nbytes: int = 0) -> tuple[int, int]:
+        """``(base, size)`` of the allocation holding device address ``ptr`` (``nbytes``: the tensor there, for a
+        runtime that can only bound it by rounding)."""
         ...
 
-    def ipc_handle(self, ptr: int) -> bytes:
-        """The handle a same-host process opens to reach the allocation at ``ptr``."""
+    def ipc_handle(self, ptr: int, importer: int | None = None) -> bytes:
+        """The handle a same-host process opens to reach the allocation at ``ptr`` (``importer``: that process's
+        :attr:`ipc_pid`, where the runtime lets only named processes import)."""
         ...
 
     def ipc_open(self, handle: bytes) -> int:
@@ -118,16 +133,79 @@ class DeviceRuntime(Protocol):
         ...
 
 
+RUNTIMES: tuple[str, ...] = ("cuda", "acl")
+_chosen: dict[tuple[str, tuple[str, ...], tuple[str, ...]], str] = {}
+_chosen_lock = threading.Lock()
+
+
+def _probe(name: str) -> str | None:
+    """None when runtime ``name`` has a device here, else why not."""
+    try:
+        if name == "cuda":
+            from ..cuda.driver import cuda_driver
+
+            cuda_driver()
+        else:
+            from ..acl.library import acl_library
+
+            acl_library()
+    except (LLMException, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def chosen_runtime() -> str:
+    """The device runtime of this process: ``AIODATADIST_DEVICE_RUNTIME`` (``cuda`` or ``acl``), or with
+    ``auto`` (the default) the one that has a device, CUDA where both do (logged).  Decided once per setting;
+    raises ``LLM_FEATURE_NOT_ENABLED`` saying why when the runtime asked for (or either, for ``auto``) cannot be
+    used."""
+    knobs = env_knobs()
+    key = (knobs.device_runtime, knobs.libcuda, knobs.libascendcl)
+    found = _chosen.get(key)
+    if found is not None:
+        return found
+    with _chosen_lock:
+        if key in _chosen:
+            return _chosen[key]
+        wanted = knobs.device_runtime
+        names = RUNTIMES if wanted == "auto" else (wanted,)
+        reasons = {name: _probe(name) for name in names}
+        usable = [name for name in names if reasons[name] is None]
+        if not usable:
+            why = "; ".join(f"{name.upper()}: {reason}" for name, reason in reasons.items())
+            raise LLMException(f"no device runtime for Placement.DEVICE ({ENV_DEVICE_RUNTIME}={wanted}): {why}",
+                               status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        if len(usable) > 1:
+            log.info("both CUDA and ACL have a device: Placement.DEVICE uses CUDA (set %s=acl for the NPU)",
+                     ENV_DEVICE_RUNTIME)
+        _chosen[key] = usable[0]
+        return usable[0]
+
+
 def open_runtime(ordinal: int) -> DeviceRuntime:
-    """The runtime of device ``ordinal`` (CUDA); raises ``LLM_FEATURE_NOT_ENABLED`` saying why when no device
-    runtime can be used."""
+    """The runtime of device ``ordinal`` (:func:`chosen_runtime`); raises ``LLM_FEATURE_NOT_ENABLED`` saying
+    why when no device runtime can be used."""
+    if chosen_runtime() == "acl":
+        from ..acl.runtime import AclRuntime
+
+        return AclRuntime(ordinal)
     from ..cuda.runtime import CudaRuntime
 
     return CudaRuntime(ordinal)
 
 
 def runtime_status() -> str:
-    """One line for ``aiodatadist info``: the device runtime's version and devices, or why it cannot be used."""
+    """One line for ``aiodatadist info``: the device runtime in use, its version and devices, or why none can be
+    used."""
+    from ..acl.library import acl_status
     from ..cuda.driver import cuda_status
 
-    return cuda_status()
+    wanted = env_knobs().device_runtime
+    try:
+        name = chosen_runtime()
+    except LLMException as exc:
+        return f"unavailable: {exc}"
+    how = "chosen" if wanted == "auto" else f"{ENV_DEVICE_RUNTIME}={wanted}"
+    if name == "acl":
+        return f"ACL ({how}): {acl_status()}; verified on an emulated runtime only"
+    return f"CUDA ({how}): {cuda_status()}"

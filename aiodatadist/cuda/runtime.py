@@ -4,6 +4,7 @@ one device's primary context and the executor that copies on its stream."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 from ..errors import LLMException, LLMStatusCode
 from ..native import Lane
@@ -24,6 +25,10 @@ class CudaRuntime:
         self.device = get_device(ordinal)
         self.ordinal = ordinal
         self.executor = CudaExecutor(self.device)
+
+    @property
+    def ipc_pid(self) -> int:
+        return os.getpid()
 
     def bind_thread(self) -> None:
         self.device.make_current()
@@ -49,11 +54,11 @@ class CudaRuntime:
     def is_device_pointer(self, ptr: int) -> bool:
         return self.device.is_device_pointer(ptr)
 
-    def address_range(self, ptr: int) -> tuple[int, int]:
+    def address_range(self, ptr: int, nbytes: int = 0) -> tuple[int, int]:
         return self.device.address_range(ptr)
 
-    def ipc_handle(self, ptr: int) -> bytes:
-        return self.device.ipc_handle(ptr)
+    def ipc_handle(self, ptr: int, importer: int | None = None) -> bytes:
+        return self.device.ipc_handle(ptr)  # CUDA's IPC names no importer
 
     def ipc_open(self, handle: bytes) -> int:
         return self.device.ipc_open(handle)

@@ -24,6 +24,10 @@ class Publications(Protocol):
         """Its cache directory's segment, if any."""
         ...
 
+    def device_identity(self) -> tuple[str, int] | None:
+        """This process's device runtime and the PID its IPC imports present, once it opened one."""
+        ...
+
     def shared_fd(self, inode: int, device: int) -> int | None:
         """The memfd of a remote-accessible cache's segment ``(inode, device)``, or None."""
         ...
@@ -49,11 +53,13 @@ class LocalEnd:
         server, or None: an authenticated link sends it in the second HELLO, once the server proved its key)."""
         return Hello(PROTOCOL_VERSION, self.cluster_id, remote_cluster_id, int(self.role), self.transport,
                      self._probe.info(), self._publications.announced_segments(),
-                     self._publications.directory_identity(), self.native_net, cn=client_nonce, fdt=grant)
+                     self._publications.directory_identity(), self.native_net, cn=client_nonce, fdt=grant,
+                     dev=self._publications.device_identity())
 
     def reply(self, plane: Plane, data: DataOffer | None, dconns: int | None, grant: bytes) -> HelloReply:
         """The server's answer admitting a link on ``plane`` (``data``, ``dconns``: its offer of data connections;
         ``grant``: this side's fd socket token for the client)."""
         return HelloReply(self.cluster_id, int(self.role), self._probe.info(), self.transport,
                           self._publications.announced_segments(), self._publications.directory_identity(), plane,
-                          self.native_net, data, dconns, grant)
+                          self.native_net, data, dconns, grant,
+                          self._publications.device_identity())

@@ -48,10 +48,11 @@ __all__ = [
 ]
 
 S = LLMStatusCode
-PROTOCOL_VERSION = 8  # 2: batched frames, segments announced at link time; 3: geometries carry the data type;
+PROTOCOL_VERSION = 9  # 2: batched frames, segments announced at link time; 3: geometries carry the data type;
 # 4: RESOLVE (registered tensors holding raw destination addresses); 5: the nixl plane, fd socket; 6: TCP data
 # frames FENCE/FENCE_ACK and one-sided WRITE/WRITE_ACK; 7: WITHDRAW (same-host pushes into caller-owned caches
-# without a round trip), READ frames name the owner's spans as a grid; 8: descriptors' window (memory shared in place)
+# without a round trip), READ frames name the owner's spans as a grid; 8: descriptors' window (memory shared in place);
+# 9: device runtimes announced (HELLO, its reply, BEGIN), ACL's 65-byte IPC keys
 MAX_LINKS = 512
 ADMITTED: tuple[int, str] = (0, "")
 SHM_ELSEWHERE = "transport shm forced, but the peer is not on this host"

@@ -11,7 +11,7 @@ directory, ``reads``, the server's ``plane``, its data-connection offer, ...) de
 empty tuple, ``False``) instead of raising, exactly as the readers did: a wrong announcement only costs an
 optimisation.  Absent optional fields decode to their defaults.
 
-The wire format is that of protocol version 8 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`, whose
+The wire format is that of protocol version 9 (:data:`aiodatadist.protocol.handshake.PROTOCOL_VERSION`, whose
 comment lists what each version added); the handshake refuses a peer of any other version.
 """
 
@@ -32,10 +32,12 @@ from .codec import Kind, ProtocolError, field, int_field, opt_int_list, uint64_a
 from .identity import SegmentIdentity
 
 __all__ = [
+    "ACL_IPC_KEY_BYTES",
     "FDS_PREFIX",
     "FD_TOKEN_BYTES",
     "HOST_NONCE_BYTES",
     "IPC_HANDLE_BYTES",
+    "IPC_HANDLE_SIZES",
     "MAX_ANNOUNCED_SEGMENTS",
     "MAX_DATA_CONNECTIONS",
     "MAX_IPC_ALLOCATIONS",
@@ -47,6 +49,7 @@ __all__ = [
     "Bye",
     "DataOffer",
     "Descriptor",
+    "DeviceIdentity",
     "End",
     "EndReply",
     "Freed",
@@ -88,12 +91,16 @@ __all__ = [
 
 Plane = Literal["shm", "tcp", "nixl"]
 IpcAllocation = tuple[bytes, int, int]
-"""A device allocation a same-host peer opens by CUDA IPC: ``(handle, base, size)``."""
+"""A device allocation a same-host peer opens by IPC: ``(handle, base, size)``."""
 
 MAX_IPC_ALLOCATIONS = 4096
 """Device allocations one cache descriptor (or one FREED) may name."""
 IPC_HANDLE_BYTES = 64
 """Size of a CUDA IPC memory handle."""
+ACL_IPC_KEY_BYTES = 65
+"""Size of an ACL IPC export key (``aclrtIpcMemGetExportKey``: a NUL-terminated string)."""
+IPC_HANDLE_SIZES = frozenset({IPC_HANDLE_BYTES, ACL_IPC_KEY_BYTES})
+"""The IPC handle sizes a descriptor may carry: its length says whose runtime's memory it is."""
 MAX_ANNOUNCED_SEGMENTS = 4096
 """Segments of a HELLO (or its reply) that the receiver looks at; the rest are mapped lazily at first use."""
 MAX_DATA_CONNECTIONS = 16
@@ -255,7 +262,7 @@ def ipc_from_wire(value: Any) -> tuple[IpcAllocation, ...] | None:
     out = []
     for item in value:
         if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], bytes)
-                and len(item[0]) == IPC_HANDLE_BYTES
+                and len(item[0]) in IPC_HANDLE_SIZES
                 and all(type(v) is int and 0 < v < U64_LIMIT for v in item[1:]) and item[1] + item[2] < U64_LIMIT):
             raise ProtocolError("invalid device allocation")
         out.append((item[0], item[1], item[2]))
@@ -439,6 +446,7 @@ class Hello:
     sn: bytes | None = None
     cp: bytes | None = None
     fdt: bytes | None = None  # the token this client's fd socket asks of the server (only once it is trusted)
+    dev: DeviceIdentity | None = None  # the client's device runtime, once it opened one
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -451,6 +459,8 @@ class Hello:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        if self.dev is not None:
+            out["dev"] = device_to_wire(self.dev)
         return out
 
     @classmethod
@@ -470,6 +480,7 @@ class Hello:
             # A proof that is there but not bytes is still a (failed) proof, never a request for a challenge.
             cp=None if cp is None else cp if isinstance(cp, bytes) else b"",
             fdt=fdt if isinstance(fdt, bytes) and len(fdt) == FD_TOKEN_BYTES else None,
+            dev=device_from_wire(m.get("dev")),
         )
 
 
@@ -489,10 +500,13 @@ class Begin:
     known: tuple[int, ...] = ()
     src: tuple[int, ...] | None = None
     sseg: tuple[SegmentIdentity, int] | None = None
+    dev: DeviceIdentity | None = None  # the requester's device runtime (the owner names its PID on IPC exports)
 
     def to_wire(self) -> dict[str, Any]:
         out = {"tid": self.tid, "key": self.key.to_wire(), "peer": geometry_to_wire(self.peer),
                "known": list(self.known), **params_to_wire(self.params)}
+        if self.dev is not None:
+            out["dev"] = device_to_wire(self.dev)
         if self.src is not None:
             out["src"] = list(self.src)
             if self.sseg is not None:
@@ -513,7 +527,7 @@ class Begin:
                 raise ProtocolError(f"BEGIN offers {len(src)} source tensors for a {params.op} of "
                                     f"{peer.num_tensors}")
             sseg = segment_from_wire(m.get("sseg"))
-        return cls(tid, key, peer, params, known, src, sseg)
+        return cls(tid, key, peer, params, known, src, sseg, device_from_wire(m.get("dev")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -620,7 +634,7 @@ class Freed:
             seg = (value[0], value[1])
         ipc: tuple[bytes, ...] = ()
         if isinstance(handles, list):
-            ipc = tuple(h for h in handles[:MAX_IPC_ALLOCATIONS] if isinstance(h, bytes) and len(h) == IPC_HANDLE_BYTES)
+            ipc = tuple(h for h in handles[:MAX_IPC_ALLOCATIONS] if isinstance(h, bytes) and len(h) in IPC_HANDLE_SIZES)
         return cls(cid, seg, ipc)
 
 
@@ -799,6 +813,7 @@ class HelloReply:
     data: DataOffer | None = None
     dconns: int | None = None
     fdt: bytes | None = None  # the token the server's fd socket asks of this client
+    dev: DeviceIdentity | None = None  # the server's device runtime, once it opened one
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -812,6 +827,8 @@ class HelloReply:
             out["dconns"] = self.dconns
         if self.fdt is not None:
             out["fdt"] = self.fdt
+        if self.dev is not None:
+            out["dev"] = device_to_wire(self.dev)
         return out
 
     @classmethod
@@ -826,7 +843,25 @@ class HelloReply:
             dconns=dconns if isinstance(dconns, int) and _is_int(dconns) and 1 <= dconns <= MAX_DATA_CONNECTIONS
             else None,
             fdt=fdt if isinstance(fdt, bytes) and len(fdt) == FD_TOKEN_BYTES else None,
+            dev=device_from_wire(m.get("dev")),
         )
+
+
+DeviceIdentity = tuple[str, int]
+"""A process's device runtime (``"cuda"``, ``"acl"``) and the PID its IPC imports present (ACL's bare TGID)."""
+DEVICE_RUNTIME_NAMES = frozenset({"cuda", "acl"})
+
+
+def device_to_wire(dev: DeviceIdentity) -> list[Any]:
+    return [dev[0], dev[1]]
+
+
+def device_from_wire(value: Any) -> DeviceIdentity | None:
+    """A peer's device runtime, or None (not announced, or not understood: only an optimisation is lost)."""
+    if (isinstance(value, list) and len(value) == 2 and value[0] in DEVICE_RUNTIME_NAMES and _is_int(value[1])
+            and 0 < value[1] < 2**31):
+        return value[0], value[1]
+    return None
 
 
 def _plane_from_wire(value: object) -> Plane:

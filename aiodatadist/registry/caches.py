@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._checks import I64_MAX, require
+from ..copy.device import device_identity
 from ..errors import LLMException, LLMStatusCode
 from ..layout.plans import CacheGeometry
 from ..memory import HostMemory, SharedSegment
@@ -260,6 +261,10 @@ class CacheRegistry:
     def directory_identity(self) -> SegmentIdentity | None:
         """The cache directory's segment, as the handshake announces it to same-host peers."""
         return self.directory.identity if self.directory is not None else None
+
+    def device_identity(self) -> tuple[str, int] | None:
+        """This process's device runtime and the PID its IPC imports present, once it opened one."""
+        return device_identity()
 
     def shared_fd(self, inode: int, device: int) -> int | None:
         """The memfd of a remote-accessible cache's segment ``(inode, device)``, or None."""

@@ -18,7 +18,9 @@ An invalid value is never silently replaced by the default:
   **warning** (logger ``aiodatadist.settings``) naming the variable, the accepted values and the value used
   instead.  A number above its bound is read as the bound, and an unknown same-host mechanism is dropped (the
   known ones still restrict), with a warning too: both did so silently before.
-* ``AIODATADIST_LIBCUDA`` takes any value (a list of library paths).
+* ``AIODATADIST_LIBCUDA`` and ``AIODATADIST_LIBASCENDCL`` take any value (a list of library paths);
+  ``AIODATADIST_DEVICE_RUNTIME`` (``auto``, ``cuda`` or ``acl``) is process-wide too: an invalid value warns and
+  reads as ``auto``.
 
 An empty value counts as unset, except for ``AIODATADIST_SAME_HOST`` where it means "no mechanism".
 """
@@ -42,6 +44,8 @@ __all__ = [
     "ENV_DIRECTORY",
     "ENV_EXECUTOR",
     "ENV_HUGE_PAGES",
+    "ENV_DEVICE_RUNTIME",
+    "ENV_LIBASCENDCL",
     "ENV_LIBCUDA",
     "ENV_NET",
     "ENV_POLL_US",
@@ -49,6 +53,7 @@ __all__ = [
     "ENV_STAGING_BYTES",
     "ENV_TCP_CONGESTION",
     "ENV_TCP_CONNECTIONS",
+    "DEVICE_RUNTIMES",
     "HUGE_PAGE_MODES",
     "KNOBS",
     "SAME_HOST_MECHANISMS",
@@ -84,6 +89,11 @@ MIN_STAGING_BYTES: Final = 4 << 20  # two slots
 MAX_STAGING_BYTES: Final = 1 << 40
 ENV_TCP_CONGESTION: Final = "AIODATADIST_TCP_CONGESTION"
 ENV_LIBCUDA: Final = "AIODATADIST_LIBCUDA"
+ENV_LIBASCENDCL: Final = "AIODATADIST_LIBASCENDCL"
+ENV_DEVICE_RUNTIME: Final = "AIODATADIST_DEVICE_RUNTIME"
+DEVICE_RUNTIMES: Final = ("auto", "cuda", "acl")
+"""Which device runtime ``Placement.DEVICE`` caches use (``AIODATADIST_DEVICE_RUNTIME``): ``auto`` takes the one
+that has a device (CUDA when both do), ``cuda`` the NVIDIA driver, ``acl`` Ascend's ACL runtime."""
 ENV_HUGE_PAGES: Final = "AIODATADIST_HUGE_PAGES"
 HUGE_PAGE_MODES: Final = ("try", "on", "off")
 """How host caches and host memory may use the system's huge pages (``AIODATADIST_HUGE_PAGES``): ``try`` where they
@@ -251,6 +261,11 @@ KNOBS: Final[tuple[Knob, ...]] = (
          help="page-locked memory this process may hold for staging device caches over TCP links (bytes)"),
     Knob(ENV_LIBCUDA, "libcuda", "paths of the CUDA driver library", lambda: (), _parse_libcuda, "none",
          help="CUDA driver library to load (default: search)"),
+    Knob(ENV_LIBASCENDCL, "libascendcl", "paths of the ACL runtime library", lambda: (), _parse_libcuda, "none",
+         help="Ascend ACL runtime library (libascendcl.so) to load (default: search)"),
+    Knob(ENV_DEVICE_RUNTIME, "device_runtime", '"auto", "cuda" or "acl"', lambda: "auto",
+         lambda raw: _choice(raw, DEVICE_RUNTIMES), "warning",
+         help="device runtime of Placement.DEVICE caches (auto: the one with a device, CUDA if both)"),
 )
 _BY_ENV: Final = {k.env: k for k in KNOBS}
 
@@ -277,6 +292,8 @@ class EnvKnobs:
     huge_pages: str = "try"
     staging_bytes: int = 256 << 20
     libcuda: tuple[str, ...] = ()
+    libascendcl: tuple[str, ...] = ()
+    device_runtime: str = "auto"
     raw: Mapping[str, str] = field(default_factory=dict, compare=False)  # the variables that were set
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # env name -> where the value is from
     errors: Mapping[str, str] = field(default_factory=dict, compare=False)  # env name -> why ("error" knobs)

@@ -116,6 +116,13 @@ class Owner:
         refusal = link.plane.refusal(entry.cache_id, entry.on_device)
         if refusal is not None:
             raise refusal
+        if entry.on_device and message.dev is not None and link.plane.kind == "shm":
+            runtime = self._engine.device().runtime.name
+            if message.dev[0] != runtime:
+                raise LLMException(f"cache {entry.cache_id} is {runtime.upper()} device memory and cluster "
+                                   f"{link.remote_cluster_id} uses {message.dev[0].upper()}: IPC cannot join two "
+                                   "device runtimes; link over TCP (transport tcp) to stage it",
+                                   status_code=S.LLM_FEATURE_NOT_ENABLED)
         if params.op == "push":
             require(key.kind in ("id", "blocks"), "push addresses the destination by cache id or BlocksCacheKey.")
         plan = transfer_plan(params, peer_geometry, entry.geometry, slot)  # validates the owner's side too
@@ -135,7 +142,8 @@ class Owner:
         if entry.cache_id not in message.known:  # a cache's layout never changes: described once per requester
             ipc = None
             if entry.on_device:
-                exported = self._engine.device().ipc_export(entry.addrs, entry.desc.size)
+                exported = self._engine.device().ipc_export(entry.addrs, entry.desc.size,
+                                             message.dev[1] if message.dev is not None else None)
                 entry.exported.update(handle for handle, _, _ in exported)
                 ipc = tuple((handle, base, size) for handle, base, size in exported)
             shared = entry.shared_segment

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from .._aio import wait_through_cancellation
 from .._checks import U64_MAX, check_int, require
 from .._deadlines import deadline
+from ..copy.device import device_identity
 from ..errors import LLMException, LLMLinkError, LLMStatusCode, LLMTimeoutError
 from ..layout.plans import TransferParams, transfer_plan
 from ..link.link import Link
@@ -222,7 +223,7 @@ class Requester:
                     reply = await link.channel.request(Begin(
                         tid, wkey, local.geometry, params, tuple(st.descriptors),
                         None if source is None else tuple(source.addrs.tolist()),
-                        None if source is None else source.segment))
+                        None if source is None else source.segment, device_identity()))
                 except LLMException as exc:
                     refused = not isinstance(exc, LLMLinkError)  # the owner answered: nothing of it runs there
                     raise

@@ -1,12 +1,18 @@
-"""GPU tests.  On a machine with an NVIDIA GPU they run against it.  Without one they run against the *emulated
+"""Device tests.  On a machine with an NVIDIA GPU they run against it.  Without one they run against the *emulated
 GPU* (``tests/helpers/fake_cuda.py``: a named fake of the NVIDIA driver, built with the machine's C compiler),
 which checks that the driver is used correctly but says nothing about speed; tests marked ``real_gpu`` (timings,
 sizes beyond what host memory holds; registered in ``pyproject.toml``) are skipped there.  With neither,
 everything here is skipped (never deselected, so pytest never exits with "no tests collected").
 
+The runtime-generic modules (``pytestmark = pytest.mark.usefixtures("device_runtime")``) run once per device
+runtime: CUDA as above, and ACL against an Ascend NPU when the machine has one (``AIODATADIST_REAL_NPU=1``), else
+against the *emulated ACL runtime* (``tests/helpers/fake_acl.py``, a named fake of ``libascendcl.so``).
+
 Fixtures
-    ``device``    the shared :class:`~aiodatadist.cuda.Device` 0.
-    ``gpu_mode``  ``"real"`` or ``"emulated"``.
+    ``device``          the shared :class:`~aiodatadist.cuda.Device` 0.
+    ``gpu_mode``        ``"real"`` or ``"emulated"`` (the CUDA driver).
+    ``device_runtime``  ``"cuda"`` or ``"acl"`` (module scope): ``AIODATADIST_DEVICE_RUNTIME`` while it lasts.
+    ``runtime_mode``    ``"real"`` or ``"emulated"``: the current runtime's.
 """
 
 from __future__ import annotations
@@ -18,14 +24,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.device_runtimes import RUNTIMES
+from helpers.fake_acl import build_fake_libascendcl
 from helpers.fake_cuda import build_fake_libcuda
 
+from aiodatadist.acl import library as acl
 from aiodatadist.cuda import Device, cuda_driver, driver, get_device
 from aiodatadist.errors import LLMException
+from aiodatadist.settings.environment import ENV_DEVICE_RUNTIME
 
 _HERE = Path(__file__).resolve().parent
 EMULATED_ENV = "AIODATADIST_EMULATED_GPU"
-_state: dict[str, str | None] = {"mode": None, "fake": None}
+REAL_NPU_ENV = "AIODATADIST_REAL_NPU"
+_state: dict[str, str | None] = {"mode": None, "fake": None, "acl_mode": None, "fake_acl": None,
+                                 "acl_missing": None}
 
 
 def _real_gpu_missing() -> str | None:
@@ -38,8 +50,22 @@ def _real_gpu_missing() -> str | None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _state["fake"] is not None:
-        shutil.rmtree(Path(_state["fake"]).parent, ignore_errors=True)
+    for name in ("fake", "fake_acl"):
+        if _state[name] is not None:
+            shutil.rmtree(Path(str(_state[name])).parent, ignore_errors=True)
+
+
+def _choose_acl() -> None:
+    """A real NPU when asked for (``AIODATADIST_REAL_NPU=1``, e.g. ``scripts/npu_checks.sh``), else the emulated
+    ACL runtime."""
+    if os.environ.get(REAL_NPU_ENV) == "1":
+        _state["acl_mode"] = "real"
+        return
+    fake = build_fake_libascendcl(Path(tempfile.mkdtemp(prefix="aiodatadist-fake-acl-")))
+    if fake is None:
+        _state["acl_missing"] = "no C compiler for the emulated ACL runtime"
+        return
+    _state.update(acl_mode="emulated", fake_acl=str(fake))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -47,6 +73,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mine = [item for item in items if _HERE in Path(str(item.path)).resolve().parents]
     if not mine:
         return
+    _choose_acl()
     missing = _real_gpu_missing()
     if missing is None:
         _state["mode"] = "real"
@@ -88,3 +115,31 @@ def gpu_mode() -> Iterator[str]:
 @pytest.fixture
 def device() -> Device:
     return get_device(0)
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+def device_runtime(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a module's tests on each device runtime in turn (``AIODATADIST_DEVICE_RUNTIME``, and the emulated ACL
+    runtime's library where there is no NPU); everything is restored afterwards."""
+    name: str = request.param
+    if name == "acl" and _state["acl_mode"] is None:
+        pytest.skip(f"no ACL runtime: {_state['acl_missing']}")
+    saved = {k: os.environ.get(k) for k in (ENV_DEVICE_RUNTIME, acl.ENV_LIBASCENDCL)}
+    os.environ[ENV_DEVICE_RUNTIME] = name
+    if name == "acl" and _state["acl_mode"] == "emulated":
+        os.environ[acl.ENV_LIBASCENDCL] = str(_state["fake_acl"])
+    try:
+        yield name
+    finally:
+        for k, value in saved.items():
+            if value is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = value
+
+
+@pytest.fixture(scope="module")
+def runtime_mode(device_runtime: str) -> str:
+    """``"real"`` or ``"emulated"``: the device runtime this module's tests run on now."""
+    mode = _state["acl_mode"] if device_runtime == "acl" else _state["mode"]
+    return str(mode or "real")

@@ -47,7 +47,7 @@ class Rig:
         assert self.ops.record(self.ops.ctx, self.event, self.stream) == 0
         code = ctypes.c_int(-1)
         deadline = time.monotonic() + 30
-        while self.ops.query(self.ops.ctx, self.event, ctypes.byref(code)) == EVENT_PENDING:
+        while self.ops.query(self.ops.ctx, self.event, self.stream, ctypes.byref(code)) == EVENT_PENDING:
             assert code.value == CUDA_ERROR_NOT_READY
             assert time.monotonic() < deadline, "the copy did not end in 30 s"
             time.sleep(0.0005)
@@ -173,11 +173,11 @@ def test_query_says_pending_while_the_copy_runs(rig: Rig, gpu_mode: str) -> None
         assert ops.gather(ops.ctx, ctypes.byref(rig.lane), addr.ctypes.data, lengths.ctypes.data, 1, host) == 0
         assert ops.record(ops.ctx, rig.event, rig.stream) == 0
         code = ctypes.c_int(-1)
-        assert ops.query(ops.ctx, rig.event, ctypes.byref(code)) == EVENT_PENDING
+        assert ops.query(ops.ctx, rig.event, rig.stream, ctypes.byref(code)) == EVENT_PENDING
         assert code.value == CUDA_ERROR_NOT_READY
         hold.value = 0
         assert rig.wait() == 0
-        assert ops.query(ops.ctx, rig.event, ctypes.byref(code)) == EVENT_READY and code.value == 0
+        assert ops.query(ops.ctx, rig.event, rig.stream, ctypes.byref(code)) == EVENT_READY and code.value == 0
     finally:
         hold.value = 0
         device.free(buffer)

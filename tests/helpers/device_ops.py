@@ -39,7 +39,7 @@ class DeviceOps(ctypes.Structure):
         ("gather", ctypes.CFUNCTYPE(_int, _vp, ctypes.POINTER(DeviceLane), _vp, _vp, _sz, _u64)),
         ("scatter", ctypes.CFUNCTYPE(_int, _vp, ctypes.POINTER(DeviceLane), _u64, _vp, _vp, _sz)),
         ("record", ctypes.CFUNCTYPE(_int, _vp, _vp, _vp)),
-        ("query", ctypes.CFUNCTYPE(_int, _vp, _vp, ctypes.POINTER(_int))),
+        ("query", ctypes.CFUNCTYPE(_int, _vp, _vp, _vp, ctypes.POINTER(_int))),
     ]
 
 

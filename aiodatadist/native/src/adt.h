@@ -7,12 +7,14 @@
  *   pool.c    the worker pool and its jobs (span lists and grids), each announced on a pipe when it ends
  *   frames.c  frames on a stream socket: spans gathered into sendmsg, received straight into spans
  *   net.c     the TCP data plane of a link: connections, their I/O threads, transfers, the cache directory
+ *   lanes.c   a lane's descriptor table: the merged spans of a gather or scatter (for the runtimes' tables)
  *   cuda.c    the CUDA driver behind the device-runtime table (adt_device_ops)
+ *   acl.c     Ascend's ACL runtime behind the same table, and its span copies (per span or batched)
  *   stage.c   staging rings: page-locked slots through which the TCP plane moves device memory (via the table)
  *   module.c  the CPython module: its methods table and their argument parsing
  *
- * Calls between files go one way: module -> pool -> grid -> spans, module -> grid, net and cuda, net -> frames
- * and stage
+ * Calls between files go one way: module -> pool -> grid -> spans, module -> grid, net, cuda and acl, net ->
+ * frames and stage, cuda and acl -> lanes
  * (tests/unit/test_native_tree.py checks that every call into another file is declared here and that the files'
  * call graph has no cycle).  Only module.c includes Python.h.
  *
@@ -271,8 +273,9 @@ typedef struct adt_device_ops {
                    size_t n);
     /* Record `event` on `stream`, after the work queued there so far. */
     int (*record)(void *ctx, void *event, void *stream);
-    /* ADT_EVENT_READY, ADT_EVENT_PENDING or ADT_EVENT_FAILED; *code: the runtime's own result. */
-    int (*query)(void *ctx, void *event, int *code);
+    /* ADT_EVENT_READY, ADT_EVENT_PENDING or ADT_EVENT_FAILED; *code: the runtime's own result.  `stream` is the
+     * one the event was recorded on: a runtime whose events carry no error (ACL) finds a failed copy there. */
+    int (*query)(void *ctx, void *event, void *stream, int *code);
 } adt_device_ops;
 
 /* ---- staging rings (stage.c): page-locked slots through which the TCP plane moves device memory -------------- */
@@ -312,5 +315,26 @@ ADT_INTERNAL int adt_stage_wait(adt_stage *st, int slot);
 #define ADT_CUDA_FNS 6
 ADT_INTERNAL adt_device_ops *adt_cuda_ops_new(void *const fns[ADT_CUDA_FNS]);
 ADT_INTERNAL void adt_cuda_ops_free(adt_device_ops *ops);
+
+/* The descriptors of a gather or scatter of n spans (addr[i], len[i] bytes) between device memory and `host`
+ * (the spans back to back there), merged where they continue each other and cut into the lane's pieces: sources
+ * at out[0, count), destinations at out[count, 2 count), lengths at out[2 count, 3 count).  Without `out`, only
+ * counted.  Returns the number of pieces. */
+ADT_INTERNAL size_t adt_lane_table(const adt_device_lane *lane, const uint64_t *addr, const uint64_t *len, size_t n,
+                                   uint64_t host, int to_host, uint64_t *out, size_t count);
+
+/* The ACL runtime functions a table is built from, in this order (their addresses, as ctypes found them in the
+ * loaded libascendcl; aclrtMemcpyBatchAsync may be NULL): aclrtGetCurrentContext, aclrtSetCurrentContext,
+ * aclrtMemcpyAsync, aclrtMemcpyBatchAsync, aclrtRecordEvent, aclrtQueryEventStatus, aclrtStreamQuery,
+ * aclrtStreamAbort.  `device` is the NPU's ordinal (the batch copies' memory locations name it). */
+#define ADT_ACL_FNS 8
+ADT_INTERNAL adt_device_ops *adt_acl_ops_new(void *const fns[ADT_ACL_FNS], int device);
+ADT_INTERNAL void adt_acl_ops_free(adt_device_ops *ops);
+/* n spans of one table (sources at table[0, n), destinations at table[n, 2 n), lengths at table[2 n, 3 n)) queued
+ * on `stream` with memcpy kind `kind` (ACL's aclrtMemcpyKind): device to device one aclrtMemcpyAsync per span,
+ * host to device and device to host in batches (aclrtMemcpyBatchAsync, per span where the runtime refuses
+ * batches).  0 or ACL's code (*failed: the spans queued before it). */
+ADT_INTERNAL int adt_acl_copy(const adt_device_ops *ops, void *stream, int kind, const uint64_t *table, size_t n,
+                              size_t *queued);
 
 #endif

@@ -49,52 +49,14 @@ static int cuda_launch(void *ctx, const adt_device_launch *l)
     return cu->launch(l->kernel, l->grid, 1, 1, l->block, 1, 1, 0, l->stream, l->params, NULL);
 }
 
-/* A run of device memory (`dev`, `l` bytes) and its place in the host buffer as the lane's pieces, from piece k:
- * sources at out[0, count), destinations at out[count, 2 count), lengths at out[2 count, 3 count) (only counted
- * without `out`).  Returns the pieces written so far. */
-static size_t lane_pieces(const adt_device_lane *lane, uint64_t *out, size_t count, size_t k, uint64_t dev,
-                          uint64_t host, uint64_t l, int to_host)
-{
-    while (l) {
-        uint64_t p = lane->piece && l > lane->piece ? lane->piece : l;
-        if (out) {
-            out[k] = to_host ? dev : host;
-            out[count + k] = to_host ? host : dev;
-            out[2 * count + k] = p;
-        }
-        k++;
-        dev += p; host += p; l -= p;
-    }
-    return k;
-}
-
-/* The descriptors of n spans and the host buffer they are laid out in back to back, spans merged where they
- * continue each other (zero-length ones skipped); see lane_pieces.  Returns the number of pieces. */
-static size_t lane_table(const adt_device_lane *lane, const uint64_t *addr, const uint64_t *len, size_t n,
-                         uint64_t host, int to_host, uint64_t *out, size_t count)
-{
-    size_t k = 0;
-    uint64_t off = 0, run = 0, run_host = 0, run_len = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!len[i]) continue;
-        if (run_len && run + run_len == addr[i]) run_len += len[i];
-        else {
-            k = lane_pieces(lane, out, count, k, run, run_host, run_len, to_host);
-            run = addr[i]; run_host = host + off; run_len = len[i];
-        }
-        off += len[i];
-    }
-    return lane_pieces(lane, out, count, k, run, run_host, run_len, to_host);
-}
-
 /* Gather (to_host) or scatter: the descriptors written straight into the lane's staging memory, then one launch. */
 static int lane_copy(void *ctx, const adt_device_lane *lane, const uint64_t *addr, const uint64_t *len, size_t n,
                      uint64_t host, int to_host)
 {
-    size_t count = lane_table(lane, addr, len, n, host, to_host, NULL, 0);
+    size_t count = adt_lane_table(lane, addr, len, n, host, to_host, NULL, 0);
     if (count == 0) return 0;
     if (count > lane->capacity || count > 0xffffffffu) return ADT_DEVICE_NO_ROOM;
-    lane_table(lane, addr, len, n, host, to_host, (uint64_t *)lane->staging, count);
+    adt_lane_table(lane, addr, len, n, host, to_host, (uint64_t *)lane->staging, count);
     uint64_t src = lane->device_table, dst = src + 8 * count, lengths = src + 16 * count;
     unsigned spans = (unsigned)count;
     void *params[4] = {&src, &dst, &lengths, &spans};   /* the driver copies them at the launch */
@@ -128,8 +90,9 @@ static int cuda_record(void *ctx, void *event, void *stream)
     return ((const cuda_table *)ctx)->record(event, stream);
 }
 
-static int cuda_query(void *ctx, void *event, int *code)
+static int cuda_query(void *ctx, void *event, void *stream, int *code)
 {
+    (void)stream;   /* a CUDA event carries the stream's error */
     *code = ((const cuda_table *)ctx)->query(event);
     return *code == 0 ? ADT_EVENT_READY : *code == CUDA_ERROR_NOT_READY ? ADT_EVENT_PENDING : ADT_EVENT_FAILED;
 }

@@ -390,11 +390,12 @@ static PyObject *py_cuda_launch(PyObject *self, PyObject *const *args, Py_ssize_
     return result == -1 ? NULL : PyLong_FromLong(result);
 }
 
-/* cuda_record(fns, ctx, event, stream) -> CUresult of cuEventRecord. */
-static PyObject *py_cuda_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* cuda_record(fns, ctx, event, stream), also device_record -> the runtime's result of recording the event on the
+ * stream (cuEventRecord, aclrtRecordEvent). */
+static PyObject *py_device_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "cuda_record takes 4 arguments"); return NULL; }
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "device_record takes 4 arguments"); return NULL; }
     void *event = PyLong_AsVoidPtr(args[2]), *stream = PyLong_AsVoidPtr(args[3]);
     if (PyErr_Occurred()) return NULL;
     long failed;
@@ -415,8 +416,93 @@ static PyObject *py_cuda_query(PyObject *self, PyObject *const *args, Py_ssize_t
     if (!ops) return NULL;
     if (failed) return PyLong_FromLong(failed);
     int code = 0;
-    ops->query(ops->ctx, event, &code);
+    ops->query(ops->ctx, event, NULL, &code);
     return PyLong_FromLong(code);
+}
+
+/* The ACL methods: the device-runtime table of ACL (acl.c) as a capsule, the span copies of a job and the query of
+ * its event through it, each binding the calling thread to the device's context first (as cuda_* do). */
+static void acl_ops_free(PyObject *capsule)
+{
+    adt_acl_ops_free(PyCapsule_GetPointer(capsule, ADT_DEVICE_OPS_CAPSULE));
+}
+
+/* acl_bind(aclrtGetCurrentContext, aclrtSetCurrentContext, aclrtMemcpyAsync, aclrtMemcpyBatchAsync or 0,
+ * aclrtRecordEvent, aclrtQueryEventStatus, aclrtStreamQuery, aclrtStreamAbort, device) -> a capsule of the
+ * device-runtime table (ADT_DEVICE_OPS_CAPSULE). */
+static PyObject *py_acl_bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != ADT_ACL_FNS + 1) {
+        PyErr_SetString(PyExc_TypeError, "acl_bind takes 8 function addresses and a device");
+        return NULL;
+    }
+    void *f[ADT_ACL_FNS];
+    for (int i = 0; i < ADT_ACL_FNS; i++) {
+        f[i] = PyLong_AsVoidPtr(args[i]);
+        if (!f[i] && PyErr_Occurred()) return NULL;
+        if (!f[i] && i != 3) {   /* only the batch copy is optional */
+            PyErr_SetString(PyExc_ValueError, "an ACL function address is NULL");
+            return NULL;
+        }
+    }
+    long device = PyLong_AsLong(args[ADT_ACL_FNS]);
+    if (device == -1 && PyErr_Occurred()) return NULL;
+    adt_device_ops *ops = adt_acl_ops_new(f, (int)device);
+    if (!ops) return PyErr_NoMemory();
+    PyObject *capsule = PyCapsule_New(ops, ADT_DEVICE_OPS_CAPSULE, acl_ops_free);
+    if (!capsule) adt_acl_ops_free(ops);
+    return capsule;
+}
+
+/* acl_copy(fns, ctx, stream, kind, table, n) -> (aclError, spans queued): the n spans of a C-contiguous uint64
+ * table (sources, destinations, lengths) queued on the stream (adt_acl_copy). */
+static PyObject *py_acl_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 6) { PyErr_SetString(PyExc_TypeError, "acl_copy takes 6 arguments"); return NULL; }
+    void *stream = PyLong_AsVoidPtr(args[2]);
+    long kind = PyLong_AsLong(args[3]);
+    size_t n = PyLong_AsSize_t(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer table;
+    if (PyObject_GetBuffer(args[4], &table, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if ((size_t)table.len < 24 * n) {
+        PyBuffer_Release(&table);
+        PyErr_SetString(PyExc_ValueError, "the table is shorter than its spans");
+        return NULL;
+    }
+    long failed;
+    size_t queued = 0;
+    adt_device_ops *ops = device_enter(args, &failed);
+    long result = -1;
+    if (ops) {
+        if (failed) result = failed;
+        else {
+            Py_BEGIN_ALLOW_THREADS   /* a copy from pageable host memory returns only once it is done */
+            result = adt_acl_copy(ops, stream, (int)kind, table.buf, n, &queued);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    PyBuffer_Release(&table);
+    if (!ops) return NULL;
+    return Py_BuildValue("(ln)", result, (Py_ssize_t)queued);
+}
+
+/* device_query(fns, ctx, event, stream) -> -1 while the work before the event runs, 0 once it is done, else the
+ * runtime's code (of the query, or of the stream's failed copy). */
+static PyObject *py_device_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "device_query takes 4 arguments"); return NULL; }
+    void *event = PyLong_AsVoidPtr(args[2]), *stream = PyLong_AsVoidPtr(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    long failed;
+    adt_device_ops *ops = device_enter(args, &failed);
+    if (!ops) return NULL;
+    if (failed) return PyLong_FromLong(failed);
+    int code = 0, state = ops->query(ops->ctx, event, stream, &code);
+    return PyLong_FromLong(state == ADT_EVENT_READY ? 0 : state == ADT_EVENT_PENDING ? -1 : (code ? code : 1));
 }
 
 static PyMethodDef native_methods[] = {
@@ -434,7 +520,11 @@ static PyMethodDef native_methods[] = {
     {"net_done", py_net_done, METH_O, "Whether a TCP job ended."},
     {"cuda_bind", (PyCFunction)(void (*)(void))py_cuda_bind, METH_FASTCALL, "CUDA's device-runtime table."},
     {"cuda_launch", (PyCFunction)(void (*)(void))py_cuda_launch, METH_FASTCALL, "cuLaunchKernel of a 1-D grid."},
-    {"cuda_record", (PyCFunction)(void (*)(void))py_cuda_record, METH_FASTCALL, "cuEventRecord."},
+    {"cuda_record", (PyCFunction)(void (*)(void))py_device_record, METH_FASTCALL, "cuEventRecord."},
+    {"device_record", (PyCFunction)(void (*)(void))py_device_record, METH_FASTCALL, "An event recorded."},
+    {"device_query", (PyCFunction)(void (*)(void))py_device_query, METH_FASTCALL, "An event queried, and its stream."},
+    {"acl_bind", (PyCFunction)(void (*)(void))py_acl_bind, METH_FASTCALL, "ACL's device-runtime table."},
+    {"acl_copy", (PyCFunction)(void (*)(void))py_acl_copy, METH_FASTCALL, "Spans queued as ACL copies."},
     {"cuda_query", (PyCFunction)(void (*)(void))py_cuda_query, METH_FASTCALL, "cuEventQuery."},
     {NULL, NULL, 0, NULL},
 };

@@ -122,7 +122,7 @@ static int slot_sync(adt_stage *st, int slot)
     if (r) return r;
     uint64_t start = now_ns();
     for (;;) {
-        int code = 0, q = ops->query(ops->ctx, s->event, &code);
+        int code = 0, q = ops->query(ops->ctx, s->event, s->lane.stream, &code);
         if (q == ADT_EVENT_READY) return 0;
         if (q == ADT_EVENT_FAILED) return code ? code : -1;
         if (now_ns() - start < SPIN_NS) { sched_yield(); continue; }   /* (a copy on the CPU may need this core) */

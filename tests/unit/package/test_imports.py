@@ -34,7 +34,7 @@ GROUPS: dict[str, set[str]] = {
     "memory": {"memory"},  # shared memory segments
     "jobs": {"jobs"},  # the job contract every executor follows, span chunking, completion pipes
     "copy": {"copy"},  # the copy engine, host pools, device caches and the device-runtime interface
-    "cuda": {"cuda"},  # the CUDA runtime: driver, kernels, the GPU executor
+    "runtimes": {"cuda", "acl"},  # the device runtimes: CUDA (driver, kernels, the GPU executor), Ascend's ACL
     "protocol": {"protocol", "notifications"},  # sans-IO wire protocol, segment identities; the notification inbox
     "control": {"control"},  # ZeroMQ channels and sockets
     "transport": {"transport"},  # data planes: same host, TCP, NIXL, GPU; TCP connection setup, fd passing
@@ -54,8 +54,8 @@ ALLOWED: dict[str, set[str]] = {
     "native": _BASE,
     "memory": _BASE | {"native", "protocol"},  # (segment identities)
     "jobs": _BASE | {"native"},
-    "cuda": _SYSTEM | {"jobs"},
-    "copy": _SYSTEM | {"jobs", "cuda"},  # (the device-runtime interface opens the CUDA runtime)
+    "runtimes": _SYSTEM | {"jobs"},
+    "copy": _SYSTEM | {"jobs", "runtimes"},  # (the device-runtime interface opens the runtime it chose)
     "protocol": _BASE,
     "control": _BASE | {"memory", "protocol"},
     "transport": _SYSTEM | {"jobs", "copy", "protocol"},
@@ -63,13 +63,13 @@ ALLOWED: dict[str, set[str]] = {
     "link": _SYSTEM | {"protocol", "control", "transport"},
     "transfer": _SYSTEM | {"jobs", "copy", "protocol", "transport", "registry", "link"},
 }
-ALLOWED["facade"] = set(ALLOWED) - {"cuda"} | {"facade"}
+ALLOWED["facade"] = set(ALLOWED) - {"runtimes"} | {"facade"}
 ALLOWED["helpers"] = ALLOWED["facade"] | {"helpers"}
 ALLOWED["adapters"] = ALLOWED["helpers"] | {"adapters"}
-ALLOWED["cli"] = set(GROUPS) - {"cuda"}
-ALLOWED["namespace"] = set(GROUPS) - {"cli", "cuda"}
+ALLOWED["cli"] = set(GROUPS) - {"runtimes"}
+ALLOWED["namespace"] = set(GROUPS) - {"cli", "runtimes"}
 GROUP = {part: group for group, parts in GROUPS.items() for part in parts}
-BELOW_THE_FACADE = {"values", "native", "memory", "jobs", "copy", "cuda", "protocol", "control", "transport", "registry",
+BELOW_THE_FACADE = {"values", "native", "memory", "jobs", "copy", "runtimes", "protocol", "control", "transport", "registry",
                     "link", "transfer"}
 FORBIDDEN: list[tuple[str, str, str]] = [
     ("control", "transport", "control and transport are siblings: only the link layer knows both"),
@@ -82,9 +82,9 @@ FORBIDDEN: list[tuple[str, str, str]] = [
     ("protocol", "memory", "the sans-IO protocol loads no native code"),
     ("protocol", "copy", "the sans-IO protocol loads no native code"),
     ("transport", "transfer", "a plane is driven by the transfer layer, never the other way"),
-    ("cuda", "copy", "a device runtime sits below the copy layer that uses it"),
-    *[(group, "cuda", "only the copy layer reaches a device runtime (through its interface)")
-      for group in set(GROUPS) - {"cuda", "copy"}],
+    ("runtimes", "copy", "a device runtime sits below the copy layer that uses it"),
+    *[(group, "runtimes", "only the copy layer reaches a device runtime (through its interface)")
+      for group in set(GROUPS) - {"runtimes", "copy"}],
     ("transport", "link", "a plane knows nothing of the link that holds it"),
     *[(group, "facade", "nothing below the facade reaches datadist/cache_manager") for group in BELOW_THE_FACADE],
     *[(group, "cli", "the library never imports the command line") for group in set(GROUPS) - {"cli"}],
@@ -190,7 +190,7 @@ def _group(module: str) -> str:
 
 def _edges() -> list[tuple[str, str]]:
     return [(module, target) for module, targets in sorted(_graph().items()) for target in sorted(targets)
-            if not (module in DEVICE_PROBES and _group(target) == "cuda")]
+            if not (module in DEVICE_PROBES and _group(target) == "runtimes")]
 
 
 def test_nothing_imports_the_device_probes() -> None:
@@ -300,7 +300,7 @@ def test_the_design_diagram_names_every_layer() -> None:
     missing = [name for name in GROUP if name not in ("__init__", "__main__") and name not in diagram
                and ((PACKAGE / name).exists() or (PACKAGE / f"{name}.py").exists())]
     assert not missing, f"docs/design.md's diagram does not show: {missing}"
-    for package in ("transfer", "link", "control", "protocol", "transport", "copy", "native", "cuda"):
+    for package in ("transfer", "link", "control", "protocol", "transport", "copy", "native", "cuda", "acl"):
         modules = {p.stem for p in (PACKAGE / package).glob("*.py")} - {"__init__"}
         unnamed = sorted(m for m in modules if m not in diagram)
         assert not unnamed, f"docs/design.md's diagram does not name {package}/ modules {unnamed}"

@@ -12,7 +12,7 @@ from aiodatadist import _WHERE
 PACKAGE = Path(aiodatadist.__file__).parent
 IMPORTED_BY_PATH = {"sync", "torch", "metrics", "testing", "compat", "integrations"}  # docs/api.md
 INTERNAL_PACKAGES = {"settings", "layout", "registry", "protocol", "control", "transport", "link", "transfer", "memory",
-                     "jobs", "copy", "cuda", "native", "cli"}
+                     "jobs", "copy", "cuda", "acl", "native", "cli"}
 
 
 def test_every_public_root_module_defines_a_public_name_or_is_imported_by_path() -> None:

@@ -67,7 +67,8 @@ def first_hello(cn: bytes | None = None) -> Hello:
 def test_constants() -> None:
     from aiodatadist.link import manager as links
 
-    assert PROTOCOL_VERSION == 8  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE; 7: WITHDRAW; 8: window
+    assert PROTOCOL_VERSION == 9  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE; 7: WITHDRAW; 8: window;
+    # 9: device runtimes, ACL keys
     assert MAX_LINKS == 512 == links.MAX_LINKS
     assert ADMITTED == (0, "")
 
@@ -77,14 +78,15 @@ def test_admit() -> None:
         return admit(version, cluster, target, own_id=SERVER, links=links, linking=linking)
 
     assert run() == ADMITTED
-    assert run(version=1) == (int(S.LLM_LINK_FAILED), "protocol version 1 is not supported (8)")
-    assert run(version=2) == (int(S.LLM_LINK_FAILED), "protocol version 2 is not supported (8)")  # no data types
-    assert run(version=3) == (int(S.LLM_LINK_FAILED), "protocol version 3 is not supported (8)")  # no RESOLVE
-    assert run(version=4) == (int(S.LLM_LINK_FAILED), "protocol version 4 is not supported (8)")  # no nixl plane
-    assert run(version=5) == (int(S.LLM_LINK_FAILED), "protocol version 5 is not supported (8)")  # no FENCE, WRITE
-    assert run(version=6) == (int(S.LLM_LINK_FAILED), "protocol version 6 is not supported (8)")  # no WITHDRAW
-    assert run(version=7) == (int(S.LLM_LINK_FAILED), "protocol version 7 is not supported (8)")  # no window
-    assert run(version=9)[0] == int(S.LLM_LINK_FAILED)
+    assert run(version=1) == (int(S.LLM_LINK_FAILED), "protocol version 1 is not supported (9)")
+    assert run(version=2) == (int(S.LLM_LINK_FAILED), "protocol version 2 is not supported (9)")  # no data types
+    assert run(version=3) == (int(S.LLM_LINK_FAILED), "protocol version 3 is not supported (9)")  # no RESOLVE
+    assert run(version=4) == (int(S.LLM_LINK_FAILED), "protocol version 4 is not supported (9)")  # no nixl plane
+    assert run(version=5) == (int(S.LLM_LINK_FAILED), "protocol version 5 is not supported (9)")  # no FENCE, WRITE
+    assert run(version=6) == (int(S.LLM_LINK_FAILED), "protocol version 6 is not supported (9)")  # no WITHDRAW
+    assert run(version=7) == (int(S.LLM_LINK_FAILED), "protocol version 7 is not supported (9)")  # no window
+    assert run(version=8) == (int(S.LLM_LINK_FAILED), "protocol version 8 is not supported (9)")  # 64-byte IPC only
+    assert run(version=10)[0] == int(S.LLM_LINK_FAILED)
     assert run(target=3) == (int(S.LLM_LINK_FAILED), "this is cluster 1, not 3")
     assert run(cluster=SERVER) == (int(S.LLM_PARAM_INVALID), "a cluster cannot link to itself")
     assert run(links={CLIENT: object()}) == (int(S.LLM_ALREADY_LINK), "cluster 2 is already linked")

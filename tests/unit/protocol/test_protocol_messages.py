@@ -115,7 +115,8 @@ def test_hello_golden() -> None:
     assert answered.to_wire() == second and list(answered.to_wire()) == list(second)
     # Channel.request: {**body, "k": kind, "i": req_id}
     assert encode(request_to_wire(answered, 1)) == pack({**second, "k": "hello", "i": 1})
-    assert PROTOCOL_VERSION == 8  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE; 7: WITHDRAW; 8: window
+    assert PROTOCOL_VERSION == 9  # 3: data types; 4: RESOLVE; 5: nixl, fds; 6: fence, WRITE; 7: WITHDRAW; 8: window;
+    # 9: device runtimes announced (HELLO, its reply, BEGIN), ACL keys
 
 
 def test_hello_reply_golden() -> None:
