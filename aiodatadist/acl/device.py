@@ -160,9 +160,20 @@ class AclDevice:
         ptr = ctypes.c_void_p()
         self.library.call("aclrtMalloc", ctypes.byref(ptr), max(1, nbytes), ACL_MEM_MALLOC_HUGE_FIRST)
         address = ptr.value or 0
+        size = self._allocated_size(address, max(1, nbytes))
         with self._lock:
-            self._own.add(address, nbytes)
+            self._own.add(address, size)
         return address
+
+    def _allocated_size(self, address: int, nbytes: int) -> int:
+        """The size ACL gave an allocation of ``nbytes`` (what an export of it must cover): the runtime's own
+        answer where it has ``aclrtMemGetAddressRange``, else its documented rounding (to 32 bytes, plus 32)."""
+        if self.library.has("aclrtMemGetAddressRange"):
+            base, size = ctypes.c_void_p(), ctypes.c_size_t()
+            if not self.library.fn("aclrtMemGetAddressRange")(ctypes.c_void_p(address), ctypes.byref(base),
+                                                              ctypes.byref(size)) and base.value == address:
+                return size.value
+        return -(-nbytes // 32) * 32 + 32
 
     def free(self, ptr: int) -> None:
         """Free an allocation of :meth:`alloc`; one still open in a peer (its key not closable yet) is freed

@@ -1,14 +1,13 @@
 """DEVICE caches end to end: allocation and registration, local copies and swaps, pulls and pushes between
-processes through CUDA IPC, host<->device transfers, cancellation.  Byte-exact on random data.
+processes through IPC, host<->device transfers, cancellation.  Byte-exact on random data.
 
-On a real GPU, or on the emulated GPU where there is none (see conftest.py): the same assertions, smaller sizes
-for the cancellation test."""
+Once per device runtime (CUDA and ACL, see conftest.py), each on its real device or, where there is none, on its
+emulated runtime: the same assertions, smaller sizes for the cancellation test."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.data import fill_pattern, tensor_bytes
+from helpers.device_runtimes import delay_env, fill_device, read_device
 from helpers.internals import device_of
 
 from aiodatadist import (
@@ -37,6 +37,7 @@ from aiodatadist import (
 from aiodatadist.copy.device import IPC
 from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
 
+pytestmark = pytest.mark.usefixtures("device_runtime")
 S = LLMStatusCode
 BLOCKS, BLOCK = 64, 4096 + 16  # deliberately not a multiple of 256: unaligned spans too
 DEV = CacheDesc(4, (BLOCKS, BLOCK), DataType.DT_UINT8, Placement.DEVICE)
@@ -128,8 +129,8 @@ async def test_concurrent_swaps_share_page_locked_host_memory() -> None:
 
 async def test_register_device_memory_the_caller_owns() -> None:
     async with linked_pair() as (prompt, decoder):
-        device = device_of(prompt.cache_manager).runtime.device  # (the CUDA runtime's driver-level device)
-        ptrs = [device.alloc(DEV.size) for _ in range(4)]
+        runtime = device_of(prompt.cache_manager).runtime
+        ptrs = [runtime.alloc(DEV.size) for _ in range(4)]
         try:
             cache = prompt.cache_manager.register_blocks_cache(DEV, ptrs, BlocksCacheKey(1, 0))
             data = blocks_of(fill_pattern(cache, 7))
@@ -147,7 +148,7 @@ async def test_register_device_memory_the_caller_owns() -> None:
             assert info.value.status_code == S.LLM_PARAM_INVALID
         finally:
             for p in ptrs:
-                device.free(p)
+                runtime.free(p)
 
 
 @pytest.mark.parametrize(("owner", "mine"), [("DEVICE", "DEVICE"), ("HOST", "DEVICE"), ("DEVICE", "HOST")])
@@ -265,36 +266,31 @@ async def test_cross_process_pull_cache_by_id() -> None:
             assert np.array_equal(got[t], expect)
 
 
-async def test_a_cancelled_device_pull_writes_nothing_after_it_returns(gpu_mode: str,
+async def test_a_cancelled_device_pull_writes_nothing_after_it_returns(device_runtime: str, runtime_mode: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A GPU copy cannot be stopped: a cancelled pull returns only once it finished, never before."""
-    if gpu_mode == "real":
+    """A device copy cannot be stopped: a cancelled pull returns only once it finished, never before."""
+    if runtime_mode == "real":
         big = CacheDesc(8, (512, 1 << 20), DataType.DT_UINT8, Placement.DEVICE)  # 4 GiB each side
     else:
         big = CacheDesc(2, (512, 1 << 20), DataType.DT_UINT8, Placement.DEVICE)  # 1 GiB each side
-        monkeypatch.setenv("FAKE_CUDA_DELAY_US", "30000")  # every stream operation starts 30 ms late
+        monkeypatch.setenv(delay_env(device_runtime), "30000")  # every stream operation starts 30 ms late
     async with linked_pair() as (prompt, decoder):
         src = prompt.cache_manager.allocate_blocks_cache(big, BlocksCacheKey(1, 0))
         dst = decoder.cache_manager.allocate_blocks_cache(big)
-        device = device_of(prompt.cache_manager).runtime.device  # (the CUDA runtime's driver-level device)
+        runtime = device_of(prompt.cache_manager).runtime
         for a in src.tensor_addrs:
-            device.memset(a, 0x5A, big.size)
+            fill_device(runtime, a, 0x5A, big.size)
         for a in dst.tensor_addrs:
-            device.memset(a, 0x00, big.size)
+            fill_device(runtime, a, 0x00, big.size)
         blocks = list(range(512))
         for deadline in (0.0001, 0.0005, 0.002):
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(deadline):
                     await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks)
-            probe = np.empty(1 << 20, dtype=np.uint8)
-            snapshot = []
-            for a in dst.tensor_addrs:
-                device.copy_dtoh(probe.ctypes.data, a + (511 << 20), probe.nbytes)
-                snapshot.append(probe.copy())
+            snapshot = [read_device(runtime, a + (511 << 20), 1 << 20) for a in dst.tensor_addrs]
             await asyncio.sleep(0.05)
             for a, before in zip(dst.tensor_addrs, snapshot):
-                device.copy_dtoh(probe.ctypes.data, a + (511 << 20), probe.nbytes)
-                assert np.array_equal(probe, before)  # nothing landed after the call returned
+                assert np.array_equal(read_device(runtime, a + (511 << 20), 1 << 20), before)  # nothing landed after
         await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [1])  # still usable
         assert (tensor_bytes(dst)[0].reshape(512, -1)[1] == 0x5A).all()
 
@@ -327,10 +323,18 @@ async def test_the_event_loop_keeps_running_during_device_copies() -> None:
         assert gaps and sorted(gaps)[len(gaps) // 2] < 0.05, sorted(gaps)[-5:]
 
 
-def test_bench_device_runs_and_checks_its_bytes(tmp_path: Path) -> None:
+def test_bench_device_runs_and_checks_its_bytes(device_runtime: str, tmp_path: Path) -> None:
     """``bench --device`` end to end (its own byte checks included); on the emulated GPU the figures mean
     nothing, only that every workload runs.  (A test of the benchmarks distribution kept here, beside the GPU
-    fixtures it runs on.)"""
+    fixtures it runs on.)  On ACL: the NPU bench (``aiodatadist_benchmarks.bench.npu``) instead."""
+    if device_runtime == "acl":
+        pytest.importorskip("aiodatadist_benchmarks", reason="the benchmarks are not installed")
+        done = subprocess.run([sys.executable, "-m", "aiodatadist_benchmarks.bench.npu", "--repeat", "1", "--quick"],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        rows = [line for line in done.stdout.splitlines() if "x aclrtMemcpy" in line]
+        assert len(rows) == 6 and "FAILED" not in done.stdout, done.stdout
+        return
     pytest.importorskip("aiodatadist_benchmarks",
                     reason="the benchmarks are not installed (pip install -e ./benchmarks)")
     out = tmp_path / "bench.json"
@@ -359,17 +363,17 @@ def test_bench_device_runs_and_checks_its_bytes(tmp_path: Path) -> None:
         assert all(phase["runs"] == 5 and 0 < phase["p50_us"] <= phase["p99_us"] for phase in rows[at + 1:at + 6])
 
 
-async def test_a_requester_without_cuda_gets_a_clear_error_and_keeps_its_link(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU-only decoder pulling a GPU prompt's device cache: LLM_FEATURE_NOT_ENABLED saying why, and the link
+async def test_a_requester_without_its_device_runtime_gets_a_clear_error_and_keeps_its_link(
+        device_runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only decoder pulling a prompt's device cache: LLM_FEATURE_NOT_ENABLED saying why, and the link
     still moves host caches."""
+    from aiodatadist.acl import library as acl
     from aiodatadist.cuda import driver
 
-    gpu_env = {driver.ENV_LIBCUDA: os.environ.get(driver.ENV_LIBCUDA, "")} if os.environ.get(driver.ENV_LIBCUDA) \
-        else {}
     port = free_port()
     cfg = LLMConfig()
     cfg.listen_ip_info = f"127.0.0.1:{port}"
-    peer = await PeerProcess.start(env=gpu_env)
+    peer = await PeerProcess.start()
     try:
         await peer.call("init", role="PROMPT", cluster_id=1, options=dict(cfg.generate_options()))
         await peer.call("allocate", num_tensors=4, shape=[BLOCKS, BLOCK], blocks=True, placement="DEVICE",
@@ -377,8 +381,12 @@ async def test_a_requester_without_cuda_gets_a_clear_error_and_keeps_its_link(mo
         host_cid = (await peer.call("allocate", num_tensors=4, shape=[BLOCKS, BLOCK], blocks=True,
                                     placement="HOST", blocks_key=[1, 1]))["cache_id"]
         await peer.call("fill", cache_id=host_cid, seed=21)
-        monkeypatch.setenv(driver.ENV_LIBCUDA, "/nonexistent/libcuda.so.1")  # this process: no CUDA
+        # this process: no device runtime at all
+        monkeypatch.setenv(driver.ENV_LIBCUDA, "/nonexistent/libcuda.so.1")
+        monkeypatch.setenv(acl.ENV_LIBASCENDCL, "/nonexistent/libascendcl.so")
         monkeypatch.setattr(driver, "_driver", None)
+        monkeypatch.setattr(acl, "_library", None)
+        library = "libcuda" if device_runtime == "cuda" else "libascendcl"
         async with LLMDataDist(LLMRole.DECODER, 2) as decoder:
             await decoder.init({})
             code, _ = await decoder.link_clusters([cluster_info(1, port)], timeout=10_000)
@@ -388,7 +396,7 @@ async def test_a_requester_without_cuda_gets_a_clear_error_and_keeps_its_link(mo
                 with pytest.raises(LLMException) as info:
                     await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
                 assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
-                assert "libcuda" in str(info.value)
+                assert library in str(info.value)
             await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 1), dst, [3], [4])
             theirs = await peer_blocks(peer, host_cid)
             assert all(np.array_equal(blocks_of(tensor_bytes(dst))[t][4], theirs[t][3]) for t in range(4))

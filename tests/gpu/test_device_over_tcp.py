@@ -3,13 +3,12 @@
 Every conversation of the host-memory TCP plane with a device cache on either side (or both), byte-exact on random
 data: pulls and pushes of blocks and caches, by ``BlocksCacheKey``, ``CacheKey`` and id/index, layer ranges; chunks
 cut anywhere (spans of 1 byte to 16 MiB, requests smaller than one chunk and many rings long); cancellation, a
-stalled and a killed owner, a device fault; the policy that refuses staging.  On a real GPU or the emulated one
-(see conftest.py)."""
+stalled and a killed owner, a device fault; the policy that refuses staging.  Once per device runtime (CUDA and
+ACL), each on its real device or its emulated runtime (see conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import threading
 from collections.abc import AsyncIterator
@@ -18,7 +17,7 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 from helpers.data import fill_pattern, tensor_bytes
-from helpers.internals import device_of
+from helpers.device_runtimes import FAULT, delay_env, fake_library, fake_symbol, read_device, runtime_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,6 +40,7 @@ from aiodatadist import (
 )
 from aiodatadist.testing import PeerProcess, cluster_info, free_port, linked_pair
 
+pytestmark = pytest.mark.usefixtures("device_runtime")
 S = LLMStatusCode
 BLOCKS, BLOCK = 64, 4096 + 16  # not a multiple of 256: unaligned spans too
 PLACES = [("DEVICE", "DEVICE"), ("HOST", "DEVICE"), ("DEVICE", "HOST")]
@@ -232,32 +232,21 @@ async def test_concurrent_staged_transfers_interleave_on_the_connections_byte_ex
 
 
 def unsynced_rows(dd: LLMDataDist, cache: Cache, blocks: int) -> list[np.ndarray]:
-    """:func:`rows` read without synchronising the device first (``cuMemcpyDtoH`` alone does not wait for the
-    copy streams): what the memory holds now, even while copies are held."""
-    device = device_of(dd.cache_manager).runtime.device
-    device.make_current()
-    out = []
-    for addr in cache.tensor_addrs:
-        buf = np.empty(cache.cache_desc.size, dtype=np.uint8)
-        device.driver.call("cuMemcpyDtoH_v2", ctypes.c_void_p(buf.ctypes.data), ctypes.c_uint64(addr),
-                           ctypes.c_size_t(buf.nbytes))
-        out.append(buf.reshape(blocks, -1))
-    return out
-
-
-def _fake_symbol(dd: LLMDataDist, name: str) -> ctypes.c_int:
-    return ctypes.c_int.in_dll(device_of(dd.cache_manager).runtime.device.driver.lib, name)
+    """:func:`rows` read without synchronising the device first (a synchronous copy does not wait for the copy
+    streams): what the memory holds now, even while copies are held."""
+    runtime = runtime_of(dd)
+    return [read_device(runtime, addr, cache.cache_desc.size).reshape(blocks, -1) for addr in cache.tensor_addrs]
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(block=st.integers(1, 300_000), data=st.data(), delay_us=st.sampled_from([0, 50, 400]))
-def test_no_slot_is_reused_while_its_copy_runs(gpu_mode: str, monkeypatch: pytest.MonkeyPatch, block: int,
+def test_no_slot_is_reused_while_its_copy_runs(device_runtime: str, runtime_mode: str, monkeypatch: pytest.MonkeyPatch, block: int,
                                                data: st.DataObject, delay_us: int) -> None:
     """Property: whatever the span sizes and however late the device runs each copy, every byte lands where it
     belongs (a slot overwritten while its gather or scatter still ran would corrupt a chunk)."""
-    if gpu_mode != "emulated":
-        pytest.skip("delays are the emulated GPU's")
-    monkeypatch.setenv("FAKE_CUDA_DELAY_US", str(delay_us))
+    if runtime_mode != "emulated":
+        pytest.skip("delays are the emulated runtime's")
+    monkeypatch.setenv(delay_env(device_runtime), str(delay_us))
     blocks = max(2, min(200, (24 << 20) // block))
     picked = data.draw(st.lists(st.integers(0, blocks - 1), min_size=1, max_size=blocks, unique=True))
     targets = data.draw(st.permutations(range(blocks)))[:len(picked)]
@@ -277,7 +266,7 @@ def test_no_slot_is_reused_while_its_copy_runs(gpu_mode: str, monkeypatch: pytes
     asyncio.run(run())
 
 
-async def test_a_cancelled_staged_pull_writes_nothing_after_it_returns(gpu_mode: str) -> None:
+async def test_a_cancelled_staged_pull_writes_nothing_after_it_returns(runtime_mode: str) -> None:
     """Held copies (the emulated GPU's gate, or a large pull on a real one): a pull cut short by its timeout at
     several points returns, and from then on its destination does not change, however long the held copies take;
     the link then pulls byte-exact."""
@@ -286,7 +275,7 @@ async def test_a_cancelled_staged_pull_writes_nothing_after_it_returns(gpu_mode:
         src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 0))
         dst = decoder.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2))
         theirs = filled(src, 5, blocks)
-        hold = _fake_symbol(prompt, "fake_hold") if gpu_mode == "emulated" else None
+        hold = fake_symbol(prompt, "fake_hold") if runtime_mode == "emulated" else None
         everything = list(range(blocks))
         for deadline in (0.0005, 0.005, 0.05):
             fill_pattern(dst, 6)
@@ -315,12 +304,13 @@ async def test_a_cancelled_staged_pull_writes_nothing_after_it_returns(gpu_mode:
 
 
 @pytest.mark.parametrize("resolved", [False, True], ids=["through-the-owner", "one-sided"])
-async def test_a_device_fault_fails_the_call_and_the_link_stays_usable(gpu_mode: str, resolved: bool) -> None:
+async def test_a_device_fault_fails_the_call_and_the_link_stays_usable(device_runtime: str, runtime_mode: str,
+                                                                       resolved: bool) -> None:
     """A sticky fault on the owner's device while it gathers (the pull through its control plane, or one-sided
     from its I/O threads once the key is resolved): LLM_DEVICE_MEM_ERROR, host caches still move, and once the
     fault is gone the same pull lands byte-exact on the same link."""
-    if gpu_mode != "emulated":
-        pytest.skip("a sticky fault on a real GPU ends the process's context")
+    if runtime_mode != "emulated":
+        pytest.skip("a fault on a real device cannot be made on purpose (on a GPU it ends the process's context)")
     async with linked_pair(config=tcp_config()) as (prompt, decoder):
         src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE"), BlocksCacheKey(1, 0))
         host = prompt.cache_manager.allocate_blocks_cache(desc("HOST"), BlocksCacheKey(1, 1))
@@ -331,8 +321,8 @@ async def test_a_device_fault_fails_the_call_and_the_link_stays_usable(gpu_mode:
         if resolved:
             await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
         before = begins(decoder)
-        lib = device_of(prompt.cache_manager).runtime.device.driver.lib
-        lib.fake_fault(700)  # CUDA_ERROR_ILLEGAL_ADDRESS, sticky
+        lib = fake_library(runtime_of(prompt))
+        lib.fake_fault(FAULT[device_runtime])
         try:
             with pytest.raises(LLMException) as info:
                 async with asyncio.timeout(10):
@@ -369,9 +359,9 @@ async def test_a_stalled_owner_gives_a_timeout_and_the_link_recovers() -> None:
         assert all(np.array_equal(rows(dst)[t][[5, 6]], theirs[t][[3, 4]]) for t in range(4))
 
 
-async def test_a_killed_owner_fails_the_pull_within_its_deadline() -> None:
+async def test_a_killed_owner_fails_the_pull_within_its_deadline(device_runtime: str) -> None:
     # every copy on the owner starts 3 s late: the pull is still running when the owner dies
-    async with peer_prompt("DEVICE", env={"FAKE_CUDA_DELAY_US": "3000000"},
+    async with peer_prompt("DEVICE", env={delay_env(device_runtime): "3000000"},
                            decoder_options={"llm.SyncKvCacheWaitTime": "20000"}) as (peer, decoder, _):
         cm = decoder.cache_manager
         dst = cm.allocate_blocks_cache(desc("DEVICE"))
@@ -490,12 +480,12 @@ async def test_layer_wise_pushes_of_device_caches_are_staged() -> None:
 
 
 @pytest.mark.parametrize("resolved", [False, True], ids=["through-the-owner", "one-sided"])
-async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(gpu_mode: str, resolved: bool) -> None:
+async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(runtime_mode: str, resolved: bool) -> None:
     """The owner deallocates the device cache a pull is reading (its copies held on the emulated GPU; the pull
     through the owner's control plane, or one-sided once the key is resolved): the pull fails or completes,
     never hangs or crashes, nothing lands after it returned, and the link moves the next cache byte-exact."""
-    if gpu_mode != "emulated":
-        pytest.skip("needs the emulated GPU's gate to hold the owner's copies")
+    if runtime_mode != "emulated":
+        pytest.skip("needs the emulated runtime's gate to hold the owner's copies")
     blocks, block = 16, 1 << 20
     async with linked_pair(config=tcp_config()) as (prompt, decoder):
         src = prompt.cache_manager.allocate_blocks_cache(desc("DEVICE", blocks, block, 2), BlocksCacheKey(1, 0))
@@ -503,7 +493,7 @@ async def test_an_owner_releasing_its_cache_mid_pull_fails_it_cleanly(gpu_mode: 
         filled(src, 41, blocks)
         if resolved:
             await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
-        hold = _fake_symbol(prompt, "fake_hold")
+        hold = fake_symbol(prompt, "fake_hold")
         hold.value = 1
         everything = list(range(blocks))
         pull = asyncio.ensure_future(decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, everything,

@@ -45,9 +45,17 @@ def delay_env(runtime_name: str) -> str:
 
 
 def read_device(runtime: Any, addr: int, nbytes: int) -> np.ndarray:
-    """What device memory holds now: a synchronous copy that does not wait for the executor's streams."""
+    """What device memory holds now: a synchronous copy that does not wait for the executor's streams (CUDA's
+    ``copy_to_host`` synchronises the context first, so its driver call is made here; ACL's ``aclrtMemcpy`` waits
+    for no stream)."""
     buf = np.empty(nbytes, dtype=np.uint8)
-    runtime.copy_to_host(buf.ctypes.data, addr, nbytes)
+    if runtime.name == "cuda":
+        device = runtime.device
+        device.make_current()
+        device.driver.call("cuMemcpyDtoH_v2", ctypes.c_void_p(buf.ctypes.data), ctypes.c_uint64(addr),
+                           ctypes.c_size_t(nbytes))
+    else:
+        runtime.copy_to_host(buf.ctypes.data, addr, nbytes)
     return buf
 
 

@@ -94,8 +94,8 @@ async def _shape(cm: Any, base: dict[int, float], name: str, blocks: int, block:
             print(f"{label:16s} {name:14s} {rate:8.2f} GB/s  = {rate / base[kind]:.2f}x aclrtMemcpy")
         return failed
     finally:
-        cm.deallocate_cache(cache)
-        cm.deallocate_cache(host)
+        cm.deallocate_blocks_cache(cache)
+        cm.deallocate_blocks_cache(host)
 
 
 async def run(repeat: int, quick: bool) -> int:
