@@ -113,6 +113,7 @@ class AclDevice:
         self._exports: dict[int, _Export] = {}  # base -> its key
         self._exports_by_range = _Ranges()  # the same, by range (value: the base)
         self._closing: dict[int, bytes] = {}  # freed while importers still had it open: freed once they closed
+        self._borrowed: set[int] = set()  # of those, caller-owned memory: its key closed, the memory not freed
         self.context = 0
         self.bind_thread()
         current = ctypes.c_void_p()
@@ -192,16 +193,37 @@ class AclDevice:
             self.library.call("aclrtFree", ctypes.c_void_p(ptr))
         self._free_closed()
 
+    def withdraw(self, ptr: int) -> None:
+        """Caller-owned memory at ``ptr`` goes back to its owner (its cache was unregistered): its export key is
+        closed, once peers closed their imports (at a later allocation, free or withdrawal until then), so that
+        the owner (torch_npu) can free it."""
+        with self._lock:
+            found = self._exports_by_range.find(ptr)
+            if found is None:
+                return
+            base = found[0]
+            export = self._exports.pop(base)
+            self._exports_by_range.pop(base)
+            self._closing[base] = export.key
+            self._borrowed.add(base)
+        self._free_closed()
+
     def _free_closed(self) -> None:
+        """Close the keys whose importers let go meanwhile, freeing the memory that is this process's."""
         with self._lock:
             if not self._closing:
                 return
             closing = list(self._closing.items())
+        self.bind_thread()
         for ptr, key in closing:
             if self.library.fn("aclrtIpcMemClose")(key):
                 continue
             with self._lock:
                 self._closing.pop(ptr, None)
+                borrowed = ptr in self._borrowed
+                self._borrowed.discard(ptr)
+            if borrowed:
+                continue
             result = self.library.fn("aclrtFree")(ctypes.c_void_p(ptr))
             if result:
                 log.warning("%s", self.library.error("aclrtFree", result))

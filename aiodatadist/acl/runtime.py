@@ -68,6 +68,9 @@ class AclRuntime:
     def ipc_close(self, ptr: int) -> None:
         self.device.ipc_close(ptr)
 
+    def ipc_withdraw(self, ptr: int) -> None:
+        self.device.withdraw(ptr)
+
     def device_table(self) -> tuple[object, int]:
         table = self.executor.device_table
         if table is None:

@@ -104,6 +104,12 @@ class DeviceSupport:
                 seen[base] = [self.runtime.ipc_handle(base, importer), base, size]
         return list(seen.values())
 
+    def withdraw_exports(self, addrs: UInt64Array) -> None:
+        """A caller-registered device cache was unregistered: the memory is its owner's again (see
+        :meth:`DeviceRuntime.ipc_withdraw`)."""
+        for addr in addrs.tolist():
+            self.runtime.ipc_withdraw(int(addr))
+
     # -- host memory the GPU reaches -------------------------------------------------------------------------
     def pin(self, addr: int, nbytes: int) -> int:
         """Page-lock host memory ``[addr, addr + nbytes)`` (whole pages) for GPU copies; returns the offset to

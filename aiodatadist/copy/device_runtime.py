@@ -105,6 +105,11 @@ class DeviceRuntime(Protocol):
 
     def ipc_close(self, ptr: int) -> None: ...
 
+    def ipc_withdraw(self, ptr: int) -> None:
+        """Caller-owned memory at ``ptr`` that this process exported goes back to its owner: stop exporting it
+        (once peers closed their imports), so that the owner can free it."""
+        ...
+
     def device_table(self) -> tuple[object, int]:
         """The native device-runtime table (a capsule named ``aiodatadist.native.device_ops``: bind, gather,
         scatter, record, query) and the device handle its ``bind`` takes; raises ``LLM_FEATURE_NOT_ENABLED``

@@ -66,6 +66,9 @@ class CudaRuntime:
     def ipc_close(self, ptr: int) -> None:
         self.device.ipc_close(ptr)
 
+    def ipc_withdraw(self, ptr: int) -> None:
+        pass  # a CUDA IPC handle needs no closing by its exporter
+
     def device_table(self) -> tuple[object, int]:
         table = self.executor.device_table
         if table is None:

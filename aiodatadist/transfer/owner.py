@@ -224,6 +224,9 @@ class Owner:
         for link in list(self._links.links.values()):
             if not link.closed and link.plane.tells_freed(entry.cache_id, mapped):
                 link.channel.notify(freed)
+        if entry.on_device and not entry.owned:  # caller-owned device memory: its exports end with the cache
+            self._engine.device().withdraw_exports(entry.addrs)
+            entry.exported.clear()
 
     def abort_remote(self, entry: CacheEntry) -> None:
         """Ask requesters whose running transfers use ``entry`` (being released) to stop; requesters that may
