@@ -94,7 +94,7 @@ else
          tests/integration/test_tcp_mixed_concurrency.py tests/integration/test_tcp_one_sided_push.py
          tests/integration/test_tcp_polled_waits.py tests/integration/test_cancellation.py
          tests/integration/test_data_frames_fuzz.py tests/integration/test_hostile.py
-         tests/gpu/test_device_over_tcp.py)
+         tests/gpu/test_device_over_tcp.py tests/gpu/test_npu_flow.py)
 fi
 
 # (a child under glibc's malloc checks preloads that library instead: ASan, which checks more, cannot run there;

@@ -38,13 +38,14 @@ from ..errors import LLMException, LLMStatusCode
 from .keys import MAX_TCP_CONNECTIONS, NET_IMPLEMENTATIONS, OptionKey
 
 __all__ = [
+    "DEVICE_RUNTIMES",
     "ENV_COPY_NICE",
     "ENV_COPY_SPIN_US",
     "ENV_COPY_THREADS",
+    "ENV_DEVICE_RUNTIME",
     "ENV_DIRECTORY",
     "ENV_EXECUTOR",
     "ENV_HUGE_PAGES",
-    "ENV_DEVICE_RUNTIME",
     "ENV_LIBASCENDCL",
     "ENV_LIBCUDA",
     "ENV_NET",
@@ -53,7 +54,6 @@ __all__ = [
     "ENV_STAGING_BYTES",
     "ENV_TCP_CONGESTION",
     "ENV_TCP_CONNECTIONS",
-    "DEVICE_RUNTIMES",
     "HUGE_PAGE_MODES",
     "KNOBS",
     "SAME_HOST_MECHANISMS",

@@ -22,11 +22,10 @@ import numpy as np
 
 if __name__ == "__main__":  # run as a script: tests/ onto the path, as pytest has it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers.llmdd_prompt import rank_table
-
 from aiodatadist.acl.device import acl_device
 from aiodatadist.compat import llm_datadist
 from aiodatadist.testing import pattern
+from helpers.llmdd_prompt import rank_table
 
 ALIGN = 2 << 20
 ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST = 1, 2
