@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from enum import IntEnum, StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 __all__ = [
+    "DeviceCallError",
     "LLMException",
     "LLMLinkError",
     "LLMNotInitializedError",
@@ -153,6 +154,32 @@ class LLMLinkError(LLMException, ConnectionError):
 def _rebuild_link_error(cls: type[LLMLinkError], args: tuple[Any, ...], code: int,
                         reason: LinkDropReason | None) -> LLMLinkError:
     return cls(*args, status_code=LLMStatusCode.from_code(code), reason=reason)
+
+
+class DeviceCallError(LLMException):
+    """A device runtime's call failed (CUDA's ``CudaError``, ACL's ``AclError``): ``function`` is the call,
+    ``result`` the runtime's own code.  ``LLM_DEVICE_MEM_ERROR`` unless the runtime says otherwise (out of
+    memory: ``LLM_DEVICE_OUT_OF_MEMORY``)."""
+
+    def __new__(cls, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_DEVICE_MEM_ERROR,
+                result: int = 0, function: str = "") -> Self:
+        obj = super().__new__(cls, *args, status_code=status_code)
+        assert isinstance(obj, cls)
+        return obj
+
+    def __init__(self, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_DEVICE_MEM_ERROR,
+                 result: int = 0, function: str = "") -> None:
+        super().__init__(*args, status_code=status_code)
+        self.result = result
+        self.function = function
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_device_error, (type(self), self.args, int(self.status_code), self.result, self.function))
+
+
+def _rebuild_device_error(cls: type[DeviceCallError], args: tuple[Any, ...], code: int, result: int,
+                          function: str) -> DeviceCallError:
+    return cls(*args, status_code=LLMStatusCode.from_code(code), result=result, function=function)
 
 
 class LLMNotInitializedError(LLMException):

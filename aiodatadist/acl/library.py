@@ -21,9 +21,9 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, Final, Self
+from typing import Any, Final
 
-from ..errors import LLMException, LLMStatusCode
+from ..errors import DeviceCallError, LLMException, LLMStatusCode
 from ..settings.environment import ENV_LIBASCENDCL, env_knobs
 
 __all__ = [
@@ -124,30 +124,11 @@ class AclUnavailable(LLMException):
         super().__init__(*args, status_code=status_code)
 
 
-class AclError(LLMException):
+class AclError(DeviceCallError):
     """An ACL call failed: ``function`` is the call, ``result`` its ``aclError``.
 
     The status is ``LLM_DEVICE_OUT_OF_MEMORY`` for ACL's allocation failures, else ``LLM_DEVICE_MEM_ERROR``.
     """
-
-    def __new__(cls, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_DEVICE_MEM_ERROR,
-                result: int = 0, function: str = "") -> Self:
-        obj = super().__new__(cls, *args, status_code=status_code)
-        assert isinstance(obj, cls)
-        return obj
-
-    def __init__(self, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_DEVICE_MEM_ERROR,
-                 result: int = 0, function: str = "") -> None:
-        super().__init__(*args, status_code=status_code)
-        self.result = result
-        self.function = function
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_acl_error, (self.args, int(self.status_code), self.result, self.function))
-
-
-def _rebuild_acl_error(args: tuple[Any, ...], code: int, result: int, function: str) -> AclError:
-    return AclError(*args, status_code=LLMStatusCode.from_code(code), result=result, function=function)
 
 
 def describe(result: int) -> str:

@@ -21,9 +21,9 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final, Self
+from typing import Any, Final
 
-from ..errors import LLMException, LLMStatusCode
+from ..errors import DeviceCallError, LLMException, LLMStatusCode
 from ..settings.environment import ENV_LIBCUDA as _ENV_LIBCUDA
 from ..settings.environment import env_knobs
 
@@ -158,30 +158,11 @@ class CudaUnavailable(LLMException):
         super().__init__(*args, status_code=status_code)
 
 
-class CudaError(LLMException):
+class CudaError(DeviceCallError):
     """A CUDA driver call failed: ``function`` is the call, ``result`` its ``CUresult``.
 
     The status is ``LLM_DEVICE_OUT_OF_MEMORY`` for ``CUDA_ERROR_OUT_OF_MEMORY``, else ``LLM_DEVICE_MEM_ERROR``.
     """
-
-    def __new__(cls, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_DEVICE_MEM_ERROR,
-                result: int = 0, function: str = "") -> Self:
-        obj = super().__new__(cls, *args, status_code=status_code)
-        assert isinstance(obj, cls)
-        return obj
-
-    def __init__(self, *args: Any, status_code: LLMStatusCode = LLMStatusCode.LLM_DEVICE_MEM_ERROR,
-                 result: int = 0, function: str = "") -> None:
-        super().__init__(*args, status_code=status_code)
-        self.result = result
-        self.function = function
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_cuda_error, (self.args, int(self.status_code), self.result, self.function))
-
-
-def _rebuild_cuda_error(args: tuple[Any, ...], code: int, result: int, function: str) -> CudaError:
-    return CudaError(*args, status_code=LLMStatusCode.from_code(code), result=result, function=function)
 
 
 def _status_for(result: int) -> LLMStatusCode:

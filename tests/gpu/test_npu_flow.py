@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.ids import new_cluster_id
-from helpers.llmdd_npu import NpuKv, init
-from helpers.llmdd_prompt import rank_table
+from helpers.llmdd_npu import NpuKv
+from helpers.llmdd_prompt import rank_table, worker_init
 
 from aiodatadist.compat import llm_datadist
 from aiodatadist.errors import LLMException, LLMStatusCode
@@ -51,7 +51,7 @@ def test_vllm_ascend_flow_on_npu_memory(transport: str, cann: int, runtime_mode:
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     kv: NpuKv | None = None
     try:
-        datadist = init(llm_datadist.LLMRole.DECODER, decoder_id, None, transport)
+        datadist = worker_init(llm_datadist.LLMRole.DECODER, decoder_id, None, transport)
         cache_manager = datadist.cache_manager
         nbytes = BLOCKS * BLOCK_ELEMS * 2
         kv = NpuKv(2 * LAYERS, nbytes)
@@ -100,7 +100,7 @@ def test_vllm_ascend_flow_on_npu_memory(transport: str, cann: int, runtime_mode:
 
 
 def test_addresses_outside_any_allocation_are_refused() -> None:
-    datadist = init(llm_datadist.LLMRole.DECODER, new_cluster_id(), None, "auto")
+    datadist = worker_init(llm_datadist.LLMRole.DECODER, new_cluster_id())
     kv = NpuKv(2, 1 << 20)  # an 8 MiB segment: 2 MiB, the tensors at 2 and 4 MiB (2 MiB apart), 2 MiB
     try:
         desc = llm_datadist.CacheDesc(2, [16, 32768], llm_datadist.DataType.DT_FLOAT16)

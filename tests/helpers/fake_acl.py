@@ -50,21 +50,13 @@ tasks queued on a stream), ``fake_batches`` (successful ``aclrtMemcpyBatchAsync`
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
+
+from helpers.fake_cuda import compile_fake
 
 SOURCE = Path(__file__).with_name("fake_libascendcl.c")
 
 
 def build_fake_libascendcl(folder: Path) -> Path | None:
     """Compile the fake into ``folder/libascendcl.so``; None without a C compiler."""
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        return None
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / "libascendcl.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-pthread", str(SOURCE), "-o", str(out)], check=True,
-                   timeout=120)
-    return out
+    return compile_fake(SOURCE, folder / "libascendcl.so")

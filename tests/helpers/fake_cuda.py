@@ -24,13 +24,17 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("fake_libcuda.c")
 
 
-def build_fake_libcuda(folder: Path) -> Path | None:
-    """Compile the fake into ``folder/libcuda.so.1``; None without a C compiler."""
+def compile_fake(source: Path, out: Path) -> Path | None:
+    """Compile an emulated runtime's C source into the shared library ``out``; None without a C compiler."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-pthread", str(SOURCE), "-o", str(out)], check=True,
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-pthread", str(source), "-o", str(out)], check=True,
                    timeout=120)
     return out
+
+
+def build_fake_libcuda(folder: Path) -> Path | None:
+    """Compile the fake into ``folder/libcuda.so.1``; None without a C compiler."""
+    return compile_fake(SOURCE, folder / "libcuda.so.1")

@@ -16,7 +16,6 @@ import ctypes
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -25,7 +24,7 @@ if __name__ == "__main__":  # run as a script: tests/ onto the path, as pytest h
 from aiodatadist.acl.device import acl_device
 from aiodatadist.compat import llm_datadist
 from aiodatadist.testing import pattern
-from helpers.llmdd_prompt import rank_table
+from helpers.llmdd_prompt import rank_table, worker_init
 
 ALIGN = 2 << 20
 ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST = 1, 2
@@ -58,26 +57,9 @@ class NpuKv:
         self.device.library.call("aclrtFree", ctypes.c_void_p(self.segment))
 
 
-def init(role: Any, cluster_id: int, listen_port: int | None, transport: str) -> Any:
-    """An instance configured as the connector's worker init does it (``transport``: ``auto`` or ``tcp``)."""
-    datadist = llm_datadist.LLMDataDist(role, cluster_id)
-    config = llm_datadist.LLMConfig()
-    config.device_id = 0
-    config.sync_kv_timeout = 20000
-    config.enable_switch_role = True
-    config.enable_cache_manager = True
-    config.enable_remote_cache_accessible = True
-    if listen_port is not None:
-        config.listen_ip_info = f"127.0.0.1:{listen_port}"
-    options = dict(config.generate_options())
-    options["llm.Transport"] = transport
-    datadist.init(options)
-    return datadist
-
-
 def main() -> int:
     cluster_id, port, decoder_id, layers, blocks, block_elems = map(int, sys.argv[1:7])
-    datadist = init(llm_datadist.LLMRole.PROMPT, cluster_id, port, sys.argv[7])
+    datadist = worker_init(llm_datadist.LLMRole.PROMPT, cluster_id, port, sys.argv[7])
     nbytes = blocks * block_elems * 2
     kv = NpuKv(2 * layers, nbytes)
     for t in range(2 * layers):

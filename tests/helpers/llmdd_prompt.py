@@ -28,8 +28,10 @@ def rank_table(prompt_port: int) -> str:
             {"device_id": "1", "device_ip": "127.0.0.1", "rank_id": "1"}]}]})
 
 
-def worker_init(role: llm_datadist.LLMRole, cluster_id: int, listen_port: int | None = None) -> llm_datadist.LLMDataDist:
-    """An initialized instance, configured as the connector's worker init does it."""
+def worker_init(role: llm_datadist.LLMRole, cluster_id: int, listen_port: int | None = None,
+                transport: str = "auto") -> llm_datadist.LLMDataDist:
+    """An initialized instance, configured as the connector's worker init does it (``transport``: the
+    ``llm.Transport`` option, ``auto`` or ``tcp``)."""
     datadist = llm_datadist.LLMDataDist(role, cluster_id)
     config = llm_datadist.LLMConfig()
     config.device_id = 0
@@ -40,7 +42,7 @@ def worker_init(role: llm_datadist.LLMRole, cluster_id: int, listen_port: int | 
     config.link_total_time = 30
     if listen_port is not None:
         config.listen_ip_info = f"127.0.0.1:{listen_port}"
-    datadist.init(config.generate_options())
+    datadist.init({**config.generate_options(), "llm.Transport": transport})
     return datadist
 
 
