@@ -31,14 +31,14 @@ from aiodatadist import (
     LLMStatusCode,
     Placement,
 )
-from aiodatadist.testing import linked_pair, local_prompt
+from aiodatadist.testing import local_prompt
 
 pytestmark = pytest.mark.usefixtures("device_runtime")
 S = LLMStatusCode
 BLOCKS, BLOCK = 64, 4096 + 16  # not a multiple of 256: unaligned spans too
 DEV = CacheDesc(4, (BLOCKS, BLOCK), DataType.DT_UINT8, Placement.DEVICE)
 HOST = CacheDesc(4, (BLOCKS, BLOCK), DataType.DT_UINT8, Placement.HOST)
-SCATTERED = {i: BLOCKS - 1 - i for i in range(0, 32)}  # 32 blocks reversed: no two spans merge
+SCATTERED = {i: BLOCKS - 1 - i for i in range(32)}  # 32 blocks reversed: no two spans merge
 ACL_ERROR_RT_CONTEXT_NULL = 107002
 
 
