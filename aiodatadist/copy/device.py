@@ -26,7 +26,7 @@ from .._arrays import UInt64Array
 from .._checks import U64_LIMIT, require
 from ..errors import LLMException, LLMStatusCode
 from ..memory.segment import PAGE
-from .device_runtime import DeviceExecutor, DeviceRuntime, open_runtime
+from .device_runtime import DeviceExecutor, DeviceRuntime, decided_runtime, open_runtime
 
 __all__ = ["DeviceMemory", "DeviceSupport", "IpcMappings", "LinkDeviceState", "PinnedHostMemory", "device_identity",
            "merged_ranges"]
@@ -39,8 +39,10 @@ _identity: tuple[str, int] | None = None  # this process's device runtime, once 
 
 def device_identity() -> tuple[str, int] | None:
     """This process's device runtime and the PID its IPC imports present (:attr:`DeviceRuntime.ipc_pid`), as
-    links announce them; None until an instance of this process opened its device."""
-    return _identity
+    links announce them; None until an instance of this process opened its device (or once the settings that
+    chose it changed: a test switching runtimes)."""
+    identity = _identity
+    return identity if identity is not None and decided_runtime() == identity[0] else None
 
 
 class DeviceMemory:

@@ -23,7 +23,8 @@ from ..layout.plans import CopyPlan
 from ..native import Lane
 from ..settings.environment import ENV_DEVICE_RUNTIME, env_knobs
 
-__all__ = ["RUNTIMES", "DeviceExecutor", "DeviceRuntime", "Lane", "chosen_runtime", "open_runtime", "runtime_status"]
+__all__ = ["RUNTIMES", "DeviceExecutor", "DeviceRuntime", "Lane", "chosen_runtime", "decided_runtime", "open_runtime",
+           "runtime_status"]
 
 log = logging.getLogger("aiodatadist.copy.device")
 
@@ -159,13 +160,24 @@ def _probe(name: str) -> str | None:
     return None
 
 
+def _choice_key() -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    knobs = env_knobs()
+    return knobs.device_runtime, knobs.libcuda, knobs.libascendcl
+
+
+def decided_runtime() -> str | None:
+    """The runtime :func:`chosen_runtime` decided for the current settings, or None if it was not asked yet
+    (nothing is loaded)."""
+    return _chosen.get(_choice_key())
+
+
 def chosen_runtime() -> str:
     """The device runtime of this process: ``AIODATADIST_DEVICE_RUNTIME`` (``cuda`` or ``acl``), or with
     ``auto`` (the default) the one that has a device, CUDA where both do (logged).  Decided once per setting;
     raises ``LLM_FEATURE_NOT_ENABLED`` saying why when the runtime asked for (or either, for ``auto``) cannot be
     used."""
     knobs = env_knobs()
-    key = (knobs.device_runtime, knobs.libcuda, knobs.libascendcl)
+    key = _choice_key()
     found = _chosen.get(key)
     if found is not None:
         return found

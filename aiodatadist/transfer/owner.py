@@ -100,6 +100,19 @@ class Owner:
             return
         await link.channel.reply(req_id, reply)
 
+    def _refusal(self, link: Link, entry: CacheEntry, peer_device: tuple[str, int] | None) -> LLMException | None:
+        """Why ``entry`` cannot be served on ``link``: its plane's reason, or a device cache whose runtime the
+        requester does not share on a same-host link (IPC cannot join two runtimes)."""
+        refusal = link.plane.refusal(entry.cache_id, entry.on_device)
+        if refusal is not None or not entry.on_device or peer_device is None or link.plane.kind != "shm":
+            return refusal
+        runtime = self._engine.device().runtime.name
+        if peer_device[0] == runtime:
+            return None
+        return LLMException(f"cache {entry.cache_id} is {runtime.upper()} device memory and cluster "
+                            f"{link.remote_cluster_id} uses {peer_device[0].upper()}: IPC cannot join two device "
+                            "runtimes; link over TCP (transport tcp) to stage it", status_code=S.LLM_FEATURE_NOT_ENABLED)
+
     def _begin(self, link: Link, message: Begin, started: float) -> dict[str, Any]:
         tid, key, params, peer_geometry = message.tid, message.key, message.params, message.peer
         state = self._states.of(link)
@@ -113,16 +126,9 @@ class Owner:
         entry, slot = registry.resolve_wire(key.kind, key.a, key.b)
         if not entry.remote_accessible:
             param_invalid(f"cache {entry.cache_id} is not remote accessible.")
-        refusal = link.plane.refusal(entry.cache_id, entry.on_device)
+        refusal = self._refusal(link, entry, message.dev)
         if refusal is not None:
             raise refusal
-        if entry.on_device and message.dev is not None and link.plane.kind == "shm":
-            runtime = self._engine.device().runtime.name
-            if message.dev[0] != runtime:
-                raise LLMException(f"cache {entry.cache_id} is {runtime.upper()} device memory and cluster "
-                                   f"{link.remote_cluster_id} uses {message.dev[0].upper()}: IPC cannot join two "
-                                   "device runtimes; link over TCP (transport tcp) to stage it",
-                                   status_code=S.LLM_FEATURE_NOT_ENABLED)
         if params.op == "push":
             require(key.kind in ("id", "blocks"), "push addresses the destination by cache id or BlocksCacheKey.")
         plan = transfer_plan(params, peer_geometry, entry.geometry, slot)  # validates the owner's side too

@@ -125,6 +125,7 @@ def device_runtime(request: pytest.FixtureRequest) -> Iterator[str]:
     if name == "acl" and _state["acl_mode"] is None:
         pytest.skip(f"no ACL runtime: {_state['acl_missing']}")
     saved = {k: os.environ.get(k) for k in (ENV_DEVICE_RUNTIME, acl.ENV_LIBASCENDCL)}
+    saved_library = acl._library
     os.environ[ENV_DEVICE_RUNTIME] = name
     if name == "acl" and _state["acl_mode"] == "emulated":
         os.environ[acl.ENV_LIBASCENDCL] = str(_state["fake_acl"])
@@ -136,6 +137,7 @@ def device_runtime(request: pytest.FixtureRequest) -> Iterator[str]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = value
+        acl._library = saved_library  # the emulated runtime stays loaded, but later tests do not find it
 
 
 @pytest.fixture(scope="module")
