@@ -350,7 +350,14 @@ class AclDevice:
             flags = (ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT if whitelist
                      else ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
             key = ctypes.create_string_buffer(ACL_IPC_KEY_BYTES)
-            lib.call("aclrtIpcMemGetExportKey", ctypes.c_void_p(base), size, key, ACL_IPC_KEY_BYTES, flags)
+            result = lib.fn("aclrtIpcMemGetExportKey")(ctypes.c_void_p(base), size, key, ACL_IPC_KEY_BYTES, flags)
+            if result:
+                error = lib.error("aclrtIpcMemGetExportKey", result)
+                raise AclError(f"{error} (NPU memory at {base:#x}, {size} bytes, cannot be shared by an IPC key: "
+                               "it must be one aclrtMalloc allocation, page-aligned; torch_npu's expandable segments "
+                               "(VMM memory) cannot, so run the engine with PYTORCH_NPU_ALLOC_CONF="
+                               "expandable_segments:False)", status_code=error.status_code, result=result,
+                               function="aclrtIpcMemGetExportKey")
             export = _Export(key.raw, size, whitelist)
             with self._lock:
                 self._exports[base] = export

@@ -67,8 +67,8 @@ def test_vllm_ascend_flow_on_npu_memory(transport: str, cann: int, runtime_mode:
             assert time.monotonic() < deadline, "link never came up"
             time.sleep(0.05)
         assert prompt.stdout is not None and prompt.stdout.readline().strip() == "READY"
-        links = datadist._datadist.links() if hasattr(datadist, "_datadist") else []
-        assert all(link["plane"] == ("tcp" if transport == "tcp" else "shm") for link in links)
+        links = datadist.links()
+        assert len(links) == 1 and links[0]["plane"] == ("tcp" if transport == "tcp" else "shm")
 
         remote = llm_datadist.BlocksCacheKey(cluster_id=prompt_id)
         pairs = [(3, 0), (9, 1), (4, 2), (12, 3), (13, 8), (14, 9)]
