@@ -180,8 +180,11 @@ def _desc_and_addrs(cache_manager: Any, tensors: Any, cache_desc: CacheDesc | No
             "large as the description.")
     if placement == Placement.DEVICE:
         device_id = getattr(cache_manager, "device_id", None)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        require(not isinstance(device_id, int) or index == device_id,
+        index = device.index
+        if index is None:  # the backend's current device (torch.cuda, or torch.npu once torch_npu is imported)
+            backend = getattr(torch, device.type, None)
+            index = backend.current_device() if backend is not None else None
+        require(not isinstance(device_id, int) or index is None or index == device_id,
                 f"the tensors are on {device}, but the instance's device_id is {device_id}.")
     return desc, [int(t.data_ptr()) for t in items]
 
