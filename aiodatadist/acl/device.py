@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Final
@@ -143,8 +144,6 @@ class AclDevice:
         """The PID peers whitelist for this process's imports: ``aclrtDeviceGetBareTgid`` (the host's PID of this
         process, also inside a container), else ``os.getpid()``."""
         if self._ipc_pid is None:
-            import os
-
             pid = os.getpid()
             if self.library.has("aclrtDeviceGetBareTgid"):
                 self.bind_thread()
